@@ -1,0 +1,62 @@
+"""distckpt's errors: one hierarchy rooted at :class:`CheckpointError`.
+
+Each error that has a natural builtin twin also derives from it, so callers can catch
+``FileNotFoundError`` or ``ValueError`` as they would for any other library.
+An error raised on one rank of a job is raised on every rank (see
+:mod:`distckpt.comm`): the exception carries ``rank`` (where it happened) and a note
+with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base of every error distckpt raises on purpose."""
+
+
+class ValidationError(CheckpointError, ValueError):
+    """The state to save is inconsistent across ranks (shapes, dtypes, coverage, overlaps)."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A restore target's shape or dtype differs from the stored variable."""
+
+
+class MissingVariablesError(CheckpointError, KeyError):
+    """A strict restore found names missing on one side or the other."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path is not a committed distckpt checkpoint (or it vanished while being read)."""
+
+
+class CheckpointExists(CheckpointError, FileExistsError):
+    """A save targets a path that already holds a committed checkpoint."""
+
+
+class CorruptCheckpointError(CheckpointError, OSError):
+    """Stored bytes fail their checksum, or a file the index names is missing or truncated."""
+
+
+class UnsupportedFormatError(CheckpointError):
+    """The checkpoint was written by a newer format version than this library reads."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be stored (a type, placement or dtype distckpt refuses)."""
+
+
+class CommTimeoutError(CheckpointError, TimeoutError):
+    """A collective did not complete in time: a rank died or stopped participating."""
+
+
+class RemoteError(CheckpointError):
+    """Stands in, on the other ranks, for an exception that could not be sent between ranks."""
