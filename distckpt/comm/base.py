@@ -8,6 +8,8 @@ ordinary size never goes through a communicator; each rank writes its own files.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import traceback
 from collections.abc import Sequence
@@ -17,6 +19,28 @@ from distckpt.errors import RemoteError
 
 #: Default bound, in seconds, on how long a collective waits for a missing rank.
 DEFAULT_TIMEOUT = 300.0
+
+#: Environment variable that overrides :data:`DEFAULT_TIMEOUT` (seconds, a float).
+TIMEOUT_ENV = "DISTCKPT_TIMEOUT"
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """Return ``timeout`` if given, else ``$DISTCKPT_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`.
+
+    Purely local (no communication). Raises ValueError for a non-positive or unparsable value.
+    """
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"a communicator timeout must be positive seconds, got {timeout}")
+    return timeout
 
 
 @runtime_checkable
@@ -59,6 +83,19 @@ def _portable(exc: BaseException) -> BaseException:
     return RemoteError(f"{type(exc).__name__}: {exc}")
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (which stores but does not print notes)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        notes = getattr(exc, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = []
+        notes.append(note)
+        with contextlib.suppress(AttributeError):
+            exc.__notes__ = notes  # type: ignore[attr-defined]
+
+
 def raise_if_any_failed(comm: Communicator, exc: BaseException | None) -> None:
     """Collective: if any rank passes an exception, raise it on every rank.
 
@@ -79,11 +116,10 @@ def raise_if_any_failed(comm: Communicator, exc: BaseException | None) -> None:
             error = exc
         else:
             error = status[0]
-            error.add_note(f"[distckpt] raised on rank {failed_rank}; its traceback:\n{status[1]}")
-        try:
+            note = f"[distckpt] raised on rank {failed_rank}; its traceback:\n{status[1]}"
+            _add_note(error, note)
+        with contextlib.suppress(AttributeError):
             error.rank = failed_rank  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
         if error is exc:
             raise error
         raise error from None

@@ -1,0 +1,58 @@
+"""distckpt: distributed, sharded checkpoints of PyTorch training state.
+
+Every rank writes its own partitions into one zarr v3 store; a coordinator validates,
+writes the index and commits atomically; restore reshards onto any world size::
+
+    import distckpt
+    distckpt.save({"model": model.state_dict(), "step": step}, "run/ckpt-100")
+    distckpt.load(state, "run/ckpt-100")   # fills ``state`` in place
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from distckpt import comm  # noqa: E402
+from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
+from distckpt.engine.load import LoadResult, load  # noqa: E402
+from distckpt.engine.save import SaveResult, save  # noqa: E402
+from distckpt.errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFoundError,
+    CommTimeoutError,
+    CorruptCheckpointError,
+    MissingVariablesError,
+    RemoteError,
+    ShapeMismatchError,
+    UnsupportedFormatError,
+    UnsupportedValueError,
+    ValidationError,
+)
+from distckpt.items import PerRank, Shard  # noqa: E402
+from distckpt.slices import Box, SliceSpec  # noqa: E402
+
+__all__ = [
+    "Box",
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointNotFoundError",
+    "CommTimeoutError",
+    "CorruptCheckpointError",
+    "LoadResult",
+    "MissingVariablesError",
+    "PerRank",
+    "RemoteError",
+    "SaveResult",
+    "Shard",
+    "ShapeMismatchError",
+    "SliceSpec",
+    "UnsupportedFormatError",
+    "UnsupportedValueError",
+    "ValidationError",
+    "Variable",
+    "comm",
+    "list_variables",
+    "load",
+    "save",
+]

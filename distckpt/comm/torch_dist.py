@@ -1,0 +1,194 @@
+"""A communicator over an initialized ``torch.distributed`` process group.
+
+distckpt's collectives carry small pickled Python objects, so they always run on a gloo
+(CPU) process group: the given group itself when it is a gloo group with the wanted
+time-out, else a gloo *side group* over the same ranks, created once per (group,
+time-out) and cached. With NCCL this keeps metadata off the GPU and out of NCCL's
+streams, and gives gloo's time-outs: a rank that died or never arrives makes the others
+raise :class:`~distckpt.errors.CommTimeoutError` after ``timeout`` seconds.
+
+``torch.distributed`` is imported when a :class:`TorchComm` is constructed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from distckpt.comm.base import resolve_timeout
+from distckpt.errors import CommTimeoutError
+
+logger = logging.getLogger(__name__)
+
+#: Gloo side groups already created: (default group, group, timeout) -> side group.
+_SIDE_GROUPS: dict[tuple[Any, Any, float], Any] = {}
+
+#: Lower-cased fragments of gloo / c10d error messages that mean "a peer is gone or late".
+_PEER_LOST = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+)
+
+
+def _gloo_timeout(group: Any) -> float | None:
+    """The time-out (seconds) of ``group`` if it is a plain gloo group, else None."""
+    import torch
+    import torch.distributed as dist
+
+    if str(dist.get_backend(group)) != "gloo":
+        return None
+    try:  # private attribute; without it we simply create a side group
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
+    """Return the gloo group distckpt's collectives use for ``group``, and its time-out.
+
+    Creates a side group (a collective, see :class:`TorchComm`) unless ``group`` can be
+    used directly or one was created before for the same group and time-out.
+    """
+    import torch.distributed as dist
+
+    own = _gloo_timeout(group)
+    if own is not None and (timeout is None or abs(own - timeout) < 1e-3):
+        return group, own
+    seconds = resolve_timeout(timeout)
+    world = dist.group.WORLD
+    key = (world, group, seconds)
+    side = _SIDE_GROUPS.get(key)
+    if side is None:
+        is_world = group is world
+        ranks = None if is_world else dist.get_process_group_ranks(group)
+        logger.debug("creating a gloo side group over ranks %s, timeout %s s", ranks, seconds)
+        side = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=timedelta(seconds=seconds),
+            # a subgroup's side group is created by its members only (a hashed name);
+            # the world's by every rank (torch's ordinary numbered name)
+            use_local_synchronization=not is_world,
+            group_desc="distckpt_metadata",
+        )
+        _SIDE_GROUPS[key] = side
+    return side, seconds
+
+
+class TorchComm:
+    """A :class:`~distckpt.comm.base.Communicator` over a ``torch.distributed`` group.
+
+    Args:
+        group: a process group this rank belongs to; the default (world) group if None.
+            ``rank`` and ``size`` are this process's rank in it and its size.
+        timeout: seconds a collective waits for every rank. None: a gloo ``group`` is used
+            with its own time-out, any other group gets a side group with
+            ``$DISTCKPT_TIMEOUT`` or :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
+
+    Constructing a TorchComm may create a gloo side group (for a non-gloo group, or a
+    time-out other than the group's), which is itself a collective: every rank of
+    ``group`` must construct its TorchComm at the same point of the program (for the
+    world group, every rank of the job). Side groups are cached, so constructing another
+    TorchComm for the same group and time-out communicates no more. A side group of a
+    subgroup is created with ``use_local_synchronization=True``: torch derives its name
+    from the ranks and the number of groups each member created so far, so members must
+    have created the same number of process groups before (torch's usual rule).
+
+    After a collective failed with :class:`~distckpt.errors.CommTimeoutError` the
+    communicator is unusable and every later call raises that error at once.
+    """
+
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "TorchComm needs an initialized torch.distributed default process group "
+                "(init_process_group, torchrun, or distckpt.comm.init_torch_from_mpi)"
+            )
+        self.group = dist.group.WORLD if group is None else group
+        self.rank: int = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the given process group")
+        self.size: int = dist.get_world_size(self.group)
+        self._pg, self.timeout = _metadata_group(self.group, timeout)
+        self._broken: str | None = None
+
+    def __repr__(self) -> str:
+        return f"TorchComm(rank={self.rank}, size={self.size}, timeout={self.timeout})"
+
+    def _check_root(self, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} is out of range for a communicator of size {self.size}")
+
+    @contextmanager
+    def _guard(self, op: str) -> Iterator[None]:
+        """Turn gloo's time-out and lost-peer errors of collective ``op`` into CommTimeoutError."""
+        if self._broken is not None:
+            raise CommTimeoutError(self._broken)
+        try:
+            yield
+        except RuntimeError as exc:  # DistBackendError derives from RuntimeError
+            text = str(exc).lower()
+            if not any(fragment in text for fragment in _PEER_LOST):
+                raise
+            self._broken = (
+                f"torch.distributed {op} on rank {self.rank} of {self.size} failed "
+                f"(timeout {self.timeout:g} s): a rank died, hangs, or called another "
+                f"collective; this communicator is no longer usable. gloo said: {exc}"
+            )
+            logger.error("%s", self._broken)
+            raise CommTimeoutError(self._broken) from exc
+
+    def barrier(self) -> None:
+        """Collective: return once every rank has called it."""
+        import torch.distributed as dist
+
+        with self._guard("barrier"):
+            dist.barrier(group=self._pg)
+
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        """Collective: return ``root``'s ``obj`` on every rank (others' ``obj`` is ignored)."""
+        import torch.distributed as dist
+
+        self._check_root(root)
+        if self.size == 1:
+            return obj
+        box = [obj if self.rank == root else None]
+        with self._guard("broadcast"):
+            dist.broadcast_object_list(box, group=self._pg, group_src=root)
+        return box[0]
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Collective: every rank's ``obj`` in rank order on ``root``; None on the others."""
+        import torch.distributed as dist
+
+        self._check_root(root)
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.rank == root else None
+        with self._guard("gather"):
+            dist.gather_object(obj, out, group=self._pg, group_dst=root)
+        return out
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Collective: every rank's ``obj``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        with self._guard("allgather"):
+            dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """Collective: every rank's ``data`` (any length, empty too) on ``root``; else None."""
+        return self.gather(bytes(data), root=root)

@@ -1,0 +1,1 @@
+"""The engine: ``save`` and ``load`` of one checkpoint (no pointer, no numbering)."""

@@ -1,0 +1,217 @@
+"""``distckpt.load``: fill a state in place from a checkpoint, on any world size.
+
+Every rank reads the index, matches its leaves to stored variables by name, checks kind,
+dtype and shape, and then reads only the stored pieces that intersect its own boxes,
+verifying every checksum on the way (:mod:`distckpt.planning.read_plan`). Ranks need not
+talk to each other to read; one collective at the end makes every rank raise if any
+rank failed, so a job never continues half-restored on some ranks.
+
+If a read fails (a corrupted chunk), targets already filled keep their new values and the
+rest keep their old ones; the error names the variable and the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distckpt import dtypes
+from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.engine.arrays import tensor_from_numpy, writable_view
+from distckpt.errors import (
+    CorruptCheckpointError,
+    MissingVariablesError,
+    ShapeMismatchError,
+    UnsupportedValueError,
+)
+from distckpt.items import Leaf, flatten
+from distckpt.planning.read_plan import plan_reads
+from distckpt.slices import Box
+from distckpt.storage import index as index_mod
+from distckpt.storage.shard_io import PieceReader
+from distckpt.values import decode
+
+log = logging.getLogger("distckpt")
+
+
+@dataclass
+class LoadResult:
+    """What one rank restored: matched names, names left over on either side, bytes read."""
+
+    path: Path
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
+    bytes_read: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def load(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    comm: Communicator | None = None,
+    *,
+    strict: bool = True,
+) -> LoadResult:
+    """Fill ``state`` in place from the checkpoint at ``path``; every rank calls it.
+
+    Tensors, DTensors and :class:`~distckpt.Shard` targets receive their own boxes (copied
+    in place); :class:`~distckpt.PerRank` targets receive this rank's saved value; Python
+    values (and ``None`` placeholders) are replaced in their dict or list. With
+    ``strict=True`` (the default) a name on one side and not the other is an error listing
+    them all; ``strict=False`` restores what matches and reports the rest in the result.
+    """
+    comm = comm or auto()
+    result = LoadResult(Path(path).absolute())
+    t0 = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        _load_local(state, result, comm.rank, comm.size, strict)
+    except Exception as exc:
+        error = exc
+    raise_if_any_failed(comm, error)
+    result.timings["total"] = time.perf_counter() - t0
+    if comm.rank == 0:
+        log.info(
+            "restored %s: %d variables in %.3fs", result.path, len(result.loaded),
+            result.timings["total"],
+        )
+    return result
+
+
+def _load_local(state: dict[str, Any], result: LoadResult, rank: int, world: int, strict: bool) -> None:
+    index = index_mod.read_index(result.path)
+    stored: dict[str, Any] = index["variables"]
+    leaves = flatten(state)
+    names = {leaf.name for leaf in leaves}
+    result.missing = sorted(n for n in names if n not in stored)
+    result.unexpected = sorted(n for n in stored if n not in names)
+    if strict and (result.missing or result.unexpected):
+        parts = []
+        if result.missing:
+            parts.append("missing from the checkpoint: " + ", ".join(result.missing))
+        if result.unexpected:
+            parts.append("in the checkpoint but not in the state: " + ", ".join(result.unexpected))
+        raise MissingVariablesError(
+            f"{result.path}: names do not match (pass strict=False for a partial restore); "
+            + "; ".join(parts),
+            result.missing, result.unexpected,
+        )
+    saved_world = int(index.get("world_size", world))
+    # Check every leaf before reading anything.
+    jobs: list[tuple[Leaf, dict[str, Any]]] = []
+    for leaf in leaves:
+        entry = stored.get(leaf.name)
+        if entry is None:
+            continue
+        if leaf.kind == "per_rank":
+            entry = _per_rank_entry(leaf.name, entry, rank, world, saved_world)
+        jobs.append((leaf, _check(leaf, entry)))
+    for leaf, entry in jobs:
+        if entry["kind"] == "value":
+            _assign(leaf, decode(entry["value"]))
+        elif leaf.tensor is None:  # a None placeholder or a per-rank value slot takes a tensor
+            shape = tuple(entry["shape"])
+            tensor = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
+            result.bytes_read += _read_tensor(result.path, leaf.name, entry, Box.full(shape), tensor)
+            _assign(leaf, tensor)
+        else:
+            assert leaf.box is not None
+            result.bytes_read += _read_tensor(result.path, leaf.name, entry, leaf.box, leaf.tensor)
+        result.loaded.append(leaf.name)
+
+
+def _per_rank_entry(name: str, entry: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:
+    if entry.get("kind") != "per_rank":
+        raise ShapeMismatchError(f"variable {name!r} is per-rank in the state but a {entry.get('kind')} in the checkpoint")
+    ranks = entry["ranks"]
+    source = rank if world == saved_world else rank % saved_world
+    if world != saved_world and rank == 0:
+        log.warning(
+            "per-rank variable %r was saved on %d ranks and is restored on %d: rank r takes "
+            "what rank r %% %d saved", name, saved_world, world, saved_world,
+        )
+    if str(source) not in ranks:
+        raise MissingVariablesError(
+            f"per-rank variable {name!r} has no entry for rank {source}", [name], []
+        )
+    return ranks[str(source)]
+
+
+def _check(leaf: Leaf, entry: dict[str, Any]) -> dict[str, Any]:
+    """Raise a clear error when the stored entry cannot fill ``leaf``."""
+    kind = entry.get("kind")
+    if leaf.tensor is None:
+        if kind == "per_rank":
+            raise ShapeMismatchError(f"variable {leaf.name!r} is per-rank in the checkpoint; restore it into distckpt.PerRank")
+        return entry
+    if kind != "tensor":
+        raise ShapeMismatchError(
+            f"variable {leaf.name!r} is a tensor in the state but a {kind} in the checkpoint"
+        )
+    stored_shape = list(entry["shape"])
+    if list(leaf.shape) != stored_shape:
+        raise ShapeMismatchError(
+            f"variable {leaf.name!r}: shape in the state {list(leaf.shape)} does not match the "
+            f"shape stored in checkpoint: {stored_shape}"
+        )
+    stored_dtype = entry["dtype"]
+    assert leaf.tensor is not None
+    mine = dtypes.zarr_name(leaf.tensor.dtype, leaf.name)
+    if mine != stored_dtype:
+        raise ShapeMismatchError(
+            f"variable {leaf.name!r}: dtype in the state {mine} does not match the dtype stored "
+            f"in checkpoint: {stored_dtype}"
+        )
+    return entry
+
+
+def _assign(leaf: Leaf, value: Any) -> None:
+    parent = leaf.parent
+    if leaf.kind == "per_rank":
+        parent.value = value
+    elif isinstance(parent, (dict, list)):
+        parent[leaf.key] = value
+    else:
+        raise UnsupportedValueError(
+            f"variable {leaf.name!r} sits in a {type(parent).__name__}, which cannot be updated "
+            "in place; use a list or dict"
+        )
+
+
+def _read_tensor(root: Path, name: str, entry: dict[str, Any], target: Box, tensor: torch.Tensor) -> int:
+    """Fill ``tensor`` (holding ``target`` of the global value) from the stored pieces."""
+    if target.empty:
+        return 0
+    dtype = dtypes.numpy_dtype(entry["dtype"])
+    out = writable_view(tensor)
+    staged = out is None
+    if out is None:
+        out = np.empty(target.lengths, dtype=dtype)
+    pieces = [index_mod.StoredPiece.from_json(p) for p in entry["pieces"]]
+    copies = list(plan_reads(target, pieces))
+    if sum(c.dst.numel for c in copies) != target.numel:
+        raise CorruptCheckpointError(
+            f"variable {name!r}: the stored pieces do not cover slice {target} "
+            f"of shape {entry['shape']}"
+        )
+    total = 0
+    for copy in copies:
+        piece = copy.piece
+        reader = PieceReader(name, str(root / piece.file), dtype, piece.crc)
+        dst = out[copy.dst.slices()]
+        if piece.inner is None:
+            total += reader.read_plain(piece.block, copy.src, dst)
+        else:
+            total += reader.read_sharded(piece.block, piece.inner, copy.src, dst)
+    if staged:
+        with torch.no_grad():
+            tensor.copy_(tensor_from_numpy(out, tensor.dtype))
+    return total

@@ -1,0 +1,352 @@
+"""``distckpt.save``: one checkpoint, written by every rank, committed by the coordinator.
+
+The protocol, in the order every rank runs it (collectives marked *):
+
+1. **Describe** (every rank): flatten the state; describe each leaf (name, dtype, global
+   shape, box; a crc32c of each replicated tensor; values as typed JSON).
+2. **Plan** (*gather to the coordinator, coordinator, *broadcast): the coordinator checks
+   the path (:class:`~distckpt.errors.CheckpointExists`), removes abandoned staging
+   directories, validates the descriptions and plans the writes
+   (:func:`~distckpt.planning.save_plan.make_save_plan`), creates the staging directory and
+   broadcasts the plan, or the first error, which every rank then raises. Nothing has been
+   written yet when a validation error is raised.
+3. **Exchange** (*one gather per writer of small tensors): the ranks holding boxes of a
+   small tensor send their bytes to its writer.
+4. **Write** (every rank): each rank writes its pieces and the ``zarr.json`` of the arrays
+   it starts, fsyncs them and the directories it created. No two ranks write one file.
+5. **Commit** (*gather to the coordinator, coordinator, *broadcast): with every rank's
+   report in, the coordinator writes the group metadata and the index, fsyncs, and renames
+   the staging directory to its final name; on any failure it removes the staging
+   directory instead. Every rank returns, or raises the same error.
+
+A failure anywhere leaves every committed checkpoint, including one at ``path``, as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distckpt import __version__, dtypes
+from distckpt.comm import Communicator, auto
+from distckpt.comm.outcome import Failure, first_failure
+from distckpt.engine.arrays import host_array
+from distckpt.errors import CheckpointExists
+from distckpt.items import Leaf, flatten
+from distckpt.planning.save_plan import (
+    DEFAULT_INNER_BYTES,
+    DEFAULT_SMALL_BYTES,
+    Desc,
+    Piece,
+    SavePlan,
+    make_save_plan,
+)
+from distckpt.storage import index as index_mod
+from distckpt.storage import shard_io, zarr_meta
+from distckpt.storage.fsutil import fsync_dir, write_file
+from distckpt.storage.staging import Staging, collect_garbage
+from distckpt.values import encode
+
+log = logging.getLogger("distckpt")
+
+COORDINATOR = 0
+
+
+@dataclass
+class SaveResult:
+    """What one rank did in a save: where it went, bytes written, seconds per phase."""
+
+    path: Path
+    bytes_written: int = 0
+    files_written: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Local:
+    """This rank's leaves, as host arrays keyed by name."""
+
+    leaves: list[Leaf]
+    arrays: dict[str, np.ndarray]
+
+
+def _describe(state: dict[str, Any]) -> tuple[_Local, list[Desc]]:
+    leaves = flatten(state)
+    arrays: dict[str, np.ndarray] = {}
+    descs: list[Desc] = []
+    for leaf in leaves:
+        if leaf.kind == "value":
+            descs.append(Desc(leaf.name, "value", value=encode(leaf.value, leaf.name)))
+        elif leaf.tensor is None:  # per-rank value
+            descs.append(Desc(leaf.name, "per_rank", value=encode(leaf.value, leaf.name)))
+        else:
+            dtype = leaf.dtype
+            arr = host_array(leaf.tensor, leaf.name)
+            arrays[leaf.name] = arr
+            checksum = shard_io.crc32c(shard_io.as_bytes(arr)) if leaf.replicated else None
+            descs.append(
+                Desc(
+                    leaf.name, leaf.kind, dtype=dtype, shape=leaf.shape,
+                    box=leaf.box, replicated=leaf.replicated, checksum=checksum,
+                )
+            )
+    return _Local(leaves, arrays), descs
+
+
+def save(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    comm: Communicator | None = None,
+    *,
+    overwrite: bool = False,
+    small_bytes: int = DEFAULT_SMALL_BYTES,
+    inner_bytes: int = DEFAULT_INNER_BYTES,
+) -> SaveResult:
+    """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
+
+    ``state`` is a dict of tensors, DTensors, :class:`~distckpt.Shard`,
+    :class:`~distckpt.PerRank` and small Python values, nested in dicts and lists. Plain
+    tensors must hold the same value on every rank. ``path`` must not hold a committed
+    checkpoint unless ``overwrite=True``, which replaces it atomically. Moves no
+    ``latest`` pointer. Example::
+
+        distckpt.save({"model": model.state_dict(), "step": 10}, "run/ckpt-10")
+    """
+    comm = comm or auto()
+    final = Path(path).absolute()
+    result = SaveResult(final)
+    t0 = time.perf_counter()
+
+    # 1-2. Describe, then plan on the coordinator.
+    local: _Local | None = None
+    local_error: BaseException | None = None
+    payload: Any
+    try:
+        local, payload = _describe(state)
+    except Exception as exc:
+        local_error, payload = exc, Failure.capture(exc, comm.rank)
+    gathered = comm.gather(payload, root=COORDINATOR)
+    t_describe = time.perf_counter()
+    staging: Staging | None = None
+    decision: Any = None
+    if comm.rank == COORDINATOR:
+        assert gathered is not None
+        decision = first_failure(gathered)
+        if decision is None:
+            try:
+                decision, staging = _plan(gathered, final, overwrite, comm.size, small_bytes, inner_bytes)
+            except Exception as exc:
+                local_error, decision = exc, Failure.capture(exc, comm.rank)
+    decision = comm.broadcast(decision, root=COORDINATOR)
+    if isinstance(decision, Failure):
+        decision.raise_here(comm.rank, local_error)
+    plan: SavePlan = decision
+    assert local is not None
+    t_plan = time.perf_counter()
+
+    # 3-4. Exchange small tensors, write.
+    report: Any
+    try:
+        received = _exchange(comm, plan, local)
+        t_exchange = time.perf_counter()
+        report = _write(plan, local, received, comm.rank, final, result)
+    except Exception as exc:
+        t_exchange = time.perf_counter()
+        local_error, report = exc, Failure.capture(exc, comm.rank)
+    reports = comm.gather(report, root=COORDINATOR)
+    t_write = time.perf_counter()
+
+    # 5. Commit.
+    outcome: Failure | None = None
+    if comm.rank == COORDINATOR:
+        assert reports is not None and staging is not None
+        outcome = first_failure(reports)
+        if outcome is None:
+            try:
+                _commit(plan, reports, staging, final, overwrite)
+            except Exception as exc:
+                local_error, outcome = exc, Failure.capture(exc, comm.rank)
+        if outcome is not None:
+            staging.abort()
+    outcome = comm.broadcast(outcome, root=COORDINATOR)
+    if outcome is not None:
+        outcome.raise_here(comm.rank, local_error)
+    t_end = time.perf_counter()
+    result.timings = {
+        "describe": t_describe - t0, "plan": t_plan - t_describe,
+        "exchange": t_exchange - t_plan, "write": t_write - t_exchange, "commit": t_end - t_write,
+        "total": t_end - t0,
+    }
+    if comm.rank == COORDINATOR:
+        log.info(
+            "saved %s: %d variables on %d ranks in %.3fs (%s)", final, len(plan.variables),
+            comm.size, result.timings["total"],
+            ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
+        )
+    return result
+
+
+def _plan(
+    gathered: list[Any], final: Path, overwrite: bool, world: int, small_bytes: int, inner_bytes: int
+) -> tuple[SavePlan, Staging]:
+    if final.exists() and not overwrite:
+        if index_mod.is_committed(final):
+            raise CheckpointExists(
+                f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"
+            )
+        if any(final.iterdir()):
+            raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not touching it")
+    if final.exists() and overwrite and not index_mod.is_committed(final) and any(final.iterdir()):
+        raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not replacing it")
+    collect_garbage(final.parent)
+    token = uuid.uuid4().hex[:16]
+    plan = make_save_plan(gathered, token, small_bytes=small_bytes, inner_bytes=inner_bytes)
+    return plan, Staging(final, token, world)
+
+
+def _exchange(comm: Communicator, plan: SavePlan, local: _Local) -> dict[int, dict[int, bytes]]:
+    """Send the boxes of small tensors to their writers (one gather per writer)."""
+    outgoing: dict[int, dict[tuple[int, int], bytes]] = defaultdict(dict)
+    writers: set[int] = set()
+    for var in plan.variables:
+        for piece in var.pieces:
+            for k, (rank, _box) in enumerate(piece.sources):
+                if rank != piece.writer:
+                    writers.add(piece.writer)
+                    if rank == comm.rank:
+                        arr = local.arrays[piece.var]
+                        outgoing[piece.writer][(piece.id, k)] = shard_io.as_bytes(arr).tobytes()
+    received: dict[int, dict[int, bytes]] = defaultdict(dict)
+    for writer in sorted(writers):
+        gathered = comm.gather(outgoing.get(writer, {}), root=writer)
+        if gathered is not None:
+            for part in gathered:
+                for (piece_id, k), data in part.items():
+                    received[piece_id][k] = data
+    return received
+
+
+def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int, dtype: str) -> np.ndarray:
+    if len(piece.sources) == 1 and piece.sources[0][0] == rank and piece.sources[0][1] == piece.box:
+        return local.arrays[piece.var]
+    out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(dtype))
+    for k, (src_rank, box) in enumerate(piece.sources):
+        region = out[box.relative_to(piece.box).slices()]
+        if src_rank == rank:
+            region[...] = local.arrays[piece.var]
+        else:
+            region[...] = np.frombuffer(received[k], dtype=out.dtype).reshape(box.lengths)
+    return out
+
+
+def _write(
+    plan: SavePlan,
+    local: _Local,
+    received: dict[int, dict[int, bytes]],
+    rank: int,
+    final: Path,
+    result: SaveResult,
+) -> dict[int, tuple[int, int]]:
+    """Write this rank's pieces into the staging directory; return {piece id: (size, crc)}."""
+    from distckpt.storage.staging import staging_path
+
+    root = staging_path(final, plan.token)
+    written: dict[int, tuple[int, int]] = {}
+    dirs: set[Path] = set()
+    for piece in plan.pieces_written_by(rank):
+        target = root / piece.file
+        if target.parent not in dirs:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            for parent in target.relative_to(root).parents:
+                dirs.add(root / parent)
+        if piece.meta_file is not None and piece.meta is not None:
+            write_file(root / piece.meta_file, zarr_meta.dumps(piece.meta))
+            result.files_written += 1
+        dtype = piece.meta["data_type"] if piece.meta else _dtype_of(plan, piece)
+        data = _assemble(piece, local, received.get(piece.id, {}), rank, dtype)
+        if data.size == 0:
+            written[piece.id] = (0, 0)
+            continue
+        if piece.inner is None:
+            size, crc = shard_io.write_plain(str(target), data)
+        else:
+            size, crc = shard_io.write_sharded(str(target), data, piece.block, piece.inner)
+        written[piece.id] = (size, crc)
+        result.bytes_written += size
+        result.files_written += 1
+    for d in sorted(dirs, key=lambda p: -len(p.parts)):
+        fsync_dir(d)
+    return written
+
+
+def _dtype_of(plan: SavePlan, piece: Piece) -> str:
+    for var in plan.variables:
+        if var.name == piece.var:
+            assert var.dtype is not None
+            return var.dtype
+    raise KeyError(piece.var)
+
+
+def _tensor_entry(dtype: str, shape: tuple[int, ...], path: str, layout: str, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"kind": "tensor", "dtype": dtype, "shape": list(shape), "path": path, "layout": layout, "pieces": pieces}
+
+
+def _commit(
+    plan: SavePlan, reports: list[Any], staging: Staging, final: Path, overwrite: bool
+) -> None:
+    written: dict[int, tuple[int, int]] = {}
+    for report in reports:
+        written.update(report)
+
+    def stored(piece: Piece) -> dict[str, Any]:
+        size, crc = written[piece.id]
+        return index_mod.StoredPiece(piece.file, piece.box, piece.block, piece.inner, crc, size).to_json()
+
+    variables: dict[str, Any] = {}
+    for var in plan.variables:
+        if var.kind == "value":
+            variables[var.name] = {"kind": "value", "value": var.value}
+        elif var.kind == "per_rank":
+            ranks: dict[str, Any] = {str(r): {"kind": "value", "value": v} for r, v in var.per_rank_values.items()}
+            for piece in var.pieces:
+                assert piece.meta is not None and piece.rank is not None
+                shape = tuple(piece.meta["shape"])
+                layout = "small" if piece.inner is None else "regular"
+                ranks[str(piece.rank)] = _tensor_entry(
+                    piece.meta["data_type"], shape, piece.file.rsplit("/", 1)[0], layout, [stored(piece)]
+                )
+            variables[var.name] = {"kind": "per_rank", "ranks": ranks}
+        else:
+            assert var.dtype is not None and var.shape is not None and var.layout is not None
+            variables[var.name] = _tensor_entry(
+                var.dtype, var.shape, var.path, var.layout, [stored(p) for p in var.pieces]
+            )
+    index = {
+        "format": index_mod.FORMAT, "format_version": index_mod.FORMAT_VERSION,
+        "library_version": __version__, "created": time.time(), "world_size": plan.world_size,
+        "variables": variables,
+    }
+    root = staging.path
+    for group in plan.groups:
+        if group == "":
+            continue
+        (root / group).mkdir(parents=True, exist_ok=True)
+        write_file(root / group / zarr_meta.ZARR_JSON, zarr_meta.dumps(zarr_meta.group_meta()))
+    for group in sorted(plan.groups, key=lambda g: -g.count("/")):
+        if group:
+            fsync_dir(root / group)
+    doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
+    write_file(root / zarr_meta.ZARR_JSON, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+    if final.exists() and not overwrite and index_mod.is_committed(final):
+        raise CheckpointExists(f"{final} was committed by another save while this one ran")
+    staging.commit(overwrite=overwrite)
+

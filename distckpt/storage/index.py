@@ -1,0 +1,110 @@
+"""The checkpoint index: versioned JSON in the root group's ``zarr.json`` attributes.
+
+Layout of ``<checkpoint>/zarr.json``::
+
+    {"zarr_format": 3, "node_type": "group",
+     "attributes": {"distckpt": {
+         "format": "distckpt", "format_version": 1, "library_version": "...",
+         "created": <unix time>, "world_size": 4,
+         "variables": {
+             "net/l1.weight": {"kind": "tensor", "dtype": "float32", "shape": [8, 4],
+                               "path": "net/l1.weight", "layout": "regular",
+                               "pieces": [{"file": "net/l1.weight/c.0.0",
+                                           "box": [[0, 0], [4, 4]], "block": [4, 4],
+                                           "inner": [4, 4], "crc": 123, "size": 88}]},
+             "step": {"kind": "value", "value": 10},
+             "rng": {"kind": "per_rank", "ranks": {"0": {<tensor entry>} | {"value": ...}}}}}}}
+
+A checkpoint is committed exactly when its directory is under its final name; the index
+is written last, into the staging directory, before the rename. Nothing else in the
+directory is trusted unless the index names it. ``crc`` is the crc32c stored in the
+piece's last four bytes (of the shard index, or of a plain chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from distckpt.slices import Box
+from distckpt.storage import zarr_meta
+
+FORMAT = "distckpt"
+FORMAT_VERSION = 1
+ATTRIBUTE = "distckpt"
+
+
+@dataclass(frozen=True)
+class StoredPiece:
+    file: str
+    box: Box
+    block: tuple[int, ...]
+    inner: tuple[int, ...] | None
+    crc: int
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file, "box": self.box.to_json(), "block": list(self.block),
+            "inner": None if self.inner is None else list(self.inner), "crc": self.crc,
+            "size": self.size,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StoredPiece:
+        inner = data.get("inner")
+        return cls(
+            file=data["file"], box=Box.from_json(data["box"]), block=tuple(data["block"]),
+            inner=None if inner is None else tuple(inner), crc=int(data["crc"]),
+            size=int(data["size"]),
+        )
+
+
+def index_path(checkpoint: str | os.PathLike[str]) -> Path:
+    return Path(checkpoint) / zarr_meta.ZARR_JSON
+
+
+def read_index(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """The index of a committed checkpoint, checked for format and version."""
+    path = index_path(checkpoint)
+    try:
+        raw = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        if Path(checkpoint).is_dir():
+            raise CheckpointNotFoundError(
+                f"{checkpoint} is not a distckpt checkpoint (no zarr.json index)"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {checkpoint}") from None
+    try:
+        doc = json.loads(raw)
+        index = doc["attributes"][ATTRIBUTE]
+    except (ValueError, KeyError, TypeError):
+        raise CorruptCheckpointError(
+            f"{path} is not a distckpt index (unreadable JSON or no '{ATTRIBUTE}' attributes)"
+        ) from None
+    if index.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{path}: unknown format {index.get('format')!r}")
+    version = index.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{checkpoint} was written in distckpt format version {version}; this distckpt "
+            f"reads versions up to {FORMAT_VERSION}: upgrade distckpt to read it"
+        )
+    if not isinstance(index.get("variables"), dict):
+        raise CorruptCheckpointError(f"{path}: index has no variables table")
+    return index
+
+
+def is_committed(checkpoint: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint`` holds a distckpt index (of any format version)."""
+    try:
+        read_index(checkpoint)
+    except UnsupportedFormatError:
+        return True
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return False
+    return True

@@ -1,0 +1,212 @@
+"""Reading and writing the bytes of one stored piece, in zarr v3's own formats.
+
+A *piece* is one file holding one box of a variable. Two formats, both zarr v3:
+
+* **sharded** (``sharding_indexed`` codec, index at the end): the piece's block is cut
+  into inner chunks of a few MiB, each stored as its raw little-endian bytes followed by
+  its crc32c; then the shard index (per inner chunk, in C order: offset and length as
+  little-endian uint64, both ``2**64-1`` for a chunk that is absent) and the index's own
+  crc32c. A reader fetches the index, then only the inner chunks it needs.
+* **plain**: the whole chunk's bytes followed by their crc32c (codecs ``bytes`` +
+  ``crc32c``), for small arrays.
+
+The last four bytes of every piece are therefore a crc32c (of the shard index, or of the
+whole chunk); the checkpoint index records them, so a file swapped for another or
+truncated is caught before its data is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import struct
+from collections.abc import Sequence
+
+import crc32c as _crc
+import numpy as np
+
+from distckpt.errors import CorruptCheckpointError
+from distckpt.slices import Box
+
+EMPTY = 2**64 - 1
+_IOV_MAX = 1024
+
+
+def crc32c(data: np.ndarray | bytes | memoryview) -> int:
+    return _crc.crc32c(data)
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (any dtype, ml_dtypes included)."""
+    return array.reshape(-1).view(np.uint8)
+
+
+def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:
+    return tuple(b // i for b, i in zip(block, inner, strict=True))
+
+
+def _write_all(fd: int, buffers: list[np.ndarray | bytes]) -> int:
+    total = 0
+    for start in range(0, len(buffers), _IOV_MAX):
+        batch: list[memoryview] = [memoryview(b) for b in buffers[start : start + _IOV_MAX]]
+        want = sum(b.nbytes for b in batch)
+        done = os.writev(fd, batch)
+        total += done
+        if done < want:  # rare (signals, some network file systems): finish byte by byte
+            flat = memoryview(b"".join(bytes(b) for b in batch))[done:]
+            while flat:
+                n = os.write(fd, flat)
+                flat = flat[n:]
+                total += n
+    return total
+
+
+def _open_new(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+
+def write_sharded(
+    path: str, data: np.ndarray, block: Sequence[int], inner: Sequence[int], *, fsync: bool = True
+) -> tuple[int, int]:
+    """Write ``data`` (the piece's box, origin at the block's origin) as one shard file.
+
+    ``data.shape`` may be smaller than ``block`` at the edge of the array: inner chunks
+    that lie wholly outside ``data`` are marked absent, partly outside ones are padded with
+    zeros. Returns (file size, crc32c of the shard index).
+    """
+    grid = inner_grid(block, inner)
+    data_box = Box.full(data.shape)
+    index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
+    buffers: list[np.ndarray | bytes] = []
+    offset = 0
+    for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
+        chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
+        part = chunk_box.intersect(data_box)
+        if part is None:
+            continue
+        if part == chunk_box:
+            chunk = np.ascontiguousarray(data[chunk_box.slices()])
+        else:
+            chunk = np.zeros(tuple(inner), dtype=data.dtype)
+            chunk[part.relative_to(chunk_box).slices()] = data[part.slices()]
+        raw = as_bytes(chunk)
+        buffers.append(raw)
+        buffers.append(struct.pack("<I", crc32c(raw)))
+        index[linear] = (offset, raw.nbytes + 4)
+        offset += raw.nbytes + 4
+    index_bytes = index.tobytes()
+    index_crc = crc32c(index_bytes)
+    buffers.append(index_bytes)
+    buffers.append(struct.pack("<I", index_crc))
+    fd = _open_new(path)
+    try:
+        size = _write_all(fd, buffers)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, index_crc
+
+
+def write_plain(path: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
+    """Write ``data`` as one plain chunk (bytes, then crc32c). Returns (size, crc)."""
+    raw = as_bytes(np.ascontiguousarray(data))
+    crc = crc32c(raw)
+    fd = _open_new(path)
+    try:
+        size = _write_all(fd, [raw, struct.pack("<I", crc)])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, crc
+
+
+class PieceReader:
+    """Reads regions of stored pieces into destination arrays, verifying every checksum.
+
+    ``variable`` names the variable in error messages.
+    """
+
+    def __init__(self, variable: str, path: str, dtype: np.dtype, expected_crc: int) -> None:
+        self.variable = variable
+        self.path = path
+        self.dtype = dtype
+        self.expected_crc = expected_crc
+
+    def _corrupt(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"variable {self.variable!r}: {what} ({self.path})")
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self._corrupt("a file the index names is missing") from None
+
+    def read_plain(self, block: Sequence[int], src: Box, out: np.ndarray) -> int:
+        """Copy ``src`` (in block coordinates) of a plain chunk into ``out``. Returns bytes read."""
+        nbytes = math.prod(block) * self.dtype.itemsize
+        fd = self._open()
+        try:
+            buf = np.empty(nbytes + 4, dtype=np.uint8)
+            got = os.preadv(fd, [memoryview(buf)], 0)
+        finally:
+            os.close(fd)
+        if got != nbytes + 4:
+            raise self._corrupt(f"chunk is {got} bytes, expected {nbytes + 4}")
+        stored = int.from_bytes(buf[nbytes:].tobytes(), "little")
+        if stored != self.expected_crc or crc32c(buf[:nbytes]) != stored:
+            raise self._corrupt("chunk fails its crc32c checksum")
+        chunk = buf[:nbytes].view(self.dtype).reshape(tuple(block))
+        out[...] = chunk[src.slices()]
+        return got
+
+    def read_sharded(
+        self, block: Sequence[int], inner: Sequence[int], src: Box, out: np.ndarray
+    ) -> int:
+        """Copy ``src`` (in block coordinates) of a shard into ``out``, reading only the inner
+        chunks that intersect it. Returns bytes read."""
+        grid = inner_grid(block, inner)
+        nchunks = math.prod(grid)
+        chunk_bytes = math.prod(inner) * self.dtype.itemsize
+        fd = self._open()
+        try:
+            size = os.fstat(fd).st_size
+            index_len = nchunks * 16 + 4
+            if size < index_len:
+                raise self._corrupt(f"shard is truncated ({size} bytes)")
+            raw_index = os.pread(fd, index_len, size - index_len)
+            stored = int.from_bytes(raw_index[-4:], "little")
+            if stored != self.expected_crc or crc32c(raw_index[:-4]) != stored:
+                raise self._corrupt("shard index fails its crc32c checksum")
+            index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
+            total = index_len
+            first = tuple(o // i for o, i in zip(src.offsets, inner, strict=True))
+            last = tuple(
+                (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)
+            )
+            crc_buf = bytearray(4)
+            for coord in itertools.product(*(range(a, b + 1) for a, b in zip(first, last))):
+                chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
+                part = chunk_box.intersect(src)
+                if part is None:
+                    continue
+                linear = int(np.ravel_multi_index(coord, grid)) if grid else 0
+                offset, length = (int(v) for v in index[linear])
+                if offset == EMPTY or length != chunk_bytes + 4 or offset + length > size:
+                    raise self._corrupt(f"inner chunk {coord} is missing or has the wrong size")
+                dst = out[part.relative_to(src).slices()]
+                # Straight into the destination where it is one contiguous run: no copy.
+                direct = part == chunk_box and dst.flags.c_contiguous
+                target = as_bytes(dst) if direct else np.empty(chunk_bytes, dtype=np.uint8)
+                got = os.preadv(fd, [memoryview(target), crc_buf], offset)
+                if got != length or crc32c(target) != int.from_bytes(crc_buf, "little"):
+                    raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+                if not direct:
+                    chunk = target.view(self.dtype).reshape(tuple(inner))
+                    dst[...] = chunk[part.relative_to(chunk_box).slices()]
+                total += got
+            return total
+        finally:
+            os.close(fd)

@@ -1,0 +1,210 @@
+"""Launch test scripts as multi-process jobs (mpiexec, torchrun) or as one process.
+
+Every launcher here:
+
+* runs the interpreter of the test session (``sys.executable``) and, for MPI, the
+  ``mpiexec`` installed next to it (the ``mpich`` wheel), else the one on ``PATH``;
+* gives the job a clean environment: the inherited environment minus any launcher
+  variables (``PMI_*``, ``PMIX_*``, ``OMPI_*``, ``HYDRA_*``, ``MPI_LOCAL*``, torchrun's
+  ``RANK``/``WORLD_SIZE``/``MASTER_*``/``TORCHELASTIC_*`` ...), plus ``OMP_NUM_THREADS=1``,
+  ``GLOO_SOCKET_IFNAME=lo``, ``PYTHONUNBUFFERED=1`` and the repository root on
+  ``PYTHONPATH``; then ``env`` (yours) on top;
+* captures stdout and stderr as text and returns the ``CompletedProcess`` without
+  looking at the return code (see :func:`check`);
+* on time-out kills the launcher and every process it started (hydra and torchrun put
+  each rank in its own session, so the whole process tree is killed, not a process
+  group), then raises AssertionError with the output captured so far.
+
+Scripts print what the test checks (e.g. a final ``OK <rank>`` line per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def _find_mpiexec() -> str | None:
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which("mpiexec")
+
+
+MPIEXEC: str | None = _find_mpiexec()
+HAVE_MPIEXEC: bool = MPIEXEC is not None
+needs_mpi = pytest.mark.skipif(not HAVE_MPIEXEC, reason="mpiexec not found (pip install mpich)")
+
+_SCRUB_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MPIR_", "TORCHELASTIC_")
+_SCRUB_NAMES = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+
+
+def job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment every launcher here gives its job (see the module docstring)."""
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES
+    }
+    pythonpath = [str(REPO_ROOT)] + [p for p in clean.get("PYTHONPATH", "").split(os.pathsep) if p]
+    clean.update(
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(pythonpath),
+    )
+    clean.update(env or {})
+    return clean
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendant processes (Linux /proc; empty elsewhere), deepest last."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc`` and everything it started, collecting the tree before killing."""
+    for _ in range(3):  # again, in case something forked while we looked
+        victims = [proc.pid, *_descendants(proc.pid)]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is not None and not _descendants(proc.pid):
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _run(
+    cmd: list[str], timeout: float, env: Mapping[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=job_env(env),
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a grandchild kept a pipe open
+            out, err = "<unavailable>", "<unavailable>"
+        raise AssertionError(
+            f"{' '.join(cmd)} did not finish within {timeout} s (killed)\n"
+            f"--- stdout ---\n{out}\n--- stderr ---\n{err}"
+        ) from None
+    except BaseException:
+        _kill_tree(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_mpi(
+    nprocs: int,
+    script: str | Path,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``mpiexec -n nprocs python script args`` (see the module docstring)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cmd = [MPIEXEC, "-launcher", "fork", "-n", str(nprocs), sys.executable, str(script), *args]
+    return _run(cmd, timeout, env)
+
+
+def run_torchrun(
+    nprocs: int,
+    script: str | Path,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m torch.distributed.run --standalone --nproc-per-node N script args``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nprocs),
+        str(script),
+        *args,
+    ]
+    return _run(cmd, timeout, env)
+
+
+def run_single(
+    script: str | Path,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python script args`` as one process, with the same environment handling."""
+    return _run([sys.executable, str(script), *args], timeout, env)
+
+
+def output(proc: subprocess.CompletedProcess[str]) -> str:
+    """stdout and stderr of a finished job, labelled, for assertion messages."""
+    return f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+
+
+def check(proc: subprocess.CompletedProcess[str]) -> None:
+    """Assert the job exited with 0; the message holds the command and all its output."""
+    cmd = proc.args if isinstance(proc.args, str) else " ".join(map(str, proc.args))
+    assert proc.returncode == 0, f"{cmd}\nexited with {proc.returncode}\n{output(proc)}"

@@ -1,0 +1,112 @@
+"""Communicator conformance under every launcher, and no hang when a rank dies.
+
+Each test launches tests/scripts/comm_conformance.py (many checks per launch) and
+asserts every rank printed ``OK <rank>``. The pytest process never imports mpi4py.MPI.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from launch_util import (
+    SCRIPTS,
+    check,
+    job_env,
+    needs_mpi,
+    output,
+    run_mpi,
+    run_single,
+    run_torchrun,
+)
+
+SCRIPT = SCRIPTS / "comm_conformance.py"
+
+
+def assert_all_ok(proc: subprocess.CompletedProcess[str], nprocs: int) -> None:
+    check(proc)
+    ranks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
+    assert ranks == list(range(nprocs)), f"ranks that finished: {ranks}\n{output(proc)}"
+
+
+@pytest.mark.timeout(60)
+def test_import_does_not_start_mpi() -> None:
+    code = (
+        "import sys, distckpt.comm as c; "
+        "assert 'mpi4py.MPI' not in sys.modules; "
+        "assert type(c.auto()).__name__ == 'SingleComm'; "
+        "assert 'mpi4py.MPI' not in sys.modules"
+    )
+    cmd = [sys.executable, "-c", code]
+    check(subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=job_env()))
+
+
+@pytest.mark.timeout(60)
+def test_single_process() -> None:
+    assert_all_ok(run_single(SCRIPT, "single", "--expect", "SingleComm", timeout=50), 1)
+
+
+@needs_mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs", [1, 3, 4])
+def test_mpi(nprocs: int) -> None:
+    args = ["mpi", "--size", str(nprocs), "--expect", "MPIComm"]
+    assert_all_ok(run_mpi(nprocs, SCRIPT, *args, timeout=50), nprocs)
+
+
+@needs_mpi
+@pytest.mark.timeout(60)
+def test_mpi_auto() -> None:
+    assert_all_ok(run_mpi(2, SCRIPT, "auto", "--size", "2", "--expect", "MPIComm", timeout=50), 2)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_torchrun(nprocs: int) -> None:
+    args = ["torch", "--size", str(nprocs), "--expect", "TorchComm"]
+    assert_all_ok(run_torchrun(nprocs, SCRIPT, *args, timeout=80), nprocs)
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_mpi_bootstraps_torch() -> None:
+    assert_all_ok(run_mpi(2, SCRIPT, "mpi-torch", "--size", "2", timeout=80), 2)
+
+
+DIE_TIMEOUT = "4"  # DISTCKPT_TIMEOUT for the jobs below
+
+
+def _run_dying(launcher: str, mode: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {"DISTCKPT_TIMEOUT": DIE_TIMEOUT}
+    start = time.monotonic()
+    if launcher == "mpi":
+        proc = run_mpi(3, SCRIPT, "auto", "--die", mode, timeout=50, env=env)
+    else:
+        proc = run_torchrun(3, SCRIPT, "auto", "--die", mode, timeout=50, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, output(proc)
+    assert "OK " not in proc.stdout and "AWOKE" not in proc.stdout, output(proc)
+    assert len(re.findall(r"^READY \d", proc.stdout, re.MULTILINE)) == 3, output(proc)
+    # well before the sleeping rank would wake up (60 s) or the subprocess time-out
+    assert elapsed < 40, f"took {elapsed:.1f} s\n{output(proc)}"
+    return proc, elapsed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", [pytest.param("mpi", marks=needs_mpi), "torchrun"])
+def test_killed_rank_does_not_hang(launcher: str) -> None:
+    _run_dying(launcher, "kill")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", [pytest.param("mpi", marks=needs_mpi), "torchrun"])
+def test_hung_rank_times_out(launcher: str) -> None:
+    proc, _ = _run_dying(launcher, "hang")
+    # ranks 0 and 1 time out (the launcher may end the slower of the two first)
+    timed_out = re.findall(r"^TIMEOUT (\d) after ([\d.]+) s", proc.stdout, re.MULTILINE)
+    assert timed_out, output(proc)
+    for _, seconds in timed_out:
+        assert float(DIE_TIMEOUT) - 0.5 <= float(seconds) < float(DIE_TIMEOUT) + 10, output(proc)
