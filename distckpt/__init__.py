@@ -32,6 +32,22 @@ from distckpt.errors import (  # noqa: E402
 from distckpt.items import PerRank, Shard  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
 
+
+def register_zarr_dtypes() -> None:
+    """Teach zarr-python the ``bfloat16`` and ``float8_*`` data type names distckpt writes.
+
+    Call it before opening a checkpoint's arrays with zarr-python::
+
+        distckpt.register_zarr_dtypes()
+        weight = zarr.open_array("run/ckpt-10/net/l1.weight")[...]
+
+    tensorstore knows these names already.
+    """
+    from distckpt.storage.zarr_dtypes import register
+
+    register()
+
+
 __all__ = [
     "Box",
     "CheckpointError",
@@ -54,5 +70,6 @@ __all__ = [
     "comm",
     "list_variables",
     "load",
+    "register_zarr_dtypes",
     "save",
 ]

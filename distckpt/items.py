@@ -178,8 +178,14 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
     elif isinstance(obj, torch.Tensor):
         shape = tuple(obj.shape)
         yield Leaf(
-            name, "tensor", tensor=obj, shape=shape, box=Box.full(shape), replicated=True,
-            parent=parent, key=key,
+            name,
+            "tensor",
+            tensor=obj,
+            shape=shape,
+            box=Box.full(shape),
+            replicated=True,
+            parent=parent,
+            key=key,
         )
     elif isinstance(obj, Shard):
         shape = tuple(obj.global_shape)
@@ -192,7 +198,16 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
     elif isinstance(obj, PerRank):
         inner = obj.value
         if isinstance(inner, torch.Tensor) and not _is_dtensor(inner):
-            yield Leaf(name, "per_rank", tensor=inner, shape=tuple(inner.shape), parent=obj, key=key)
+            shape = tuple(inner.shape)
+            yield Leaf(
+                name,
+                "per_rank",
+                tensor=inner,
+                shape=shape,
+                box=Box.full(shape),
+                parent=obj,
+                key=key,
+            )
         elif is_value(inner) and not _has_tensor(inner):
             yield Leaf(name, "per_rank", value=inner, parent=obj, key=key)
         else:

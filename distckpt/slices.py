@@ -30,7 +30,9 @@ class Box:
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
-            raise ValueError(f"box offsets {self.offsets} and lengths {self.lengths} differ in rank")
+            raise ValueError(
+                f"box offsets {self.offsets} and lengths {self.lengths} differ in rank"
+            )
         if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
             raise ValueError(f"box with negative offset or length: {self.offsets}, {self.lengths}")
 

@@ -9,6 +9,7 @@ Every launcher here:
   ``RANK``/``WORLD_SIZE``/``MASTER_*``/``TORCHELASTIC_*`` ...), plus ``OMP_NUM_THREADS=1``,
   ``GLOO_SOCKET_IFNAME=lo``, ``PYTHONUNBUFFERED=1`` and the repository root on
   ``PYTHONPATH``; then ``env`` (yours) on top;
+* for ``mpiexec`` also ``HYDRA_LAUNCHER=fork`` (ranks are local processes, no ssh);
 * captures stdout and stderr as text and returns the ``CompletedProcess`` without
   looking at the return code (see :func:`check`);
 * on time-out kills the launcher and every process it started (hydra and torchrun put
@@ -164,8 +165,11 @@ def run_mpi(
     """Run ``mpiexec -n nprocs python script args`` (see the module docstring)."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    cmd = [MPIEXEC, "-launcher", "fork", "-n", str(nprocs), sys.executable, str(script), *args]
-    return _run(cmd, timeout, env)
+    cmd = [MPIEXEC, "-n", str(nprocs), sys.executable, str(script), *args]
+    # start ranks as local processes, never over ssh (MPICH's hydra reads HYDRA_LAUNCHER);
+    # let Open MPI, if that is the mpiexec found, run more ranks than cores
+    launcher = {"HYDRA_LAUNCHER": "fork", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    return _run(cmd, timeout, {**launcher, **(env or {})})
 
 
 def run_torchrun(

@@ -44,36 +44,33 @@ def test_import_does_not_start_mpi() -> None:
     check(subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=job_env()))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_single_process() -> None:
-    assert_all_ok(run_single(SCRIPT, "single", "--expect", "SingleComm", timeout=50), 1)
+    assert_all_ok(run_single(SCRIPT, "single", "--expect", "SingleComm", timeout=100), 1)
 
 
 @needs_mpi
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("nprocs", [1, 3, 4])
-def test_mpi(nprocs: int) -> None:
-    args = ["mpi", "--size", str(nprocs), "--expect", "MPIComm"]
-    assert_all_ok(run_mpi(nprocs, SCRIPT, *args, timeout=50), nprocs)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("nprocs", "mode"), [(1, "auto"), (3, "mpi"), (4, "mpi")])
+def test_mpi(nprocs: int, mode: str) -> None:
+    """MPIComm (and auto() picking it) on COMM_WORLD and on a split of it."""
+    args = [mode, "--size", str(nprocs), "--expect", "MPIComm"]
+    assert_all_ok(run_mpi(nprocs, SCRIPT, *args, timeout=100), nprocs)
 
 
-@needs_mpi
-@pytest.mark.timeout(60)
-def test_mpi_auto() -> None:
-    assert_all_ok(run_mpi(2, SCRIPT, "auto", "--size", "2", "--expect", "MPIComm", timeout=50), 2)
-
-
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_torchrun(nprocs: int) -> None:
+    """TorchComm from auto(): the world group, a side group, a subgroup with and without."""
     args = ["torch", "--size", str(nprocs), "--expect", "TorchComm"]
-    assert_all_ok(run_torchrun(nprocs, SCRIPT, *args, timeout=80), nprocs)
+    assert_all_ok(run_torchrun(nprocs, SCRIPT, *args, timeout=100), nprocs)
 
 
 @needs_mpi
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_mpi_bootstraps_torch() -> None:
-    assert_all_ok(run_mpi(2, SCRIPT, "mpi-torch", "--size", "2", timeout=80), 2)
+    """init_torch_from_mpi, a DTensor on a CPU DeviceMesh, then TorchComm and MPIComm."""
+    assert_all_ok(run_mpi(2, SCRIPT, "mpi-torch", "--size", "2", timeout=100), 2)
 
 
 DIE_TIMEOUT = "4"  # DISTCKPT_TIMEOUT for the jobs below
@@ -83,25 +80,25 @@ def _run_dying(launcher: str, mode: str) -> tuple[subprocess.CompletedProcess[st
     env = {"DISTCKPT_TIMEOUT": DIE_TIMEOUT}
     start = time.monotonic()
     if launcher == "mpi":
-        proc = run_mpi(3, SCRIPT, "auto", "--die", mode, timeout=50, env=env)
+        proc = run_mpi(3, SCRIPT, "auto", "--die", mode, timeout=90, env=env)
     else:
-        proc = run_torchrun(3, SCRIPT, "auto", "--die", mode, timeout=50, env=env)
+        proc = run_torchrun(3, SCRIPT, "auto", "--die", mode, timeout=90, env=env)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, output(proc)
     assert "OK " not in proc.stdout and "AWOKE" not in proc.stdout, output(proc)
     assert len(re.findall(r"^READY \d", proc.stdout, re.MULTILINE)) == 3, output(proc)
-    # well before the sleeping rank would wake up (60 s) or the subprocess time-out
-    assert elapsed < 40, f"took {elapsed:.1f} s\n{output(proc)}"
+    # well before the sleeping rank would wake up (120 s) or the subprocess time-out
+    assert elapsed < 80, f"took {elapsed:.1f} s\n{output(proc)}"
     return proc, elapsed
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 @pytest.mark.parametrize("launcher", [pytest.param("mpi", marks=needs_mpi), "torchrun"])
 def test_killed_rank_does_not_hang(launcher: str) -> None:
     _run_dying(launcher, "kill")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 @pytest.mark.parametrize("launcher", [pytest.param("mpi", marks=needs_mpi), "torchrun"])
 def test_hung_rank_times_out(launcher: str) -> None:
     proc, _ = _run_dying(launcher, "hang")

@@ -113,7 +113,7 @@ class MPIComm:
                     f"within {self.timeout:g} s (a rank died, hangs, or called another "
                     "collective); this communicator is no longer usable"
                 )
-                logger.error("%s", self._broken)
+                logger.debug("%s", self._broken)
                 if self.abort_at_exit:
                     _abort_at_exit()
                 raise CommTimeoutError(self._broken)

@@ -8,6 +8,7 @@ exception, so no rank is left waiting in a collective the others have abandoned.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import traceback
 from dataclasses import dataclass
@@ -45,10 +46,8 @@ class Failure:
 
 
 def _set_rank(exc: BaseException, rank: int) -> None:
-    try:
+    with contextlib.suppress(AttributeError):
         exc.rank = rank  # type: ignore[attr-defined]
-    except AttributeError:
-        pass
 
 
 def first_failure(payloads: list[Any] | None) -> Failure | None:

@@ -144,7 +144,7 @@ class TorchComm:
                 f"(timeout {self.timeout:g} s): a rank died, hangs, or called another "
                 f"collective; this communicator is no longer usable. gloo said: {exc}"
             )
-            logger.error("%s", self._broken)
+            logger.debug("%s", self._broken)
             raise CommTimeoutError(self._broken) from exc
 
     def barrier(self) -> None:

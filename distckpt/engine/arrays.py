@@ -42,5 +42,7 @@ def tensor_from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of ``dtype`` sharing memory with ``arr`` (which holds that dtype)."""
     if dtype in _NO_NUMPY:
         int_dtype = _SAME_SIZE_INT[torch.empty((), dtype=dtype).element_size()]
-        return torch.from_numpy(arr.view(np.dtype(str(int_dtype).replace("torch.", "")))).view(dtype)
+        return torch.from_numpy(arr.view(np.dtype(str(int_dtype).replace("torch.", "")))).view(
+            dtype
+        )
     return torch.from_numpy(arr)

@@ -80,13 +80,17 @@ def load(
     result.timings["total"] = time.perf_counter() - t0
     if comm.rank == 0:
         log.info(
-            "restored %s: %d variables in %.3fs", result.path, len(result.loaded),
+            "restored %s: %d variables in %.3fs",
+            result.path,
+            len(result.loaded),
             result.timings["total"],
         )
     return result
 
 
-def _load_local(state: dict[str, Any], result: LoadResult, rank: int, world: int, strict: bool) -> None:
+def _load_local(
+    state: dict[str, Any], result: LoadResult, rank: int, world: int, strict: bool
+) -> None:
     index = index_mod.read_index(result.path)
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state)
@@ -102,7 +106,8 @@ def _load_local(state: dict[str, Any], result: LoadResult, rank: int, world: int
         raise MissingVariablesError(
             f"{result.path}: names do not match (pass strict=False for a partial restore); "
             + "; ".join(parts),
-            result.missing, result.unexpected,
+            result.missing,
+            result.unexpected,
         )
     saved_world = int(index.get("world_size", world))
     # Check every leaf before reading anything.
@@ -120,7 +125,9 @@ def _load_local(state: dict[str, Any], result: LoadResult, rank: int, world: int
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot takes a tensor
             shape = tuple(entry["shape"])
             tensor = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
-            result.bytes_read += _read_tensor(result.path, leaf.name, entry, Box.full(shape), tensor)
+            result.bytes_read += _read_tensor(
+                result.path, leaf.name, entry, Box.full(shape), tensor
+            )
             _assign(leaf, tensor)
         else:
             assert leaf.box is not None
@@ -128,15 +135,24 @@ def _load_local(state: dict[str, Any], result: LoadResult, rank: int, world: int
         result.loaded.append(leaf.name)
 
 
-def _per_rank_entry(name: str, entry: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:
+def _per_rank_entry(
+    name: str, entry: dict[str, Any], rank: int, world: int, saved_world: int
+) -> dict[str, Any]:
     if entry.get("kind") != "per_rank":
-        raise ShapeMismatchError(f"variable {name!r} is per-rank in the state but a {entry.get('kind')} in the checkpoint")
+        raise ShapeMismatchError(
+            f"variable {name!r} is per-rank in the state but a {entry.get('kind')} "
+            "in the checkpoint"
+        )
     ranks = entry["ranks"]
     source = rank if world == saved_world else rank % saved_world
     if world != saved_world and rank == 0:
         log.warning(
             "per-rank variable %r was saved on %d ranks and is restored on %d: rank r takes "
-            "what rank r %% %d saved", name, saved_world, world, saved_world,
+            "what rank r %% %d saved",
+            name,
+            saved_world,
+            world,
+            saved_world,
         )
     if str(source) not in ranks:
         raise MissingVariablesError(
@@ -150,7 +166,10 @@ def _check(leaf: Leaf, entry: dict[str, Any]) -> dict[str, Any]:
     kind = entry.get("kind")
     if leaf.tensor is None:
         if kind == "per_rank":
-            raise ShapeMismatchError(f"variable {leaf.name!r} is per-rank in the checkpoint; restore it into distckpt.PerRank")
+            raise ShapeMismatchError(
+                f"variable {leaf.name!r} is per-rank in the checkpoint; "
+                "restore it into distckpt.PerRank"
+            )
         return entry
     if kind != "tensor":
         raise ShapeMismatchError(
@@ -186,7 +205,9 @@ def _assign(leaf: Leaf, value: Any) -> None:
         )
 
 
-def _read_tensor(root: Path, name: str, entry: dict[str, Any], target: Box, tensor: torch.Tensor) -> int:
+def _read_tensor(
+    root: Path, name: str, entry: dict[str, Any], target: Box, tensor: torch.Tensor
+) -> int:
     """Fill ``tensor`` (holding ``target`` of the global value) from the stored pieces."""
     if target.empty:
         return 0

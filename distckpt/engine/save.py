@@ -95,8 +95,13 @@ def _describe(state: dict[str, Any]) -> tuple[_Local, list[Desc]]:
             checksum = shard_io.crc32c(shard_io.as_bytes(arr)) if leaf.replicated else None
             descs.append(
                 Desc(
-                    leaf.name, leaf.kind, dtype=dtype, shape=leaf.shape,
-                    box=leaf.box, replicated=leaf.replicated, checksum=checksum,
+                    leaf.name,
+                    leaf.kind,
+                    dtype=dtype,
+                    shape=leaf.shape,
+                    box=leaf.box,
+                    replicated=leaf.replicated,
+                    checksum=checksum,
                 )
             )
     return _Local(leaves, arrays), descs
@@ -143,7 +148,9 @@ def save(
         decision = first_failure(gathered)
         if decision is None:
             try:
-                decision, staging = _plan(gathered, final, overwrite, comm.size, small_bytes, inner_bytes)
+                decision, staging = _plan(
+                    gathered, final, overwrite, comm.size, small_bytes, inner_bytes
+                )
             except Exception as exc:
                 local_error, decision = exc, Failure.capture(exc, comm.rank)
     decision = comm.broadcast(decision, root=COORDINATOR)
@@ -182,21 +189,32 @@ def save(
         outcome.raise_here(comm.rank, local_error)
     t_end = time.perf_counter()
     result.timings = {
-        "describe": t_describe - t0, "plan": t_plan - t_describe,
-        "exchange": t_exchange - t_plan, "write": t_write - t_exchange, "commit": t_end - t_write,
+        "describe": t_describe - t0,
+        "plan": t_plan - t_describe,
+        "exchange": t_exchange - t_plan,
+        "write": t_write - t_exchange,
+        "commit": t_end - t_write,
         "total": t_end - t0,
     }
     if comm.rank == COORDINATOR:
         log.info(
-            "saved %s: %d variables on %d ranks in %.3fs (%s)", final, len(plan.variables),
-            comm.size, result.timings["total"],
+            "saved %s: %d variables on %d ranks in %.3fs (%s)",
+            final,
+            len(plan.variables),
+            comm.size,
+            result.timings["total"],
             ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
         )
     return result
 
 
 def _plan(
-    gathered: list[Any], final: Path, overwrite: bool, world: int, small_bytes: int, inner_bytes: int
+    gathered: list[Any],
+    final: Path,
+    overwrite: bool,
+    world: int,
+    small_bytes: int,
+    inner_bytes: int,
 ) -> tuple[SavePlan, Staging]:
     if final.exists() and not overwrite:
         if index_mod.is_committed(final):
@@ -204,7 +222,9 @@ def _plan(
                 f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         if any(final.iterdir()):
-            raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not touching it")
+            raise CheckpointExists(
+                f"{final} exists and is not a distckpt checkpoint; not touching it"
+            )
     if final.exists() and overwrite and not index_mod.is_committed(final) and any(final.iterdir()):
         raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not replacing it")
     collect_garbage(final.parent)
@@ -235,7 +255,9 @@ def _exchange(comm: Communicator, plan: SavePlan, local: _Local) -> dict[int, di
     return received
 
 
-def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int, dtype: str) -> np.ndarray:
+def _assemble(
+    piece: Piece, local: _Local, received: dict[int, bytes], rank: int, dtype: str
+) -> np.ndarray:
     if len(piece.sources) == 1 and piece.sources[0][0] == rank and piece.sources[0][1] == piece.box:
         return local.arrays[piece.var]
     out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(dtype))
@@ -296,8 +318,17 @@ def _dtype_of(plan: SavePlan, piece: Piece) -> str:
     raise KeyError(piece.var)
 
 
-def _tensor_entry(dtype: str, shape: tuple[int, ...], path: str, layout: str, pieces: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"kind": "tensor", "dtype": dtype, "shape": list(shape), "path": path, "layout": layout, "pieces": pieces}
+def _tensor_entry(
+    dtype: str, shape: tuple[int, ...], path: str, layout: str, pieces: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "kind": "tensor",
+        "dtype": dtype,
+        "shape": list(shape),
+        "path": path,
+        "layout": layout,
+        "pieces": pieces,
+    }
 
 
 def _commit(
@@ -309,20 +340,28 @@ def _commit(
 
     def stored(piece: Piece) -> dict[str, Any]:
         size, crc = written[piece.id]
-        return index_mod.StoredPiece(piece.file, piece.box, piece.block, piece.inner, crc, size).to_json()
+        return index_mod.StoredPiece(
+            piece.file, piece.box, piece.block, piece.inner, crc, size
+        ).to_json()
 
     variables: dict[str, Any] = {}
     for var in plan.variables:
         if var.kind == "value":
             variables[var.name] = {"kind": "value", "value": var.value}
         elif var.kind == "per_rank":
-            ranks: dict[str, Any] = {str(r): {"kind": "value", "value": v} for r, v in var.per_rank_values.items()}
+            ranks: dict[str, Any] = {
+                str(r): {"kind": "value", "value": v} for r, v in var.per_rank_values.items()
+            }
             for piece in var.pieces:
                 assert piece.meta is not None and piece.rank is not None
                 shape = tuple(piece.meta["shape"])
                 layout = "small" if piece.inner is None else "regular"
                 ranks[str(piece.rank)] = _tensor_entry(
-                    piece.meta["data_type"], shape, piece.file.rsplit("/", 1)[0], layout, [stored(piece)]
+                    piece.meta["data_type"],
+                    shape,
+                    piece.file.rsplit("/", 1)[0],
+                    layout,
+                    [stored(piece)],
                 )
             variables[var.name] = {"kind": "per_rank", "ranks": ranks}
         else:
@@ -331,8 +370,11 @@ def _commit(
                 var.dtype, var.shape, var.path, var.layout, [stored(p) for p in var.pieces]
             )
     index = {
-        "format": index_mod.FORMAT, "format_version": index_mod.FORMAT_VERSION,
-        "library_version": __version__, "created": time.time(), "world_size": plan.world_size,
+        "format": index_mod.FORMAT,
+        "format_version": index_mod.FORMAT_VERSION,
+        "library_version": __version__,
+        "created": time.time(),
+        "world_size": plan.world_size,
         "variables": variables,
     }
     root = staging.path
@@ -345,8 +387,9 @@ def _commit(
         if group:
             fsync_dir(root / group)
     doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
-    write_file(root / zarr_meta.ZARR_JSON, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+    write_file(
+        root / zarr_meta.ZARR_JSON, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    )
     if final.exists() and not overwrite and index_mod.is_committed(final):
         raise CheckpointExists(f"{final} was committed by another save while this one ran")
     staging.commit(overwrite=overwrite)
-

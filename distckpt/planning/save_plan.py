@@ -154,8 +154,15 @@ def make_save_plan(
                     continue
                 assert d.shape is not None
                 piece = _single_block_piece(
-                    next_id, name, f"{var.path}/r{rank}", d.dtype, d.shape, rank,
-                    ((rank, Box.full(d.shape)),), small_bytes, inner_bytes,
+                    next_id,
+                    name,
+                    f"{var.path}/r{rank}",
+                    d.dtype,
+                    d.shape,
+                    rank,
+                    ((rank, Box.full(d.shape)),),
+                    small_bytes,
+                    inner_bytes,
                 )
                 var.pieces.append(Piece(**{**piece.__dict__, "rank": rank}))
                 balancer.load[rank] += _nbytes(d)
@@ -264,8 +271,14 @@ def _plan_tensor(
         block = tuple(max(1, n) for n in shape)
         var.pieces.append(
             Piece(
-                id=next_id, var=var.name, file=f"{var.path}/{zarr_meta.chunk_key([0] * len(shape))}",
-                box=Box.full(shape), block=block, inner=None, writer=writer, sources=sources,
+                id=next_id,
+                var=var.name,
+                file=f"{var.path}/{zarr_meta.chunk_key([0] * len(shape))}",
+                box=Box.full(shape),
+                block=block,
+                inner=None,
+                writer=writer,
+                sources=sources,
                 meta_file=f"{var.path}/{zarr_meta.ZARR_JSON}",
                 meta=zarr_meta.array_meta(shape, dtype, block, None),
             )
@@ -283,8 +296,14 @@ def _plan_tensor(
             coord = tuple(o // c for o, c in zip(box.offsets, grid, strict=True))
             var.pieces.append(
                 Piece(
-                    id=next_id, var=var.name, file=f"{var.path}/{zarr_meta.chunk_key(coord)}",
-                    box=box, block=grid, inner=inner, writer=writer, sources=((writer, box),),
+                    id=next_id,
+                    var=var.name,
+                    file=f"{var.path}/{zarr_meta.chunk_key(coord)}",
+                    box=box,
+                    block=grid,
+                    inner=inner,
+                    writer=writer,
+                    sources=((writer, box),),
                     meta_file=f"{var.path}/{zarr_meta.ZARR_JSON}" if i == 0 else None,
                     meta=meta if i == 0 else None,
                 )
@@ -296,8 +315,16 @@ def _plan_tensor(
         writer = balancer.pick(owners[box], box.numel * itemsize)
         var.pieces.append(
             _single_block_piece(
-                next_id, var.name, f"{var.path}/p{k}", dtype, box.lengths, writer,
-                ((writer, box),), small_bytes, inner_bytes, box=box,
+                next_id,
+                var.name,
+                f"{var.path}/p{k}",
+                dtype,
+                box.lengths,
+                writer,
+                ((writer, box),),
+                small_bytes,
+                inner_bytes,
+                box=box,
             )
         )
         next_id += 1
@@ -323,9 +350,16 @@ def _single_block_piece(
     small = math.prod(shape) * itemsize <= small_bytes or not shape
     inner = None if small else inner_chunks(block, itemsize, inner_bytes)
     return Piece(
-        id=piece_id, var=name, file=f"{path}/{zarr_meta.chunk_key([0] * len(shape))}",
-        box=box or Box.full(shape), block=block, inner=inner, writer=writer, sources=sources,
-        meta_file=f"{path}/{zarr_meta.ZARR_JSON}", meta=zarr_meta.array_meta(shape, dtype, block, inner),
+        id=piece_id,
+        var=name,
+        file=f"{path}/{zarr_meta.chunk_key([0] * len(shape))}",
+        box=box or Box.full(shape),
+        block=block,
+        inner=inner,
+        writer=writer,
+        sources=sources,
+        meta_file=f"{path}/{zarr_meta.ZARR_JSON}",
+        meta=zarr_meta.array_meta(shape, dtype, block, inner),
     )
 
 

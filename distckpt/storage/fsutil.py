@@ -74,7 +74,13 @@ def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True

@@ -49,8 +49,11 @@ class StoredPiece:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "file": self.file, "box": self.box.to_json(), "block": list(self.block),
-            "inner": None if self.inner is None else list(self.inner), "crc": self.crc,
+            "file": self.file,
+            "box": self.box.to_json(),
+            "block": list(self.block),
+            "inner": None if self.inner is None else list(self.inner),
+            "crc": self.crc,
             "size": self.size,
         }
 
@@ -58,8 +61,11 @@ class StoredPiece:
     def from_json(cls, data: dict[str, Any]) -> StoredPiece:
         inner = data.get("inner")
         return cls(
-            file=data["file"], box=Box.from_json(data["box"]), block=tuple(data["block"]),
-            inner=None if inner is None else tuple(inner), crc=int(data["crc"]),
+            file=data["file"],
+            box=Box.from_json(data["box"]),
+            block=tuple(data["block"]),
+            inner=None if inner is None else tuple(inner),
+            crc=int(data["crc"]),
             size=int(data["size"]),
         )
 

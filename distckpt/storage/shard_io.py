@@ -188,7 +188,9 @@ class PieceReader:
             )
             crc_buf = bytearray(4)
             for coord in itertools.product(*(range(a, b + 1) for a, b in zip(first, last))):
-                chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
+                chunk_box = Box(
+                    tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
+                )
                 part = chunk_box.intersect(src)
                 if part is None:
                     continue

@@ -52,8 +52,11 @@ class Staging:
         final.parent.mkdir(parents=True, exist_ok=True)
         self.path.mkdir()
         owner = {
-            "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-            "world_size": world_size, "target": final.name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "world_size": world_size,
+            "target": final.name,
         }
         write_file(self.path / OWNER_FILE, json.dumps(owner).encode(), fsync=False)
         self._stop = threading.Event()
@@ -129,7 +132,9 @@ def _complete(path: Path) -> bool:
     return not (path / OWNER_FILE).exists() and is_committed(path)
 
 
-def collect_garbage(directory: str | os.PathLike[str], stale_seconds: float = STALE_SECONDS) -> list[Path]:
+def collect_garbage(
+    directory: str | os.PathLike[str], stale_seconds: float = STALE_SECONDS
+) -> list[Path]:
     """Remove abandoned staging and trash directories in ``directory``; return what went."""
     removed: list[Path] = []
     try:

@@ -38,6 +38,7 @@ from distckpt.comm import (
     init_torch_from_mpi,
     raise_if_any_failed,
 )
+from distckpt.comm.base import resolve_timeout
 from distckpt.errors import CommTimeoutError, RemoteError, ValidationError
 
 
@@ -46,6 +47,11 @@ class NeedsTwoArgs(Exception):
 
     def __init__(self, a: str, b: str) -> None:
         super().__init__(f"{a}/{b}")
+
+
+def say(line: str) -> None:
+    """Print one line with one write(2): ranks share the pipe, and print() writes twice."""
+    os.write(1, (line + "\n").encode())
 
 
 def launcher_rank() -> int:
@@ -229,9 +235,12 @@ def check_mpi_torch(size: int) -> None:
     assert torch.equal(dt.to_local(), full[4 * dist.get_rank() : 4 * dist.get_rank() + 4])
     assert torch.equal(dt.redistribute(mesh, [Replicate()]).to_local(), full)
 
-    comm = auto()
+    plain = TorchComm()  # a gloo group and no time-out asked for: the group itself
+    assert plain.timeout == 60 and plain._pg is dist.group.WORLD, plain
+    check_collectives(plain, size, launcher_rank())
+    comm = auto()  # $DISTCKPT_TIMEOUT or DEFAULT_TIMEOUT: a side group
     assert type(comm).__name__ == "TorchComm", comm
-    assert comm.timeout == 60  # the group's own: no side group
+    assert comm.timeout == resolve_timeout(None) and comm._pg is not dist.group.WORLD
     check_collectives(comm, size, launcher_rank())
     check_mpi(size)
 
@@ -239,19 +248,19 @@ def check_mpi_torch(size: int) -> None:
 def die(mode: str) -> None:
     """The last rank dies (or hangs) before a collective; the others must not hang."""
     comm = auto()
-    print(f"READY {comm.rank} {type(comm).__name__} timeout={comm.timeout:g}", flush=True)
+    say(f"READY {comm.rank} {type(comm).__name__} timeout={comm.timeout:g}")
     comm.barrier()
     if comm.rank == comm.size - 1:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)
-        print(f"AWOKE {comm.rank}", flush=True)
+        time.sleep(120)
+        say(f"AWOKE {comm.rank}")
         return
     start = time.monotonic()
     try:
         comm.allgather(comm.rank)
     except CommTimeoutError as exc:
-        print(f"TIMEOUT {comm.rank} after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+        say(f"TIMEOUT {comm.rank} after {time.monotonic() - start:.1f} s: {exc}")
         sys.exit(3)
     raise AssertionError(f"rank {comm.rank}: allgather with a dead rank returned")
 
@@ -281,7 +290,7 @@ def main() -> None:
     else:
         check_mpi_torch(args.size)
     rank = launcher_rank()
-    print(f"OK {rank}", flush=True)
+    say(f"OK {rank}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+import sys
+
+from distckpt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,252 @@
+"""Pure planning: validation, layouts, writer choice, and resharding through the read plan,
+all from hand-built per-rank descriptions, without storage or communication."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from distckpt.errors import ValidationError
+from distckpt.planning.layout import find_overlap, inner_chunks, regular_grid
+from distckpt.planning.read_plan import plan_reads
+from distckpt.planning.save_plan import Desc, make_save_plan
+from distckpt.slices import Box, chunk_bounds
+
+
+def row_shards(name, shape, world, dtype="float32"):
+    """Per-rank descriptions of a tensor split on dim 0 as torch.chunk does."""
+    out = []
+    for r in range(world):
+        start, size = chunk_bounds(shape[0], world, r)
+        box = Box((start, *([0] * (len(shape) - 1))), (size, *shape[1:]))
+        out.append([Desc(name, "tensor", dtype=dtype, shape=shape, box=box)])
+    return out
+
+
+def merge(*per_rank_lists):
+    return [sum(parts, []) for parts in zip(*per_rank_lists, strict=True)]
+
+
+def test_regular_grid_detection():
+    assert regular_grid((10,), [Box((0,), (4,)), Box((4,), (4,)), Box((8,), (2,))]) == (4,)
+    assert regular_grid((10,), [Box((0,), (3,)), Box((3,), (7,))]) is None  # irregular
+    assert regular_grid((10,), [Box((0,), (4,)), Box((4,), (4,))]) is None  # gap
+    assert regular_grid((10,), [Box((0,), (6,)), Box((4,), (6,))]) is None  # overlap
+    quads = [Box((i, j), (2, 3)) for i in (0, 2) for j in (0, 3)]
+    assert regular_grid((4, 6), quads) == (2, 3)
+    assert regular_grid((4, 6), quads[:3]) is None
+
+
+def test_inner_chunks_divide_the_block_and_respect_the_budget():
+    for block, itemsize, budget in [((4096, 4096), 4, 4 << 20), ((12, 7), 8, 100), ((5,), 1, 2)]:
+        inner = inner_chunks(block, itemsize, budget)
+        assert all(b % i == 0 for b, i in zip(block, inner, strict=True))
+        n = np.prod(inner) * itemsize
+        assert n <= budget or all(i == 1 for i in inner[:-1])
+
+
+def test_overlap_sweep():
+    assert find_overlap([Box((0,), (5,)), Box((5,), (5,))]) is None
+    pair = find_overlap([Box((0, 0), (5, 5)), Box((9, 0), (1, 1)), Box((4, 4), (2, 2))])
+    assert pair is not None and set(pair) == {Box((0, 0), (5, 5)), Box((4, 4), (2, 2))}
+
+
+def test_regular_partition_is_one_array_one_writer_per_box():
+    plan = make_save_plan(row_shards("w", (1000, 1000), 4), "t")
+    (var,) = plan.variables
+    assert var.layout == "regular"
+    assert [p.writer for p in sorted(var.pieces, key=lambda p: p.box)] == [0, 1, 2, 3]
+    assert len({p.file for p in var.pieces}) == 4
+    assert sum(p.meta is not None for p in var.pieces) == 1  # one zarr.json writer
+
+
+def test_replicas_are_written_once_and_spread_by_bytes():
+    world = 4
+    descs = [
+        [
+            Desc(
+                f"t{i}",
+                "tensor",
+                dtype="float32",
+                shape=(256, 1024),
+                box=Box.full((256, 1024)),
+                replicated=True,
+                checksum=7,
+            )
+            for i in range(8)
+        ]
+        for _ in range(world)
+    ]
+    plan = make_save_plan(descs, "t")
+    writers = Counter(p.writer for v in plan.variables for p in v.pieces)
+    assert sum(writers.values()) == 8
+    assert set(writers.values()) == {2}  # 8 equal tensors over 4 ranks: 2 each
+
+
+def test_small_sharded_tensors_are_gathered_to_one_writer():
+    world = 16
+    descs = merge(*(row_shards(f"s{i}", (48, 64), world) for i in range(100)))
+    plan = make_save_plan(descs, "t")
+    assert all(v.layout == "small" and len(v.pieces) == 1 for v in plan.variables)
+    files = {p.file for v in plan.variables for p in v.pieces}
+    assert len(files) == 100
+    # every holder of a box is a source, the work is spread over all ranks
+    assert all(len(v.pieces[0].sources) == world for v in plan.variables)
+    assert len({v.pieces[0].writer for v in plan.variables}) == world
+
+
+def test_irregular_partition_uses_one_array_per_box():
+    descs = [
+        [Desc("x", "tensor", dtype="int8", shape=(10, 2), box=Box((0, 0), (3, 2)))],
+        [Desc("x", "tensor", dtype="int8", shape=(10, 2), box=Box((3, 0), (7, 2)))],
+    ]
+    plan = make_save_plan(descs, "t", small_bytes=0)
+    (var,) = plan.variables
+    assert var.layout == "boxes"
+    assert sorted(p.file for p in var.pieces) == ["x/p0/c.0.0", "x/p1/c.0.0"]
+    assert "x" in plan.groups
+
+
+@pytest.mark.parametrize(
+    ("descs", "match"),
+    [
+        (
+            [
+                [
+                    Desc(
+                        "w",
+                        "tensor",
+                        dtype="float32",
+                        shape=(4,),
+                        box=Box.full((4,)),
+                        replicated=True,
+                        checksum=1,
+                    )
+                ],
+                [
+                    Desc(
+                        "w",
+                        "tensor",
+                        dtype="float32",
+                        shape=(5,),
+                        box=Box.full((5,)),
+                        replicated=True,
+                        checksum=1,
+                    )
+                ],
+            ],
+            r"'w': global shape \[4\] on rank 0 but \[5\] on rank 1",
+        ),
+        (
+            [
+                [Desc("w", "tensor", dtype="float32", shape=(4,), box=Box((0,), (2,)))],
+                [Desc("w", "tensor", dtype="bfloat16", shape=(4,), box=Box((2,), (2,)))],
+            ],
+            "'w': dtype float32 on rank 0 but bfloat16 on rank 1",
+        ),
+        (
+            [
+                [Desc("w", "tensor", dtype="float32", shape=(4,), box=Box((0,), (3,)))],
+                [Desc("w", "tensor", dtype="float32", shape=(4,), box=Box((2,), (2,)))],
+            ],
+            r"'w': slices \[0:3\] \(rank 0\) and \[2:4\] \(rank 1\) overlap partially",
+        ),
+        (
+            [
+                [Desc("w", "tensor", dtype="float32", shape=(6,), box=Box((0,), (2,)))],
+                [Desc("w", "tensor", dtype="float32", shape=(6,), box=Box((3,), (3,)))],
+            ],
+            r"cover 5 of the 6 elements",
+        ),
+        (
+            [
+                [
+                    Desc(
+                        "w",
+                        "tensor",
+                        dtype="float32",
+                        shape=(4,),
+                        box=Box.full((4,)),
+                        replicated=True,
+                        checksum=1,
+                    )
+                ],
+                [
+                    Desc(
+                        "w",
+                        "tensor",
+                        dtype="float32",
+                        shape=(4,),
+                        box=Box.full((4,)),
+                        replicated=True,
+                        checksum=1,
+                    )
+                ],
+                [
+                    Desc(
+                        "w",
+                        "tensor",
+                        dtype="float32",
+                        shape=(4,),
+                        box=Box.full((4,)),
+                        replicated=True,
+                        checksum=2,
+                    )
+                ],
+            ],
+            "differs between rank 0 and rank 2",
+        ),
+        (
+            [[Desc("lr", "value", value=0.1)], [Desc("lr", "value", value=0.2)]],
+            r"'lr': the value differs between rank 0 \(0.1\) and rank 1 \(0.2\)",
+        ),
+        (
+            [
+                [Desc("lr", "value", value=0.1)],
+                [Desc("lr", "tensor", dtype="float32", shape=(), box=Box((), ()))],
+            ],
+            "'lr' is a value on rank 0 but a tensor on rank 1",
+        ),
+    ],
+)
+def test_validation_errors_name_the_variable_and_ranks(descs, match):
+    with pytest.raises(ValidationError, match=match):
+        make_save_plan(descs, "t")
+
+
+def _reshard_in_memory(shape, save_world, load_world, split_dim):
+    """Feed the save plan's pieces straight into read plans for another world size."""
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal(shape).astype(np.float32)
+
+    def boxes(world):
+        out = []
+        for r in range(world):
+            start, size = chunk_bounds(shape[split_dim], world, r)
+            offsets = [0] * len(shape)
+            lengths = list(shape)
+            offsets[split_dim], lengths[split_dim] = start, size
+            out.append(Box(tuple(offsets), tuple(lengths)))
+        return out
+
+    descs = [[Desc("w", "tensor", dtype="float32", shape=shape, box=b)] for b in boxes(save_world)]
+    plan = make_save_plan(descs, "t", small_bytes=0, inner_bytes=64)
+    stored = {p.file: full[p.box.slices()] for p in plan.variables[0].pieces}
+    for target in boxes(load_world):
+        out = np.full(target.lengths, np.nan, dtype=np.float32)
+        copies = list(plan_reads(target, plan.variables[0].pieces))
+        assert sum(c.dst.numel for c in copies) == target.numel
+        for c in copies:
+            out[c.dst.slices()] = stored[c.piece.file][c.src.slices()]
+        np.testing.assert_array_equal(out, full[target.slices()])
+
+
+@pytest.mark.parametrize(
+    ("save_world", "load_world"), list(itertools.product([1, 2, 3, 4, 7], repeat=2))
+)
+def test_reshard_any_world_size_to_any_other(save_world, load_world):
+    _reshard_in_memory((13, 5), save_world, load_world, split_dim=0)
+    _reshard_in_memory((3, 11), save_world, load_world, split_dim=1)

@@ -1,0 +1,62 @@
+"""Typed JSON values and the name-to-zarr-path escaping rule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distckpt.errors import UnsupportedValueError
+from distckpt.naming import join_keys, zarr_path
+from distckpt.values import decode, encode
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        0,
+        -(2**70),
+        1.5,
+        "s",
+        [],
+        (),
+        {},
+        [1, (2, 3)],
+        {"a": {"b": [None]}},
+        {1: "x", (1, 2): [3.0]},
+        (float("inf"), -float("inf")),
+        {"k": (1,)},
+    ],
+)
+def test_values_round_trip_with_types(value):
+    encoded = json.loads(json.dumps(encode(value), allow_nan=False))
+    back = decode(encoded)
+    assert back == value and type(back) is type(value)
+
+
+def test_nan_round_trips():
+    back = decode(json.loads(json.dumps(encode([float("nan")]), allow_nan=False)))
+    assert math.isnan(back[0])
+
+
+@pytest.mark.parametrize("value", [{1, 2}, object(), b"bytes", {frozenset(): 1}])
+def test_unsupported_values_are_refused_by_name(value):
+    with pytest.raises(UnsupportedValueError, match="opt/x"):
+        encode(value, "opt/x")
+
+
+def test_decode_rejects_malformed():
+    with pytest.raises(ValueError):
+        decode({"unknown-tag": 1})
+
+
+def test_names_and_paths():
+    assert join_keys(["net", "l1.weight"]) == "net/l1.weight"
+    assert join_keys(["a/b", "50%"]) == "a%2Fb/50%25"
+    assert zarr_path("net/l1.weight") == "net/l1.weight"
+    assert zarr_path("zarr.json/x") == "%7Aarr.json/x"
+    assert zarr_path("__init__/.hidden/..") == "%5F_init__/%2Ehidden/%2E."
+    assert zarr_path("a//b") == "a/%00/b"
