@@ -47,8 +47,8 @@ def auto(timeout: float | None = None) -> Communicator:
     :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
     """
     seconds = resolve_timeout(timeout)
-    dist = sys.modules.get("torch.distributed")  # never initialized if never imported
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    loaded = sys.modules.get("torch.distributed")  # never initialized if never imported
+    if loaded is not None and loaded.is_available() and loaded.is_initialized():
         from distckpt.comm.torch_dist import TorchComm
 
         logger.debug("auto: using the initialized torch.distributed default group")

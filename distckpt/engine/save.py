@@ -255,12 +255,10 @@ def _exchange(comm: Communicator, plan: SavePlan, local: _Local) -> dict[int, di
     return received
 
 
-def _assemble(
-    piece: Piece, local: _Local, received: dict[int, bytes], rank: int, dtype: str
-) -> np.ndarray:
+def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int) -> np.ndarray:
     if len(piece.sources) == 1 and piece.sources[0][0] == rank and piece.sources[0][1] == piece.box:
         return local.arrays[piece.var]
-    out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(dtype))
+    out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(piece.dtype))
     for k, (src_rank, box) in enumerate(piece.sources):
         region = out[box.relative_to(piece.box).slices()]
         if src_rank == rank:
@@ -293,8 +291,7 @@ def _write(
         if piece.meta_file is not None and piece.meta is not None:
             write_file(root / piece.meta_file, zarr_meta.dumps(piece.meta))
             result.files_written += 1
-        dtype = piece.meta["data_type"] if piece.meta else _dtype_of(plan, piece)
-        data = _assemble(piece, local, received.get(piece.id, {}), rank, dtype)
+        data = _assemble(piece, local, received.get(piece.id, {}), rank)
         if data.size == 0:
             written[piece.id] = (0, 0)
             continue
@@ -310,12 +307,6 @@ def _write(
     return written
 
 
-def _dtype_of(plan: SavePlan, piece: Piece) -> str:
-    for var in plan.variables:
-        if var.name == piece.var:
-            assert var.dtype is not None
-            return var.dtype
-    raise KeyError(piece.var)
 
 
 def _tensor_entry(

@@ -21,6 +21,7 @@ chosen greedily by bytes, largest first, so the work spreads over the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ class Piece:
 
     id: int
     var: str
+    dtype: str
     file: str  # relative to the checkpoint root
     box: Box  # global coordinates of the data it stores
     block: tuple[int, ...]  # stored block shape (>= box lengths at array edges)
@@ -164,7 +166,7 @@ def make_save_plan(
                     small_bytes,
                     inner_bytes,
                 )
-                var.pieces.append(Piece(**{**piece.__dict__, "rank": rank}))
+                var.pieces.append(dataclasses.replace(piece, rank=rank))
                 balancer.load[rank] += _nbytes(d)
                 next_id += 1
         else:
@@ -273,6 +275,7 @@ def _plan_tensor(
             Piece(
                 id=next_id,
                 var=var.name,
+                dtype=dtype,
                 file=f"{var.path}/{zarr_meta.chunk_key([0] * len(shape))}",
                 box=Box.full(shape),
                 block=block,
@@ -298,6 +301,7 @@ def _plan_tensor(
                 Piece(
                     id=next_id,
                     var=var.name,
+                    dtype=dtype,
                     file=f"{var.path}/{zarr_meta.chunk_key(coord)}",
                     box=box,
                     block=grid,
@@ -352,6 +356,7 @@ def _single_block_piece(
     return Piece(
         id=piece_id,
         var=name,
+        dtype=dtype,
         file=f"{path}/{zarr_meta.chunk_key([0] * len(shape))}",
         box=box or Box.full(shape),
         block=block,

@@ -33,8 +33,12 @@ EMPTY = 2**64 - 1
 _IOV_MAX = 1024
 
 
-def crc32c(data: np.ndarray | bytes | memoryview) -> int:
-    return _crc.crc32c(data)
+def _view(data: np.ndarray | bytes | bytearray | memoryview) -> memoryview:
+    return data.data if isinstance(data, np.ndarray) else memoryview(data)
+
+
+def crc32c(data: np.ndarray | bytes | bytearray | memoryview) -> int:
+    return int(_crc.crc32c(_view(data)))
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
@@ -49,7 +53,7 @@ def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:
 def _write_all(fd: int, buffers: list[np.ndarray | bytes]) -> int:
     total = 0
     for start in range(0, len(buffers), _IOV_MAX):
-        batch: list[memoryview] = [memoryview(b) for b in buffers[start : start + _IOV_MAX]]
+        batch: list[memoryview] = [_view(b) for b in buffers[start : start + _IOV_MAX]]
         want = sum(b.nbytes for b in batch)
         done = os.writev(fd, batch)
         total += done
@@ -150,7 +154,7 @@ class PieceReader:
         fd = self._open()
         try:
             buf = np.empty(nbytes + 4, dtype=np.uint8)
-            got = os.preadv(fd, [memoryview(buf)], 0)
+            got = os.preadv(fd, [buf.data], 0)
         finally:
             os.close(fd)
         if got != nbytes + 4:
@@ -202,7 +206,7 @@ class PieceReader:
                 # Straight into the destination where it is one contiguous run: no copy.
                 direct = part == chunk_box and dst.flags.c_contiguous
                 target = as_bytes(dst) if direct else np.empty(chunk_bytes, dtype=np.uint8)
-                got = os.preadv(fd, [memoryview(target), crc_buf], offset)
+                got = os.preadv(fd, [target.data, crc_buf], offset)
                 if got != length or crc32c(target) != int.from_bytes(crc_buf, "little"):
                     raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
                 if not direct:
