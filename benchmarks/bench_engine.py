@@ -20,8 +20,8 @@ Contenders, all on identical data (float32 DTensors sharded on dim 0 over a 1-D 
 
 Case A: 16 x (4096 x 4096) float32 (1 GiB) saved on 4 ranks, loaded on 2 and on 3 ranks
 (DTensor Shard(0) targets on the new mesh: a resharded load). Each round is: save launch
-(4 ranks; untimed warm-up of every contender, then timed saves of all three, order
-rotated each round) -> load launch on 2 ranks -> load launch on 3 ranks (each: untimed
+(4 ranks; untimed warm-up save of every contender, then timed saves of all three, order
+rotated each round; each contender's warm-up copy is deleted right before its timed save) -> load launch on 2 ranks -> load launch on 3 ranks (each: untimed
 warm-up load of every contender, then timed loads, order rotated) -> delete.
 
 Case B: 1,000 tensors of 48 x 64 float32, saved and loaded on the same world size
@@ -368,9 +368,12 @@ class Worker:
         for who in spec["order"]:
             self.save(who, src, warm[who])
             self.barrier()
-        self.rmtree(*warm.values())
         paths = {c: Path(p) for c, p in spec["paths"].items()}
         for who in spec["order"]:
+            # Untimed: remove this contender's warm-up copy right before its timed save, so
+            # every contender writes into memory freed just before (see README: on this VM
+            # fresh pages are far more expensive than recycled ones).
+            self.rmtree(warm[who])
             span, own, res = self.timed(lambda w=who: self.save(w, src, paths[w]))
             ev = {"op": "save", "who": who, "world": self.world, "span": span, "own": own}
             if res is not None:

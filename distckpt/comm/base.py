@@ -8,14 +8,10 @@ ordinary size never goes through a communicator; each rank writes its own files.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pickle
-import traceback
-from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from distckpt.errors import RemoteError
+from distckpt.comm.outcome import Failure, first_failure
 
 #: Default bound, in seconds, on how long a collective waits for a missing rank.
 DEFAULT_TIMEOUT = 300.0
@@ -72,30 +68,6 @@ class Communicator(Protocol):
         """Like :meth:`gather`, for one byte buffer per rank (small tensors to one writer)."""
 
 
-def _portable(exc: BaseException) -> BaseException:
-    """Return ``exc`` if it survives pickling, else a RemoteError that says what it was."""
-    try:
-        clone = pickle.loads(pickle.dumps(exc))
-        if isinstance(clone, BaseException):
-            return exc
-    except Exception:  # noqa: BLE001 - any failure to pickle means "not portable"
-        pass
-    return RemoteError(f"{type(exc).__name__}: {exc}")
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)``, also on Python 3.10 (which stores but does not print notes)."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # pragma: no cover - Python 3.10
-        notes = getattr(exc, "__notes__", None)
-        if not isinstance(notes, list):
-            notes = []
-        notes.append(note)
-        with contextlib.suppress(AttributeError):
-            exc.__notes__ = notes  # type: ignore[attr-defined]
-
-
 def raise_if_any_failed(comm: Communicator, exc: BaseException | None) -> None:
     """Collective: if any rank passes an exception, raise it on every rank.
 
@@ -104,23 +76,7 @@ def raise_if_any_failed(comm: Communicator, exc: BaseException | None) -> None:
     The rank where it happened re-raises its own exception object. Ranks that passed
     ``None`` raise only when another rank failed, so every rank leaves the same way.
     """
-    payload: tuple[BaseException, str] | None = None
-    if exc is not None:
-        tb = "".join(traceback.format_exception(exc))
-        payload = (_portable(exc), tb)
-    statuses: Sequence[tuple[BaseException, str] | None] = comm.allgather(payload)
-    for failed_rank, status in enumerate(statuses):
-        if status is None:
-            continue
-        if failed_rank == comm.rank and exc is not None:
-            error = exc
-        else:
-            error = status[0]
-            note = f"[distckpt] raised on rank {failed_rank}; its traceback:\n{status[1]}"
-            _add_note(error, note)
-        with contextlib.suppress(AttributeError):
-            error.rank = failed_rank  # type: ignore[attr-defined]
-        if error is exc:
-            raise error
-        raise error from None
-    return None
+    payload = None if exc is None else Failure.capture(exc, comm.rank)
+    failure = first_failure(comm.allgather(payload))
+    if failure is not None:
+        failure.raise_here(comm.rank, exc)

@@ -40,9 +40,22 @@ class Failure:
             _set_rank(local, self.rank)
             raise local
         error = self.error
-        error.add_note(f"[distckpt] raised on rank {self.rank}; its traceback:\n{self.traceback}")
+        _add_note(error, f"[distckpt] raised on rank {self.rank}; its traceback:\n{self.traceback}")
         _set_rank(error, self.rank)
         raise error from None
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (which stores but does not print notes)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        notes = getattr(exc, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = []
+        notes.append(note)
+        with contextlib.suppress(AttributeError):
+            exc.__notes__ = notes  # type: ignore[attr-defined]
 
 
 def _set_rank(exc: BaseException, rank: int) -> None:

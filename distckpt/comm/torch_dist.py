@@ -63,6 +63,8 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
         return group, own
     seconds = resolve_timeout(timeout)
     world = dist.group.WORLD
+    for stale in [k for k in _SIDE_GROUPS if k[0] is not world]:  # from a destroyed world
+        del _SIDE_GROUPS[stale]
     key = (world, group, seconds)
     side = _SIDE_GROUPS.get(key)
     if side is None:

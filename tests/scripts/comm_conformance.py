@@ -143,7 +143,7 @@ def check_collectives(comm: Communicator, size: int, rank: int | None = None) ->
 
     for root in sorted({0, last}):
         assert comm.broadcast(item(r), root=root) == item(root)
-        assert comm.broadcast(None if r != root else None, root=root) is None
+        assert comm.broadcast(None, root=root) is None
         gathered = comm.gather(item(r), root=root)
         if r == root:
             assert gathered == [item(k) for k in range(n)], gathered
@@ -281,6 +281,8 @@ def main() -> None:
         assert found == args.expect, f"auto() returned {found}, expected {args.expect}"
     if args.mode == "single":
         check_collectives(SingleComm(), 1, 0)
+        # neither importing distckpt.comm nor auto() outside any launcher starts MPI
+        assert "mpi4py.MPI" not in sys.modules, "mpi4py.MPI was imported"
     elif args.mode == "mpi":
         check_mpi(args.size)
     elif args.mode == "torch":
