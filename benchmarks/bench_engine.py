@@ -242,6 +242,19 @@ def raw_verify(spec: dict[str, Any], writers: int, rank: int, world: int, buf, s
     return None
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, steal) jiffies of the whole machine, from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = f[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def own_cpu() -> int:
+    """utime + stime jiffies of this process (all its threads)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def evict(paths: list[Path]) -> None:
     """Drop the (clean) pages of every file under ``paths`` from the page cache."""
     for root in paths:
@@ -279,7 +292,8 @@ class Worker:
 
         self.distckpt, self.dcp = distckpt, dcp
         self.comm = distckpt.comm.auto()
-        self.out: dict[str, Any] = {"world": self.world, "events": []}
+        self.out: dict[str, Any] = {"world": self.world, "events": [],
+                                    "distckpt_file": distckpt.__file__}
         self.cold = spec["cold"]
 
     def barrier(self) -> None:
@@ -287,15 +301,25 @@ class Worker:
 
     def timed(self, fn) -> tuple[float, float, Any]:
         """Barrier, run ``fn`` on every rank, barrier; (span, slowest rank's own time, result)."""
+        c0 = own_cpu()
         self.barrier()
+        m0 = cpu_times() if self.rank == 0 else (0, 0)
         t0 = time.perf_counter()
         res = fn()
         t1 = time.perf_counter()
         self.barrier()
+        m1 = cpu_times() if self.rank == 0 else (0, 0)
+        c1 = own_cpu()
         spans: list[Any] = [None] * self.world
-        self.dist.all_gather_object(spans, (t0, t1))
-        span = max(e for _, e in spans) - min(s for s, _ in spans)
-        own = max(e - s for s, e in spans)
+        self.dist.all_gather_object(spans, (t0, t1, c1 - c0))
+        span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+        own = max(e - s for s, e, _ in spans)
+        # CPU used by other processes of the machine during the section, as a fraction of
+        # all CPUs (jiffies: coarse), and the steal time the hypervisor reported.
+        hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+        mine = sum(c for _, _, c in spans)
+        self.last_foreign = max(0.0, (m1[0] - m0[0] - mine) / hz / max(span, 1e-9) / ncpu)
+        self.last_steal = (m1[1] - m0[1]) / hz / max(span, 1e-9) / ncpu
         return span, own, res
 
     def allmax(self, d: dict[str, float]) -> dict[str, float]:
@@ -375,7 +399,8 @@ class Worker:
             # fresh pages are far more expensive than recycled ones).
             self.rmtree(warm[who])
             span, own, res = self.timed(lambda w=who: self.save(w, src, paths[w]))
-            ev = {"op": "save", "who": who, "world": self.world, "span": span, "own": own}
+            ev = {"op": "save", "who": who, "world": self.world, "span": span, "own": own,
+                  "foreign_cpu": self.last_foreign, "steal": self.last_steal}
             if res is not None:
                 ev["timings_max"] = self.allmax(res["timings"])
                 ev["timings_rank0"] = res["timings"]
@@ -402,7 +427,7 @@ class Worker:
             span, own, res = self.timed(lambda w=who: self.load(w, state, paths[w], buf, writers))
             self.verify_load(who, state, buf, writers, salt=spec["round"])
             ev = {"op": f"load{writers}->{self.world}", "who": who, "world": self.world,
-                  "span": span, "own": own}
+                  "span": span, "own": own, "foreign_cpu": self.last_foreign, "steal": self.last_steal}
             if res is not None:
                 ev["bytes_max"] = self.allmax({"b": float(res["bytes"])})["b"]
             self.out["events"].append(ev)
@@ -422,7 +447,8 @@ class Worker:
                 span, own, res = self.timed(lambda w=who: self.save(w, src, paths[w]))
                 if rnd >= 0:
                     ev = {"op": "save", "who": who, "world": self.world, "round": rnd,
-                          "span": span, "own": own}
+                          "span": span, "own": own, "foreign_cpu": self.last_foreign,
+                          "steal": self.last_steal}
                     if res is not None:
                         ev["timings_max"] = self.allmax(res["timings"])
                         ev["timings_rank0"] = res["timings"]
@@ -441,7 +467,9 @@ class Worker:
                 if rnd >= 0:
                     self.out["events"].append({"op": f"load{self.world}->{self.world}", "who": who,
                                                "world": self.world, "round": rnd,
-                                               "span": span, "own": own})
+                                               "span": span, "own": own,
+                                               "foreign_cpu": self.last_foreign,
+                                               "steal": self.last_steal})
             self.rmtree(*paths.values())
 
 
@@ -492,8 +520,52 @@ class Driver:
         self.events: list[dict[str, Any]] = []
         self.mem: list[dict[str, Any]] = []
         self.logdir = Path(tempfile.mkdtemp(prefix="bench_engine-logs-"))
+        self.snapshot = self.take_snapshot() if args.snapshot else None
+
+    def take_snapshot(self) -> dict[str, Any]:
+        """Copy the distckpt package as it is now: every launch of this run uses that copy,
+        even if the working tree changes while the benchmark runs."""
+        import hashlib
+        import importlib.util
+
+        spec = importlib.util.find_spec("distckpt")
+        assert spec is not None and spec.submodule_search_locations
+        src = Path(list(spec.submodule_search_locations)[0])
+        dst = self.logdir / "snapshot" / "distckpt"
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        digest = hashlib.sha256()
+        for f in sorted(dst.rglob("*.py")):
+            digest.update(str(f.relative_to(dst)).encode() + b"\0" + f.read_bytes())
+        info: dict[str, Any] = {"source": str(src), "sha256": digest.hexdigest()[:16], "path": str(dst.parent)}
+        try:
+            root = src.parent
+            info["git_head"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                              capture_output=True, text=True).stdout.strip()
+            info["git_dirty"] = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--", str(src)],
+                capture_output=True, text=True).stdout.split("\n")
+            info["git_dirty"] = [x for x in info["git_dirty"] if x]
+        except OSError:
+            pass
+        return info
+
+    def wait_idle(self) -> float:
+        """Wait (up to --wait-idle s) until other processes use < --idle-busy of the CPUs
+        over one second; return the last measured busy fraction."""
+        deadline = time.monotonic() + self.args.wait_idle
+        ncpu = os.cpu_count() or 1
+        hz = os.sysconf("SC_CLK_TCK")
+        while True:
+            b0, _ = cpu_times()
+            time.sleep(1.0)
+            b1, _ = cpu_times()
+            busy = (b1 - b0) / hz / ncpu
+            if busy < self.args.idle_busy or time.monotonic() > deadline:
+                return busy
+            time.sleep(4.0)
 
     def launch(self, nproc: int, spec: dict[str, Any], label: str) -> dict[str, Any]:
+        busy = self.wait_idle()
         fd, result = tempfile.mkstemp(prefix="res-", suffix=".json", dir=self.logdir)
         os.close(fd)
         spec = {**spec, "result": result}
@@ -502,9 +574,8 @@ class Driver:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).resolve().parent.parent)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-        )
+        first = self.snapshot["path"] if self.snapshot else str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(Path(__file__).resolve()), "--worker", str(spec_file)]
         log = self.logdir / f"{label}.log"
@@ -517,13 +588,19 @@ class Driver:
             sys.stderr.write(Path(log).read_text()[-6000:])
             raise SystemExit(f"launch {label} failed (rc {proc.returncode}); log {log}")
         out = json.loads(Path(result).read_text())
+        for e in out["events"]:
+            e["busy_before_launch"] = busy
+        if self.snapshot and not out["distckpt_file"].startswith(self.snapshot["path"]):
+            raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
         m = meminfo()
         self.mem.append({"after": label, **m})
         if m["MemAvailable"] < 3.0:
             raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
         print(f"  {label}: {wall:.1f}s launch; "
               + ", ".join(f"{e['op']} {e['who']} {e['span']:.3f}s" for e in out["events"])
-              + f"  [avail {m['MemAvailable']:.1f} GiB, shmem {m['Shmem']:.1f} GiB]", flush=True)
+              + f"  [avail {m['MemAvailable']:.1f} GiB, shmem {m['Shmem']:.1f} GiB, "
+              f"other CPU before {busy:.0%}, during timed max "
+              f"{max((e['foreign_cpu'] for e in out['events']), default=0):.0%}]", flush=True)
         return out
 
     def cold_for(self, d: Path) -> bool:
@@ -603,7 +680,10 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         row = {"case": case, "dir": d, "fs": es[0]["fs"], "op": op, "world": world, "who": who,
                "n": len(spans), "median_s": med(spans), "min_s": min(spans), "max_s": max(spans),
                "bytes": nbytes[case], "GiBps": nbytes[case] / GiB / med(spans),
-               "spans": spans}
+               "spans": spans, "other_cpu_median": med([e.get("foreign_cpu", 0.0) for e in es])}
+        br = [e["bytes_max"] for e in es if "bytes_max" in e]
+        if br:
+            row["bytes_read_max_rank"] = max(br)
         tm = [e["timings_max"] for e in es if "timings_max" in e]
         if tm:
             row["phases_median_max_over_ranks"] = {k: med([t[k] for t in tm]) for k in tm[0]}
@@ -662,10 +742,11 @@ def print_report(summary: dict[str, Any]) -> None:
     rows, ratios = summary["rows"], summary["ratios"]
     print()
     print(f"{'case':4} {'fs':6} {'op':10} {'world':>5} {'who':9} {'n':>2} {'median s':>9} "
-          f"{'min s':>8} {'max s':>8} {'GiB/s':>7}")
+          f"{'min s':>8} {'max s':>8} {'GiB/s':>7} {'oth%':>5}")
     for r in rows:
         print(f"{r['case']:4} {r['fs'][:6]:6} {r['op']:10} {r['world']:>5} {r['who']:9} {r['n']:>2} "
-              f"{r['median_s']:9.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['GiBps']:7.2f}")
+              f"{r['median_s']:9.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['GiBps']:7.2f} "
+              f"{100 * r['other_cpu_median']:5.0f}")
     print()
     print(f"{'ratio':36} {'fs':6} {'of medians':>10} {'paired med [min..max]':>24} {'target':>7} ok")
     for q in ratios:
@@ -700,8 +781,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
                    help="on a non-tmpfs dir, evict the files before each timed load (cold, default)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                   help="import distckpt from the working tree in every launch (default: a copy "
+                        "taken at start, so concurrent edits cannot mix versions within a run)")
     p.add_argument("--force", action="store_true", help="clear a non-empty --dir")
     p.add_argument("--launch-timeout", type=float, default=1800)
+    p.add_argument("--wait-idle", type=float, default=60,
+                   help="before each launch wait up to this many seconds for the machine to be idle")
+    p.add_argument("--idle-busy", type=float, default=0.25,
+                   help="'idle': other processes use less than this fraction of the CPUs")
     p.add_argument("--a-tensors", type=int, default=16)
     p.add_argument("--a-rows", type=int, default=4096)
     p.add_argument("--a-cols", type=int, default=4096)
@@ -733,6 +821,10 @@ def main(argv: list[str] | None = None) -> None:
     drv = Driver(args)
     print(f"bench_engine: cases {args.case}, dirs {args.dir}, {args.rounds} rounds; logs {drv.logdir}",
           flush=True)
+    if drv.snapshot:
+        print(f"distckpt snapshot {drv.snapshot['sha256']} of {drv.snapshot['source']} "
+              f"(HEAD {drv.snapshot.get('git_head', '?')[:10]}, {len(drv.snapshot.get('git_dirty', []))} "
+              "files modified)", flush=True)
     drv.run()
     summary = summarize(args, drv.events)
     print_report(summary)
@@ -743,7 +835,7 @@ def main(argv: list[str] | None = None) -> None:
                     "cpus": os.cpu_count(), "machine": platform.machine(),
                     "fs": {d: fs_type(Path(d).parent) for d in args.dir}},
             "wall_s": time.time() - t0, "summary": summary, "events": drv.events,
-            "memory": drv.mem,
+            "memory": drv.mem, "distckpt_snapshot": drv.snapshot,
         }
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"\nwrote {args.json}")

@@ -33,6 +33,9 @@ class MissingVariablesError(CheckpointError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 
+    def __reduce__(self) -> tuple[object, ...]:  # travels between ranks intact
+        return (type(self), (self.args[0], self.missing, self.unexpected), self.__dict__)
+
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The path is not a committed distckpt checkpoint (or it vanished while being read)."""

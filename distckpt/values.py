@@ -50,7 +50,8 @@ def encode(value: object, name: str = "") -> JSON:
         for k in value:
             if not isinstance(k, (*SCALARS, tuple)):
                 raise UnsupportedValueError(
-                    f"{name or 'value'}: dict key {k!r} of type {type(k).__name__} cannot be stored"
+                    f"variable {name or 'value'!r}: dict key {k!r} of type {type(k).__name__} "
+                    "cannot be stored"
                 )
         return {"dict": [[encode(k, name), encode(v, name)] for k, v in value.items()]}
     where = f"variable {name!r}: " if name else ""

@@ -38,8 +38,20 @@ SMALL_BYTES = 64  # tensors above 64 bytes are stored sharded
 INNER_BYTES = 64  # and cut into inner chunks of at most 64 bytes
 
 DTYPE_NAMES = [
-    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-    "int8", "int16", "int32", "int64", "uint8", "bool", "complex64", "complex128",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
 ]
 
 
@@ -200,19 +212,23 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> N
 def assert_same_value(got: Any, want: Any, where: str = "value") -> None:
     """Equal with the same types all the way down (tuple is not list, 1 is not 1.0 or True),
     NaN equal to NaN, -0.0 distinct from 0.0."""
-    assert type(got) is type(want), f"{where}: {type(got).__name__} {got!r} != {type(want).__name__} {want!r}"
+    assert type(got) is type(want), (
+        f"{where}: {type(got).__name__} {got!r} != {type(want).__name__} {want!r}"
+    )
     if isinstance(want, float):
         if math.isnan(want):
             assert math.isnan(got), f"{where}: {got!r} != nan"
         else:
-            assert got == want and math.copysign(1, got) == math.copysign(1, want), f"{where}: {got!r} != {want!r}"
+            assert got == want and math.copysign(1, got) == math.copysign(1, want), (
+                f"{where}: {got!r} != {want!r}"
+            )
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{where}: {got!r} != {want!r}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_value(g, w, f"{where}[{i}]")
     elif isinstance(want, dict):
         assert list(got) == list(want), f"{where}: keys {list(got)!r} != {list(want)!r}"
-        for (gk, gv), (wk, wv) in zip(got.items(), want.items()):
+        for (gk, gv), (wk, wv) in zip(got.items(), want.items(), strict=True):
             assert_same_value(gk, wk, f"{where} key {wk!r}")
             assert_same_value(gv, wv, f"{where}[{wk!r}]")
     else:

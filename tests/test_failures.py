@@ -42,6 +42,32 @@ def _script_module() -> Any:
 fs = _script_module()
 
 
+GROUPS: dict[str, list[str]] = {
+    "validation": [
+        "shape",
+        "dtype",
+        "overlap",
+        "gap",
+        "replica",
+        "value",
+        "kind",
+        "two",
+        "unsupported",
+        "unsupported-dtype",
+        "exists",
+    ],
+    "write-phase": [
+        "write-raise-rank1",
+        "write-enospc-last",
+        "write-raise-rank0",
+        "write-fresh-rank1",
+    ],
+    "load": ["load-shape-one", "load-corrupt-one"],
+    "load-missing-names": ["load-missing-all", "load-missing-one"],
+    "golden-resharded": ["save-prev", "golden", "final"],
+}
+
+
 def expected_cases(world: int) -> dict[str, tuple[str | None, int | None]]:
     """case -> (exception type every rank raises, rank it happened on)."""
     last = world - 1
@@ -68,47 +94,84 @@ def expected_cases(world: int) -> dict[str, tuple[str | None, int | None]]:
     return cases
 
 
-def assert_errors_run(proc: subprocess.CompletedProcess[str], world: int) -> None:
-    records: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            rec = json.loads(line[5:])
-            records[rec["case"]][rec["rank"]] = rec
-    fails = [line for line in proc.stdout.splitlines() if line.startswith("FAIL ")]
-    problems = []
-    for case, (typ, err_rank) in expected_cases(world).items():
-        got = records.get(case, {})
-        if sorted(got) != list(range(world)):
-            problems.append(f"{case}: reported by ranks {sorted(got)}")
-            continue
-        types = {r: rec["type"] for r, rec in got.items()}
-        if set(types.values()) != {typ}:
-            problems.append(f"{case}: types by rank {types}, expected {typ} everywhere")
-        ranks = {r: rec["err_rank"] for r, rec in got.items()}
-        if set(ranks.values()) != {err_rank}:
-            problems.append(f"{case}: err.rank by rank {ranks}, expected {err_rank}")
-        if typ is not None and len({rec["msg"] for rec in got.values()}) != 1:
-            problems.append(f"{case}: messages differ between ranks: {[r['msg'] for r in got.values()]}")
-    assert not problems and not fails, "\n".join(problems + fails) + "\n" + output(proc)
-    oks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
-    assert oks == list(range(world)), output(proc)
-    check(proc)
+class ErrorsRun:
+    """The output of one ``errors`` launch, parsed."""
+
+    def __init__(self, proc: subprocess.CompletedProcess[str], world: int) -> None:
+        self.proc, self.world = proc, world
+        self.records: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self.fails: dict[str, list[str]] = defaultdict(list)
+        for line in proc.stdout.splitlines():
+            if line.startswith("CASE "):
+                rec = json.loads(line[5:])
+                self.records[rec["case"]][rec["rank"]] = rec
+            elif line.startswith("FAIL "):
+                self.fails[line.split()[1]].append(line)
+
+    def problems(self, cases: list[str]) -> list[str]:
+        expected = expected_cases(self.world)
+        problems = []
+        for case in cases:
+            typ, err_rank = expected[case]
+            got = self.records.get(case, {})
+            if sorted(got) != list(range(self.world)):
+                problems.append(f"{case}: reported by ranks {sorted(got)}")
+                continue
+            types = {r: rec["type"] for r, rec in got.items()}
+            if set(types.values()) != {typ}:
+                problems.append(f"{case}: types by rank {types}, expected {typ} everywhere")
+            ranks = {r: rec["err_rank"] for r, rec in got.items()}
+            if set(ranks.values()) != {err_rank}:
+                problems.append(f"{case}: err.rank by rank {ranks}, expected {err_rank}")
+            messages = {rec["msg"] for rec in got.values()}
+            if typ is not None and len(messages) != 1:
+                problems.append(f"{case}: messages differ between ranks: {sorted(messages)}")
+            problems += self.fails.get(case, [])
+        return problems
 
 
 ERRORS_ENV = {"DISTCKPT_TIMEOUT": "30"}  # a desynchronised case fails instead of hanging
+LAUNCHERS = [
+    pytest.param(("mpi", 4), marks=needs_mpi, id="mpi4"),
+    pytest.param(("torchrun", 3), id="torchrun3"),
+]
 
 
-@needs_mpi
-@pytest.mark.timeout(150)
-def test_errors_mpi(tmp_path: Path) -> None:
-    proc = run_mpi(4, SCRIPT, "errors", str(tmp_path), "--golden", str(TWO_RANKS), timeout=140, env=ERRORS_ENV)
-    assert_errors_run(proc, 4)
+@pytest.fixture(scope="module", params=LAUNCHERS)
+def errors_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> ErrorsRun:
+    """One launch of every ``errors`` case, shared by the tests below."""
+    launcher, world = request.param
+    directory = tmp_path_factory.mktemp(f"errors-{launcher}")
+    args = ["errors", str(directory), "--golden", str(TWO_RANKS)]
+    if launcher == "mpi":
+        proc = run_mpi(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
+    else:
+        proc = run_torchrun(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
+    return ErrorsRun(proc, world)
 
 
-@pytest.mark.timeout(150)
-def test_errors_torchrun(tmp_path: Path) -> None:
-    proc = run_torchrun(3, SCRIPT, "errors", str(tmp_path), "--golden", str(TWO_RANKS), timeout=140, env=ERRORS_ENV)
-    assert_errors_run(proc, 3)
+@pytest.mark.timeout(160)
+def test_errors_launch_ran_every_case(errors_run: ErrorsRun) -> None:
+    """The job went through every case on every rank (no hang, no crash); when no check
+    failed, every rank said OK and the job exited with 0."""
+    run = errors_run
+    for case in expected_cases(run.world):
+        assert sorted(run.records.get(case, {})) == list(range(run.world)), (case, output(run.proc))
+    if not run.fails:
+        oks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", run.proc.stdout, re.MULTILINE))
+        assert oks == list(range(run.world)), output(run.proc)
+        check(run.proc)
+
+
+@pytest.mark.timeout(160)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_errors_on_every_rank(errors_run: ErrorsRun, group: str) -> None:
+    """Same exception type, failing rank and message on every rank; every per-rank check
+    of the script (message words, nothing written, previous checkpoint intact) passed."""
+    problems = errors_run.problems(GROUPS[group])
+    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- kill
@@ -116,7 +179,12 @@ def test_errors_torchrun(tmp_path: Path) -> None:
 
 def load_version(path: Path, world: int, version: int) -> None:
     """Single-process load of a checkpoint written by ``world`` ranks; bit-exact check."""
-    state: dict[str, Any] = {"w": torch.zeros(fs.ROWS * world, 16), "b": torch.zeros(20), "rng": distckpt.PerRank(None), "step": None}
+    state: dict[str, Any] = {
+        "w": torch.zeros(fs.ROWS * world, 16),
+        "b": torch.zeros(20),
+        "rng": distckpt.PerRank(None),
+        "step": None,
+    }
     distckpt.load(state, path, SingleComm())
     assert_same_bits(state["w"], fs.full_w(version, world), f"{path} w")
     assert_same_bits(state["b"], fs.full_b(version), f"{path} b")
@@ -165,7 +233,7 @@ def run_kill(launcher: str, world: int, directory: Path, overwrite: bool) -> Non
     assert sorted(collect_garbage(directory)) == left
     assert leftovers(directory) == []
     # and a new save to the same path succeeds (here from one process)
-    new = {"w": torch.arange(6.0), "step": 4}
+    new: dict[str, Any] = {"w": torch.arange(6.0), "step": 4}
     distckpt.save(new, target, SingleComm(), overwrite=overwrite)
     got: dict[str, Any] = {"w": torch.zeros(6), "step": None}
     distckpt.load(got, target, SingleComm())

@@ -19,7 +19,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from launch_util import HAVE_MPIEXEC, SCRIPTS, check, needs_mpi, output, run_mpi, run_single, run_torchrun
+from launch_util import (
+    HAVE_MPIEXEC,
+    SCRIPTS,
+    check,
+    needs_mpi,
+    output,
+    run_mpi,
+    run_single,
+    run_torchrun,
+)
 
 SCRIPT = SCRIPTS / "matrix.py"
 SIZES = (1, 2, 3, 4)
@@ -125,5 +134,10 @@ def test_strict_error_type_on_every_rank(request: pytest.FixtureRequest) -> None
             root = request.getfixturevalue("torch_saved")
             proc = run_torchrun(2, SCRIPT, "restore", str(root), "1", "2", timeout=LAUNCH_TIMEOUT)
         outputs.append(proc)
-    wrong = [line for proc in outputs for line in proc.stdout.splitlines() if line.startswith("ERROR-TYPE")]
+    wrong = [
+        line
+        for proc in outputs
+        for line in proc.stdout.splitlines()
+        if line.startswith("ERROR-TYPE")
+    ]
     assert not wrong, f"{len(wrong)} ranks raised the wrong type, e.g.:\n" + "\n".join(wrong[:6])

@@ -44,9 +44,20 @@ from distckpt.storage.staging import OWNER_FILE, Staging, collect_garbage, lefto
 pytestmark = pytest.mark.timeout(120)
 
 ALL_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-    torch.float8_e5m2, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-    torch.bool, torch.complex64, torch.complex128,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 
 
@@ -103,7 +114,7 @@ def flip_byte(path: Path, offset: int) -> None:
 
 def inner_chunk_offsets(path: Path, block: list[int], inner: list[int]) -> list[tuple[int, int]]:
     """(offset, length) of every inner chunk of a shard file, from its index (C order)."""
-    n = math.prod(b // i for b, i in zip(block, inner))
+    n = math.prod(b // i for b, i in zip(block, inner, strict=True))
     raw = path.read_bytes()
     index = np.frombuffer(raw[len(raw) - (n * 16 + 4) : -4], dtype="<u8").reshape(n, 2)
     return [(int(o), int(ln)) for o, ln in index]
@@ -115,7 +126,9 @@ def inner_chunk_offsets(path: Path, block: list[int], inner: list[int]) -> list[
 @pytest.mark.parametrize("layout", ["small", "sharded"])
 def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, layout: str) -> None:
     shape = (37, 5)
-    state = {str(d).removeprefix("torch."): random_tensor(d, shape, i) for i, d in enumerate(ALL_DTYPES)}
+    state = {
+        str(d).removeprefix("torch."): random_tensor(d, shape, i) for i, d in enumerate(ALL_DTYPES)
+    }
     kw = {"small_bytes": 0, "inner_bytes": 96} if layout == "sharded" else {}
     save1(state, tmp_path / "ck", **kw)
     stored = index_of(tmp_path / "ck")["variables"]
@@ -136,7 +149,7 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, layout: str) -> Non
 
 
 def test_zero_d_and_empty_tensors_round_trip(tmp_path: Path) -> None:
-    state = {
+    state: dict[str, Any] = {
         "scalar": torch.tensor(float("nan")),
         "empty": torch.zeros(0, 3),
         "empty_bf16": torch.zeros(4, 0, dtype=torch.bfloat16),
@@ -171,7 +184,7 @@ PY_VALUES: dict[str, Any] = {
     "tuple": (1, 2.5, "x", None, (True, [])),
     "empty": {"l": [], "t": (), "d": {}},
     "int_keys": {1: "a", 2: {3: "b"}},
-    "mixed_keys": {1: "int", "1": "str", True: "bool", None: "none", 2.5: "float"},
+    "mixed_keys": {1: "int", "1": "str", False: "bool", None: "none", 2.5: "float"},
     "tuple_keys": {(1, "a"): 2, (): 3},
     "nested": [{"a": (1, [2, {"b": float("nan")}])}, [[[]]]],
     "tricky_map": {"float": "nan", "tuple": [1, 2], "map": {"dict": 1}},
@@ -180,7 +193,10 @@ PY_VALUES: dict[str, Any] = {
 
 def test_python_values_keep_their_types(tmp_path: Path) -> None:
     w = torch.arange(6.0)
-    opt = {"state": {0: {"exp_avg": w * 2, "step": 3}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    opt = {
+        "state": {0: {"exp_avg": w * 2, "step": 3}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
     save1({"w": w, "opt": opt, **PY_VALUES}, tmp_path / "ck")
     target: dict[str, Any] = {k: None for k in PY_VALUES}
     target["w"] = torch.zeros(6)
@@ -215,10 +231,21 @@ class Opaque:
         ({"sh": distckpt.Shard(torch.zeros(4), (6,), (3,))}, "sh", ["outside", "[6]"]),
         ({"pr": distckpt.PerRank(Opaque())}, "pr", ["Opaque"]),
     ],
-    ids=["set", "object", "nested-set", "frozenset-key", "module", "uint16", "float-key",
-         "shard-outside", "per-rank-object"],
+    ids=[
+        "set",
+        "object",
+        "nested-set",
+        "frozenset-key",
+        "module",
+        "uint16",
+        "float-key",
+        "shard-outside",
+        "per-rank-object",
+    ],
 )
-def test_unsupported_values_write_nothing(tmp_path: Path, bad: dict, name: str, words: list[str]) -> None:
+def test_unsupported_values_write_nothing(
+    tmp_path: Path, bad: dict, name: str, words: list[str]
+) -> None:
     save1({"w": torch.ones(3), "kept": 1}, tmp_path / "old")
     before = snapshot(tmp_path)
     state = {"w": torch.ones(100_000), **bad}
@@ -236,8 +263,16 @@ def test_unsupported_values_write_nothing(tmp_path: Path, bad: dict, name: str, 
 
 def test_second_save_raises_then_overwrite_replaces_atomically(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
-    old = {"w": torch.arange(64.0).reshape(8, 8), "old_only": torch.ones(70_000), "step": 1}
-    new = {"w": torch.arange(64.0).reshape(8, 8) * -1, "new_only": torch.full((5,), 7), "step": 2}
+    old: dict[str, Any] = {
+        "w": torch.arange(64.0).reshape(8, 8),
+        "old_only": torch.ones(70_000),
+        "step": 1,
+    }
+    new: dict[str, Any] = {
+        "w": torch.arange(64.0).reshape(8, 8) * -1,
+        "new_only": torch.full((5,), 7),
+        "step": 2,
+    }
     save1(old, ck, small_bytes=1024)
     before = snapshot(tmp_path)
     with pytest.raises(CheckpointExists, match="overwrite=True") as ei:
@@ -249,7 +284,11 @@ def test_second_save_raises_then_overwrite_replaces_atomically(tmp_path: Path) -
     assert os.listdir(tmp_path) == ["ck"]  # no staging, no trash
     assert [v.name for v in distckpt.list_variables(ck)] == ["new_only", "step", "w"]
     assert not (ck / "old_only").exists()  # no file of the old checkpoint survives
-    target: dict[str, Any] = {"w": torch.zeros(8, 8), "new_only": torch.zeros(5, dtype=torch.int64), "step": None}
+    target: dict[str, Any] = {
+        "w": torch.zeros(8, 8),
+        "new_only": torch.zeros(5, dtype=torch.int64),
+        "step": None,
+    }
     load1(target, ck)
     assert_same_bits(target["w"], new["w"])
     assert_same_bits(target["new_only"], new["new_only"])
@@ -350,7 +389,10 @@ def test_newer_format_version_is_refused_clearly(simple_ckpt: Path, tmp_path: Pa
     doc = json.loads((ck / "zarr.json").read_bytes())
     doc["attributes"]["distckpt"]["format_version"] = 999
     (ck / "zarr.json").write_text(json.dumps(doc))
-    for call in (lambda: load1({"w": torch.zeros(20)}, ck, strict=False), lambda: distckpt.list_variables(ck)):
+    for call in (
+        lambda: load1({"w": torch.zeros(20)}, ck, strict=False),
+        lambda: distckpt.list_variables(ck),
+    ):
         with pytest.raises(UnsupportedFormatError) as ei:
             call()
         msg = str(ei.value)
@@ -446,18 +488,36 @@ def _damage(ck: Path, how: str) -> tuple[str, Path, str]:
     if how == "swap-shard":  # a valid shard of another save of the same shape
         save1({"big": BIG + 1}, ck.parent / "twin", small_bytes=1024, inner_bytes=1024)
         shutil.copyfile(ck.parent / "twin" / "big" / "c.0.0", big)
-        return "big", big, "shard index fails its crc32c checksum"
+        return "big", big, "shard checksum table does not match the checkpoint index"
+    if how == "flip-checksum-table":
+        flip_byte(big, 1)
+        return "big", big, "shard checksum table does not match the checkpoint index"
     raise AssertionError(how)
 
 
 @pytest.mark.parametrize(
     "how",
-    ["flip-inner-data", "flip-inner-crc", "flip-shard-index", "flip-small", "truncate-shard-tail",
-     "truncate-shard", "truncate-small", "delete-shard", "delete-small", "swap-shard"],
+    [
+        "flip-inner-data",
+        "flip-inner-crc",
+        "flip-shard-index",
+        "flip-small",
+        "truncate-shard-tail",
+        "truncate-shard",
+        "truncate-small",
+        "delete-shard",
+        "delete-small",
+        "swap-shard",
+        "flip-checksum-table",
+    ],
 )
 def test_corruption_is_detected_and_named(damaged: Path, how: str) -> None:
     name, file, words = _damage(damaged, how)
-    target = {"big": torch.zeros(16, 64), "small": torch.zeros(10), "other": torch.zeros(8, 32, dtype=torch.int64)}
+    target = {
+        "big": torch.zeros(16, 64),
+        "small": torch.zeros(10),
+        "other": torch.zeros(8, 32, dtype=torch.int64),
+    }
     with pytest.raises(CorruptCheckpointError) as ei:
         load1(target, damaged)
     msg = str(ei.value)
@@ -499,16 +559,19 @@ def test_zarr_python_and_tensorstore_read_the_global_tensor(tmp_path: Path) -> N
     zarr_dtypes.register()
     f32 = random_tensor(torch.float32, (33, 20), 1)
     bf16 = random_tensor(torch.bfloat16, (33, 20), 2)
-    state = {"f32": f32, "nested": {"bf16": bf16}, "tiny": torch.arange(3.0)}
+    state: dict[str, Any] = {"f32": f32, "nested": {"bf16": bf16}, "tiny": torch.arange(3.0)}
     save1(state, tmp_path / "ck", small_bytes=64, inner_bytes=256)
     layouts = {k: v["layout"] for k, v in index_of(tmp_path / "ck")["variables"].items()}
     assert layouts == {"f32": "regular", "nested/bf16": "regular", "tiny": "small"}
     for name, want in (("f32", f32), ("nested/bf16", bf16), ("tiny", state["tiny"])):
-        arr = zarr.open_array(str(tmp_path / "ck" / name), mode="r")[...]
+        arr: Any = zarr.open_array(str(tmp_path / "ck" / name), mode="r")[...]
         assert arr.shape == tuple(want.shape)
         assert np.ascontiguousarray(arr).tobytes() == tensor_bytes(want), name
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "ck" / name)}}
-        got = ts.open(spec, read=True).result().read().result()
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(tmp_path / "ck" / name)},
+        }
+        got: Any = ts.open(spec, read=True).result().read().result()
         assert got.shape == tuple(want.shape)
         assert np.ascontiguousarray(got).tobytes() == tensor_bytes(want), name
 
@@ -521,8 +584,15 @@ def _enospc(*_args: Any, **_kw: Any) -> Any:
 
 
 @pytest.mark.parametrize("where", ["write_sharded", "second-writev", "write_plain"])
-def test_full_disk_keeps_committed_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    old = {"a": random_tensor(torch.float32, (64, 32), 3), "b": random_tensor(torch.int16, (4, 1000), 4), "c": torch.arange(5), "step": 1}
+def test_full_disk_keeps_committed_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    old: dict[str, Any] = {
+        "a": random_tensor(torch.float32, (64, 32), 3),
+        "b": random_tensor(torch.int16, (4, 1000), 4),
+        "c": torch.arange(5),
+        "step": 1,
+    }
     other = {"x": random_tensor(torch.bfloat16, (50, 10), 5)}
     new = {k: (v + 1 if isinstance(v, torch.Tensor) else 2) for k, v in old.items()}
     kw = {"small_bytes": 1024, "inner_bytes": 1024}
@@ -553,7 +623,10 @@ def test_full_disk_keeps_committed_checkpoints(tmp_path: Path, monkeypatch: pyte
         assert leftovers(tmp_path) == []
     monkeypatch.undo()
     for path, state in ((tmp_path / "ck", old), (tmp_path / "other", other)):
-        target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
+        target = {
+            k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+            for k, v in state.items()
+        }
         load1(target, path)
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
@@ -598,7 +671,17 @@ def _fake_staging(parent: Path, name: str, token: str, *, pid: int, host: str, a
     (d / "w").mkdir(parents=True)
     (d / "w" / "c.0").write_bytes(b"\0" * 100)  # a piece, half written
     owner = d / OWNER_FILE
-    owner.write_text(json.dumps({"host": host, "pid": pid, "started": time.time() - age, "world_size": 2, "target": name}))
+    owner.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "pid": pid,
+                "started": time.time() - age,
+                "world_size": 2,
+                "target": name,
+            }
+        )
+    )
     t = time.time() - age
     os.utime(owner, (t, t))
     return d

@@ -143,50 +143,57 @@ def save(
     t_describe = time.perf_counter()
     staging: Staging | None = None
     decision: Any = None
-    if comm.rank == COORDINATOR:
-        assert gathered is not None
-        decision = first_failure(gathered)
-        if decision is None:
-            try:
-                decision, staging = _plan(
-                    gathered, final, overwrite, comm.size, small_bytes, inner_bytes
-                )
-            except Exception as exc:
-                local_error, decision = exc, Failure.capture(exc, comm.rank)
-    decision = comm.broadcast(decision, root=COORDINATOR)
-    if isinstance(decision, Failure):
-        decision.raise_here(comm.rank, local_error)
-    plan: SavePlan = decision
-    assert local is not None
-    t_plan = time.perf_counter()
-
-    # 3-4. Exchange small tensors, write.
-    report: Any
     try:
-        received = _exchange(comm, plan, local)
-        t_exchange = time.perf_counter()
-        report = _write(plan, local, received, comm.rank, final, result)
-    except Exception as exc:
-        t_exchange = time.perf_counter()
-        local_error, report = exc, Failure.capture(exc, comm.rank)
-    reports = comm.gather(report, root=COORDINATOR)
-    t_write = time.perf_counter()
+        if comm.rank == COORDINATOR:
+            assert gathered is not None
+            decision = first_failure(gathered)
+            if decision is None:
+                try:
+                    decision, staging = _plan(
+                        gathered, final, overwrite, comm.size, small_bytes, inner_bytes
+                    )
+                except Exception as exc:
+                    local_error, decision = exc, Failure.capture(exc, comm.rank)
+        decision = comm.broadcast(decision, root=COORDINATOR)
+        if isinstance(decision, Failure):
+            decision.raise_here(comm.rank, local_error)
+        plan: SavePlan = decision
+        assert local is not None
+        t_plan = time.perf_counter()
 
-    # 5. Commit.
-    outcome: Failure | None = None
-    if comm.rank == COORDINATOR:
-        assert reports is not None and staging is not None
-        outcome = first_failure(reports)
-        if outcome is None:
+        # 3-4. Exchange small tensors, write.
+        report: Any
+        received, report = _exchange(comm, plan, local)
+        t_exchange = time.perf_counter()
+        if not isinstance(report, Failure):
             try:
-                _commit(plan, reports, staging, final, overwrite)
+                report = _write(plan, local, received, comm.rank, final, result)
             except Exception as exc:
-                local_error, outcome = exc, Failure.capture(exc, comm.rank)
+                local_error, report = exc, Failure.capture(exc, comm.rank)
+        reports = comm.gather(report, root=COORDINATOR)
+        t_write = time.perf_counter()
+
+        # 5. Commit.
+        outcome: Failure | None = None
+        if comm.rank == COORDINATOR:
+            assert reports is not None and staging is not None
+            outcome = first_failure(reports)
+            if outcome is None:
+                try:
+                    _commit(plan, reports, staging, final, overwrite)
+                except Exception as exc:
+                    local_error, outcome = exc, Failure.capture(exc, comm.rank)
+            if outcome is not None:
+                staging.abort()
+        outcome = comm.broadcast(outcome, root=COORDINATOR)
         if outcome is not None:
+            outcome.raise_here(comm.rank, local_error)
+    except BaseException:
+        # A collective that failed (a dead rank, a time-out) skips the normal abort: never
+        # leave a staging directory whose heartbeat would keep it looking alive.
+        if staging is not None:
             staging.abort()
-    outcome = comm.broadcast(outcome, root=COORDINATOR)
-    if outcome is not None:
-        outcome.raise_here(comm.rank, local_error)
+        raise
     t_end = time.perf_counter()
     result.timings = {
         "describe": t_describe - t0,
@@ -233,26 +240,41 @@ def _plan(
     return plan, Staging(final, token, world)
 
 
-def _exchange(comm: Communicator, plan: SavePlan, local: _Local) -> dict[int, dict[int, bytes]]:
-    """Send the boxes of small tensors to their writers (one gather per writer)."""
+def _exchange(
+    comm: Communicator, plan: SavePlan, local: _Local
+) -> tuple[dict[int, dict[int, bytes]], Failure | None]:
+    """Send the boxes of small tensors to their writers (one gather per writer).
+
+    Every rank takes part in every gather, even after a local error (it then sends
+    nothing and reports the error), so no rank is left waiting.
+    """
+    writers = sorted(
+        {
+            p.writer
+            for v in plan.variables
+            for p in v.pieces
+            if any(r != p.writer for r, _ in p.sources)
+        }
+    )
     outgoing: dict[int, dict[tuple[int, int], bytes]] = defaultdict(dict)
-    writers: set[int] = set()
-    for var in plan.variables:
-        for piece in var.pieces:
-            for k, (rank, _box) in enumerate(piece.sources):
-                if rank != piece.writer:
-                    writers.add(piece.writer)
-                    if rank == comm.rank:
+    failure: Failure | None = None
+    try:
+        for var in plan.variables:
+            for piece in var.pieces:
+                for k, (rank, _box) in enumerate(piece.sources):
+                    if rank == comm.rank and rank != piece.writer:
                         arr = local.arrays[piece.var]
                         outgoing[piece.writer][(piece.id, k)] = shard_io.as_bytes(arr).tobytes()
+    except Exception as exc:
+        failure, outgoing = Failure.capture(exc, comm.rank), defaultdict(dict)
     received: dict[int, dict[int, bytes]] = defaultdict(dict)
-    for writer in sorted(writers):
+    for writer in writers:
         gathered = comm.gather(outgoing.get(writer, {}), root=writer)
         if gathered is not None:
             for part in gathered:
                 for (piece_id, k), data in part.items():
                     received[piece_id][k] = data
-    return received
+    return received, failure
 
 
 def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int) -> np.ndarray:
@@ -305,8 +327,6 @@ def _write(
     for d in sorted(dirs, key=lambda p: -len(p.parts)):
         fsync_dir(d)
     return written
-
-
 
 
 def _tensor_entry(

@@ -17,8 +17,9 @@ Layout of ``<checkpoint>/zarr.json``::
 
 A checkpoint is committed exactly when its directory is under its final name; the index
 is written last, into the staging directory, before the rename. Nothing else in the
-directory is trusted unless the index names it. ``crc`` is the crc32c stored in the
-piece's last four bytes (of the shard index, or of a plain chunk).
+directory is trusted unless the index names it. ``crc`` is the piece's data checksum:
+the crc32c of a shard's checksum table, or of a plain chunk's bytes
+(see :mod:`distckpt.storage.shard_io`).
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ def read_index(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
         index = doc["attributes"][ATTRIBUTE]
-    except (ValueError, KeyError, TypeError):
-        raise CorruptCheckpointError(
-            f"{path} is not a distckpt index (unreadable JSON or no '{ATTRIBUTE}' attributes)"
+    except ValueError:
+        raise CorruptCheckpointError(f"{path}: the index is not readable JSON") from None
+    except (KeyError, TypeError):
+        raise CheckpointNotFoundError(
+            f"{checkpoint} is not a distckpt checkpoint (its zarr.json has no "
+            f"'{ATTRIBUTE}' index)"
         ) from None
     if index.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path}: unknown format {index.get('format')!r}")

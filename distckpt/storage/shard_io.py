@@ -7,12 +7,16 @@ A *piece* is one file holding one box of a variable. Two formats, both zarr v3:
   its crc32c; then the shard index (per inner chunk, in C order: offset and length as
   little-endian uint64, both ``2**64-1`` for a chunk that is absent) and the index's own
   crc32c. A reader fetches the index, then only the inner chunks it needs.
+  distckpt also puts a *checksum table* at the start of the file, where zarr readers
+  never look (the shard index does not point there): the crc32c of every inner chunk as
+  little-endian uint32, in C order, 0 for an absent one.
 * **plain**: the whole chunk's bytes followed by their crc32c (codecs ``bytes`` +
   ``crc32c``), for small arrays.
 
-The last four bytes of every piece are therefore a crc32c (of the shard index, or of the
-whole chunk); the checkpoint index records them, so a file swapped for another or
-truncated is caught before its data is used.
+The checkpoint index records one crc32c per piece: of the checksum table for a shard, of
+the data for a plain chunk. Both depend on the data, so a file swapped for another of the
+same shape, truncated, or damaged is caught before its bytes are used, and a reader that
+needs one inner chunk still verifies it against the index without reading the others.
 """
 
 from __future__ import annotations
@@ -77,13 +81,14 @@ def write_sharded(
 
     ``data.shape`` may be smaller than ``block`` at the edge of the array: inner chunks
     that lie wholly outside ``data`` are marked absent, partly outside ones are padded with
-    zeros. Returns (file size, crc32c of the shard index).
+    zeros. Returns (file size, crc32c of the checksum table).
     """
     grid = inner_grid(block, inner)
     data_box = Box.full(data.shape)
     index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
-    buffers: list[np.ndarray | bytes] = []
-    offset = 0
+    table = np.zeros(math.prod(grid), dtype="<u4")
+    buffers: list[np.ndarray | bytes] = [table]
+    offset = table.nbytes
     for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
         chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
         part = chunk_box.intersect(data_box)
@@ -95,14 +100,14 @@ def write_sharded(
             chunk = np.zeros(tuple(inner), dtype=data.dtype)
             chunk[part.relative_to(chunk_box).slices()] = data[part.slices()]
         raw = as_bytes(chunk)
+        table[linear] = crc32c(raw)
         buffers.append(raw)
-        buffers.append(struct.pack("<I", crc32c(raw)))
+        buffers.append(struct.pack("<I", table[linear]))
         index[linear] = (offset, raw.nbytes + 4)
         offset += raw.nbytes + 4
     index_bytes = index.tobytes()
-    index_crc = crc32c(index_bytes)
     buffers.append(index_bytes)
-    buffers.append(struct.pack("<I", index_crc))
+    buffers.append(struct.pack("<I", crc32c(index_bytes)))
     fd = _open_new(path)
     try:
         size = _write_all(fd, buffers)
@@ -110,7 +115,7 @@ def write_sharded(
             os.fsync(fd)
     finally:
         os.close(fd)
-    return size, index_crc
+    return size, crc32c(table)
 
 
 def write_plain(path: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
@@ -153,12 +158,13 @@ class PieceReader:
         nbytes = math.prod(block) * self.dtype.itemsize
         fd = self._open()
         try:
+            size = os.fstat(fd).st_size
             buf = np.empty(nbytes + 4, dtype=np.uint8)
             got = os.preadv(fd, [buf.data], 0)
         finally:
             os.close(fd)
-        if got != nbytes + 4:
-            raise self._corrupt(f"chunk is {got} bytes, expected {nbytes + 4}")
+        if got != nbytes + 4 or size != nbytes + 4:
+            raise self._corrupt(f"chunk is {size} bytes, expected {nbytes + 4}")
         stored = int.from_bytes(buf[nbytes:].tobytes(), "little")
         if stored != self.expected_crc or crc32c(buf[:nbytes]) != stored:
             raise self._corrupt("chunk fails its crc32c checksum")
@@ -180,12 +186,15 @@ class PieceReader:
             index_len = nchunks * 16 + 4
             if size < index_len:
                 raise self._corrupt(f"shard is truncated ({size} bytes)")
+            raw_table = os.pread(fd, nchunks * 4, 0)
+            if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
+                raise self._corrupt("shard checksum table does not match the checkpoint index")
+            table = np.frombuffer(raw_table, dtype="<u4")
             raw_index = os.pread(fd, index_len, size - index_len)
-            stored = int.from_bytes(raw_index[-4:], "little")
-            if stored != self.expected_crc or crc32c(raw_index[:-4]) != stored:
+            if crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:], "little"):
                 raise self._corrupt("shard index fails its crc32c checksum")
             index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
-            total = index_len
+            total = index_len + len(raw_table)
             first = tuple(o // i for o, i in zip(src.offsets, inner, strict=True))
             last = tuple(
                 (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)
@@ -207,7 +216,8 @@ class PieceReader:
                 direct = part == chunk_box and dst.flags.c_contiguous
                 target = as_bytes(dst) if direct else np.empty(chunk_bytes, dtype=np.uint8)
                 got = os.preadv(fd, [target.data, crc_buf], offset)
-                if got != length or crc32c(target) != int.from_bytes(crc_buf, "little"):
+                crc = int.from_bytes(crc_buf, "little")
+                if got != length or crc != table[linear] or crc32c(target) != crc:
                     raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
                 if not direct:
                     chunk = target.view(self.dtype).reshape(tuple(inner))

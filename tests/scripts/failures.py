@@ -62,7 +62,8 @@ from distckpt.errors import (
 from distckpt.storage import shard_io
 from distckpt.storage.staging import leftovers
 
-KW = {"small_bytes": 256, "inner_bytes": 128}  # w: 4 inner chunks of 2 rows per shard
+# w: 4 inner chunks of 2 rows per shard
+KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}
 ROWS = 8  # rows of w per rank
 
 
@@ -79,7 +80,11 @@ class DiskOnFire(Exception):
 
 
 def full_w(version: int, world: int) -> torch.Tensor:
-    return torch.arange(ROWS * world * 16, dtype=torch.float32).reshape(ROWS * world, 16) * (version + 1) / 3
+    return (
+        torch.arange(ROWS * world * 16, dtype=torch.float32).reshape(ROWS * world, 16)
+        * (version + 1)
+        / 3
+    )
 
 
 def full_b(version: int) -> torch.Tensor:
@@ -110,8 +115,10 @@ def verify(comm: Communicator, path: Path, version: int) -> list[str]:
     """Load ``path`` on every rank (w whole) and compare with ``version``; problems found."""
     rank, world = comm.rank, comm.size
     state: dict[str, Any] = {
-        "w": torch.zeros(ROWS * world, 16), "b": torch.zeros(20),
-        "rng": distckpt.PerRank(None), "step": None,
+        "w": torch.zeros(ROWS * world, 16),
+        "b": torch.zeros(20),
+        "rng": distckpt.PerRank(None),
+        "step": None,
     }
     distckpt.load(state, path, comm)
     problems = []
@@ -135,7 +142,11 @@ class Spy:
     def __init__(self) -> None:
         self.writes: list[str] = []
         self.stagings = 0
-        real_sharded, real_plain, real_file = shard_io.write_sharded, shard_io.write_plain, save_mod.write_file
+        real_sharded, real_plain, real_file = (
+            shard_io.write_sharded,
+            shard_io.write_plain,
+            save_mod.write_file,
+        )
         real_staging = save_mod.Staging
         spy = self
 
@@ -159,7 +170,7 @@ class Spy:
         shard_io.write_sharded = write_sharded
         shard_io.write_plain = write_plain
         save_mod.write_file = write_file
-        save_mod.Staging = CountingStaging
+        save_mod.Staging = CountingStaging  # type: ignore[misc]
 
     def reset(self) -> None:
         self.writes.clear()
@@ -220,8 +231,11 @@ class Runner:
             err = exc
         msg = "" if err is None else str(err)
         record = {
-            "case": case, "rank": self.comm.rank, "type": type(err).__name__ if err else None,
-            "err_rank": getattr(err, "rank", None), "msg": msg[:400],
+            "case": case,
+            "rank": self.comm.rank,
+            "type": type(err).__name__ if err else None,
+            "err_rank": getattr(err, "rank", None),
+            "msg": msg[:400],
         }
         emit("CASE " + json.dumps(record))
         problems: list[str] = []
@@ -254,8 +268,12 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     run = Runner(comm, directory)
     prev, bad, fresh = directory / "prev", directory / "bad", directory / "fresh"
 
-    run.case("save-prev", lambda: distckpt.save(good_state(rank, world, 1), prev, comm, **KW), None,
-             after=lambda: verify(comm, prev, 1))
+    run.case(
+        "save-prev",
+        lambda: distckpt.save(good_state(rank, world, 1), prev, comm, **KW),
+        None,
+        after=lambda: verify(comm, prev, 1),
+    )
     spy = Spy()
 
     def nothing_written(path: Path) -> Callable[[], list[str]]:
@@ -274,7 +292,9 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
 
         return after
 
-    def saving(edit: Callable[[dict[str, Any]], None], path: Path = bad, **kw: Any) -> Callable[[], Any]:
+    def saving(
+        edit: Callable[[dict[str, Any]], None], path: Path = bad, **kw: Any
+    ) -> Callable[[], Any]:
         def fn() -> Any:
             state = good_state(rank, world, 5)
             edit(state)
@@ -324,23 +344,62 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
         s["u"] = torch.zeros(2, dtype=torch.uint16 if rank == last else torch.int16)
 
     validation = [
-        ("shape", shape, ("'w'", f"global shape [{gw}, 16] on rank 0", f"[{gw}, 17] on rank {last}")),
+        (
+            "shape",
+            shape,
+            ("'w'", f"global shape [{gw}, 16] on rank 0", f"[{gw}, 17] on rank {last}"),
+        ),
         ("dtype", dtype, ("'w'", "dtype float32 on rank 0", f"float64 on rank {last}")),
-        ("overlap", overlap, ("'w'", f"[0:{ROWS + 1}, 0:16] (rank 0)", f"[{ROWS}:{2 * ROWS}, 0:16] (rank 1)", "overlap partially")),
-        ("gap", gap, ("'w'", f"cover {(gw - 1) * 16} of the {gw * 16} elements", f"global shape [{gw}, 16]")),
+        (
+            "overlap",
+            overlap,
+            (
+                "'w'",
+                f"[0:{ROWS + 1}, 0:16] (rank 0)",
+                f"[{ROWS}:{2 * ROWS}, 0:16] (rank 1)",
+                "overlap partially",
+            ),
+        ),
+        (
+            "gap",
+            gap,
+            ("'w'", f"cover {(gw - 1) * 16} of the {gw * 16} elements", f"global shape [{gw}, 16]"),
+        ),
         ("replica", replica, ("'b'", "replicated", f"differs between rank 0 and rank {last}")),
-        ("value", value, ("'step'", "the value differs between rank 0 (5) and rank 1 (6)", "PerRank")),
+        (
+            "value",
+            value,
+            ("'step'", "the value differs between rank 0 (5) and rank 1 (6)", "PerRank"),
+        ),
         ("kind", kind, ("'step' is a value on rank 0 but a tensor on rank 1",)),
         ("two", two, ("'w'", "'step'", f"on rank {last}", "rank 1 (6)")),
     ]
     for name, edit, words in validation:
         run.case(name, saving(edit), ValidationError, 0, words, after=nothing_written(bad))
-    run.case("unsupported", saving(unsupported), UnsupportedValueError, 1, ("'cfg'", "builtins.set"),
-             after=nothing_written(bad))
-    run.case("unsupported-dtype", saving(bad_dtype), UnsupportedValueError, last, ("'u'", "uint16"),
-             after=nothing_written(bad))
-    run.case("exists", saving(lambda s: None, prev), CheckpointExists, 0, (str(prev), "overwrite=True"),
-             after=nothing_written(bad))
+    run.case(
+        "unsupported",
+        saving(unsupported),
+        UnsupportedValueError,
+        1,
+        ("'cfg'", "builtins.set"),
+        after=nothing_written(bad),
+    )
+    run.case(
+        "unsupported-dtype",
+        saving(bad_dtype),
+        UnsupportedValueError,
+        last,
+        ("'u'", "uint16"),
+        after=nothing_written(bad),
+    )
+    run.case(
+        "exists",
+        saving(lambda s: None, prev),
+        CheckpointExists,
+        0,
+        (str(prev), "overwrite=True"),
+        after=nothing_written(bad),
+    )
 
     # ---- errors in the write phase
     def clean_and_prev_intact() -> list[str]:
@@ -350,23 +409,56 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
         return problems + verify(comm, prev, 1)
 
     def enospc(err: BaseException | None) -> list[str]:
-        return [] if getattr(err, "errno", None) == errno.ENOSPC else [f"errno of {err!r} is not ENOSPC"]
+        return (
+            []
+            if getattr(err, "errno", None) == errno.ENOSPC
+            else [f"errno of {err!r} is not ENOSPC"]
+        )
 
-    def failing_write(who: int, obj: Any, name: str, value: Any, path: Path, overwrite: bool) -> Callable[[], Any]:
+    def failing_write(
+        who: int, obj: Any, name: str, value: Any, path: Path, overwrite: bool
+    ) -> Callable[[], Any]:
         def fn() -> Any:
             with Patch(obj, name, value, active=rank == who):
-                return distckpt.save(good_state(rank, world, 7), path, comm, overwrite=overwrite, **KW)
+                return distckpt.save(
+                    good_state(rank, world, 7), path, comm, overwrite=overwrite, **KW
+                )
 
         return fn
 
-    run.case("write-raise-rank1", failing_write(1, shard_io, "write_sharded", raise_on_fire, prev, True),
-             DiskOnFire, 1, ("on fire",), after=clean_and_prev_intact)
-    run.case("write-enospc-last", failing_write(last, os, "writev", raise_enospc, prev, True),
-             OSError, last, ("No space left",), check=enospc, after=clean_and_prev_intact)
-    run.case("write-raise-rank0", failing_write(0, shard_io, "write_sharded", raise_on_fire, prev, True),
-             DiskOnFire, 0, ("on fire",), after=clean_and_prev_intact)
-    run.case("write-fresh-rank1", failing_write(1, shard_io, "write_sharded", raise_on_fire, fresh, False),
-             DiskOnFire, 1, ("on fire",), after=clean_and_prev_intact)
+    run.case(
+        "write-raise-rank1",
+        failing_write(1, shard_io, "write_sharded", raise_on_fire, prev, True),
+        DiskOnFire,
+        1,
+        ("on fire",),
+        after=clean_and_prev_intact,
+    )
+    run.case(
+        "write-enospc-last",
+        failing_write(last, os, "writev", raise_enospc, prev, True),
+        OSError,
+        last,
+        ("No space left",),
+        check=enospc,
+        after=clean_and_prev_intact,
+    )
+    run.case(
+        "write-raise-rank0",
+        failing_write(0, shard_io, "write_sharded", raise_on_fire, prev, True),
+        DiskOnFire,
+        0,
+        ("on fire",),
+        after=clean_and_prev_intact,
+    )
+    run.case(
+        "write-fresh-rank1",
+        failing_write(1, shard_io, "write_sharded", raise_on_fire, fresh, False),
+        DiskOnFire,
+        1,
+        ("on fire",),
+        after=clean_and_prev_intact,
+    )
 
     # ---- errors in load
     def loading(edit: Callable[[dict[str, Any]], None], path: Path = prev) -> Callable[[], Any]:
@@ -377,9 +469,14 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
 
         return fn
 
-    def names(missing: list[str], unexpected: list[str]) -> Callable[[BaseException | None], list[str]]:
+    def names(
+        missing: list[str], unexpected: list[str]
+    ) -> Callable[[BaseException | None], list[str]]:
         def check(err: BaseException | None) -> list[str]:
-            if getattr(err, "missing", None) != missing or getattr(err, "unexpected", None) != unexpected:
+            if (
+                getattr(err, "missing", None) != missing
+                or getattr(err, "unexpected", None) != unexpected
+            ):
                 return [f"missing/unexpected of {err!r} are not {missing}/{unexpected}"]
             return []
 
@@ -397,13 +494,29 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
         if rank == 1:
             s["b"] = torch.zeros(21)
 
-    run.case("load-missing-all", loading(extra_everywhere), MissingVariablesError, 0,
-             ("missing from the checkpoint: extra",), check=names(["extra"], []))
-    run.case("load-missing-one", loading(extra_on_last), MissingVariablesError, last,
-             ("missing from the checkpoint: extra", "in the checkpoint but not in the state: step"),
-             check=names(["extra"], ["step"]))
-    run.case("load-shape-one", loading(wrong_shape_on_1), ShapeMismatchError, 1,
-             ("'b'", "shape in the state [21]", "checkpoint: [20]"))
+    run.case(
+        "load-missing-all",
+        loading(extra_everywhere),
+        MissingVariablesError,
+        0,
+        ("missing from the checkpoint: extra",),
+        check=names(["extra"], []),
+    )
+    run.case(
+        "load-missing-one",
+        loading(extra_on_last),
+        MissingVariablesError,
+        last,
+        ("missing from the checkpoint: extra", "in the checkpoint but not in the state: step"),
+        check=names(["extra"], ["step"]),
+    )
+    run.case(
+        "load-shape-one",
+        loading(wrong_shape_on_1),
+        ShapeMismatchError,
+        1,
+        ("'b'", "shape in the state [21]", "checkpoint: [20]"),
+    )
 
     corrupt = directory / "corrupt"
     if rank == 0:
@@ -415,15 +528,23 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     mine = torch.full((ROWS, 16), -1.0)
 
     def load_own_rows() -> Any:
-        return distckpt.load({"w": distckpt.Shard(mine, (gw, 16), (ROWS * rank, 0))}, corrupt, comm, strict=False)
+        return distckpt.load(
+            {"w": distckpt.Shard(mine, (gw, 16), (ROWS * rank, 0))}, corrupt, comm, strict=False
+        )
 
     def own_rows_read(err: BaseException | None) -> list[str]:
         if rank != last and bits(mine) != bits(full_w(1, world)[ROWS * rank : ROWS * (rank + 1)]):
             return ["the undamaged rows of this rank were not restored"]
         return []
 
-    run.case("load-corrupt-one", load_own_rows, CorruptCheckpointError, last,
-             ("variable 'w'", str(corrupt / "w" / f"c.{last}.0"), "inner chunk (0, 0)"), check=own_rows_read)
+    run.case(
+        "load-corrupt-one",
+        load_own_rows,
+        CorruptCheckpointError,
+        last,
+        ("variable 'w'", str(corrupt / "w" / f"c.{last}.0"), "inner chunk (0, 0)"),
+        check=own_rows_read,
+    )
 
     if golden is not None:
         run.case("golden", lambda: check_golden(comm, golden), None)

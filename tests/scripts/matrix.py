@@ -74,9 +74,15 @@ def generate(key: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
         if dtype in _FLOATS_WITH_INF:
             specials = [float("nan"), float("inf"), float("-inf"), -0.0]
         elif dtype == torch.float8_e4m3fn:  # no inf: NaN is 0x7f, -0.0 is 0x80
-            flat.view(torch.uint8)[: min(n, 2)] = torch.tensor([0x7F, 0x80], dtype=torch.uint8)[: min(n, 2)]
+            flat.view(torch.uint8)[: min(n, 2)] = torch.tensor([0x7F, 0x80], dtype=torch.uint8)[
+                : min(n, 2)
+            ]
         elif dtype.is_complex:
-            specials = [complex(float("nan"), -0.0), complex(float("inf"), float("-inf")), complex(-0.0, 0.0)]
+            specials = [
+                complex(float("nan"), -0.0),
+                complex(float("inf"), float("-inf")),
+                complex(-0.0, 0.0),
+            ]
         k = min(n, len(specials))
         if k:
             flat[:k] = torch.tensor(specials[:k], dtype=dtype)
@@ -108,7 +114,9 @@ def bits_equal(got: torch.Tensor, want: torch.Tensor) -> str | None:
     shown = []
     g, w = got.detach().reshape(-1), want.reshape(-1)
     for i in bad[:4].tolist():
-        index = [int(x) for x in torch.unravel_index(torch.tensor(i), want.shape)] if want.dim() else []
+        index = (
+            [int(x) for x in torch.unravel_index(torch.tensor(i), want.shape)] if want.dim() else []
+        )
         shown.append(
             f"at {index}: got {g[i].item()!r} (bits {hex_bits(a[i])}), "
             f"expected {w[i].item()!r} (bits {hex_bits(b[i])})"
@@ -121,12 +129,17 @@ def same_value(got: Any, want: Any) -> bool:
     if type(got) is not type(want):
         return False
     if isinstance(want, float):
-        return (math.isnan(got) and math.isnan(want)) or (got == want and math.copysign(1, got) == math.copysign(1, want))
+        return (math.isnan(got) and math.isnan(want)) or (
+            got == want and math.copysign(1, got) == math.copysign(1, want)
+        )
     if isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(same_value(x, y) for x, y in zip(got, want, strict=True))
+        return len(got) == len(want) and all(
+            same_value(x, y) for x, y in zip(got, want, strict=True)
+        )
     if isinstance(want, dict):
         return list(got) == list(want) and all(
-            type(k1) is type(k2) and same_value(got[k1], want[k2]) for k1, k2 in zip(got, want, strict=True)
+            type(k1) is type(k2) and same_value(got[k1], want[k2])
+            for k1, k2 in zip(got, want, strict=True)
         )
     return bool(got == want)
 
@@ -152,9 +165,20 @@ DT2D: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Any, Any]]] = {
     "mesh2d/s00": ((10, 3), torch.int64, (DShard(0), DShard(0))),  # nested split of dim 0
 }
 PLAIN_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-    torch.float8_e5m2, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-    torch.bool, torch.complex64, torch.complex128,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 PLAIN: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     **{f"plain/{str(d).removeprefix('torch.')}": ((3, 5), d) for d in PLAIN_DTYPES},
@@ -211,7 +235,7 @@ def per_rank_value(rank: int) -> Any:
     return (rank, f"rank{rank}", [rank * 0.5, None], {rank: float("nan")})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def full(name: str, n_saved: int) -> torch.Tensor:
     """The global tensor of variable ``name`` in the checkpoint saved on ``n_saved`` ranks
     (cached: never modify it)."""
@@ -276,9 +300,19 @@ def build_save_state(world: int, rank: int, mesh1: DeviceMesh, mesh2: DeviceMesh
     for name in PLAIN:
         put(state, name, full(name, world))
     lo, hi = tri_range(rank)
-    put(state, "irr/rows", distckpt.Shard(full("irr/rows", world)[lo:hi].clone(), (tri_rows(world), IRR_COLS), (lo, 0)))
+    put(
+        state,
+        "irr/rows",
+        distckpt.Shard(
+            full("irr/rows", world)[lo:hi].clone(), (tri_rows(world), IRR_COLS), (lo, 0)
+        ),
+    )
     lo, hi = flat_range(world, rank)
-    put(state, "irr/flat", distckpt.Shard(full("irr/flat", world)[lo:hi].clone(), (FLAT_LEN,), (lo,)))
+    put(
+        state,
+        "irr/flat",
+        distckpt.Shard(full("irr/flat", world)[lo:hi].clone(), (FLAT_LEN,), (lo,)),
+    )
     put(state, "per_rank/tensor", distckpt.PerRank(per_rank_tensor(rank)))
     put(state, "per_rank/into_none", distckpt.PerRank(per_rank_tensor2(rank)))
     put(state, "per_rank/value", distckpt.PerRank(per_rank_value(rank)))
@@ -331,7 +365,10 @@ class Checker:
     def value(self, where: str, got: Any, want: Any) -> None:
         self.checks += 1
         if not same_value(got, want):
-            self.fail(where, f"got {got!r} ({type(got).__name__}), expected {want!r} ({type(want).__name__})")
+            self.fail(
+                where,
+                f"got {got!r} ({type(got).__name__}), expected {want!r} ({type(want).__name__})",
+            )
 
     def run(self, where: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` (which calls collectives on every rank, or raises on every rank)."""
@@ -363,7 +400,9 @@ def plain_target(name: str, want_full: torch.Tensor, *, contiguous: bool = True)
         assert not target.is_contiguous()
 
     def check(c: Checker, where: str) -> None:
-        c.tensor(f"{where} {name} plain{'' if contiguous else ' non-contiguous'}", target, want_full)
+        c.tensor(
+            f"{where} {name} plain{'' if contiguous else ' non-contiguous'}", target, want_full
+        )
 
     return target, check
 
@@ -413,7 +452,9 @@ class Restore:
                 return
             if prefilled and got is not original:
                 c.fail(f"{where} {name}", "PerRank tensor was replaced, not filled in place")
-            c.tensor(f"{where} {name} PerRank{' (filled)' if prefilled else ' (from None)'}", got, want)
+            c.tensor(
+                f"{where} {name} PerRank{' (filled)' if prefilled else ' (from None)'}", got, want
+            )
 
         self.checks.append((name, check))
 
@@ -431,7 +472,9 @@ class Restore:
         return sorted(n for n, _ in self.checks)
 
 
-def restore_same(n_saved: int, world: int, rank: int, mesh1: DeviceMesh, mesh2: DeviceMesh) -> Restore:
+def restore_same(
+    n_saved: int, world: int, rank: int, mesh1: DeviceMesh, mesh2: DeviceMesh
+) -> Restore:
     """Every variable, into targets of the same kind (placements on this world size)."""
     r = Restore()
     for name, (_, _, placement) in DT1D.items():
@@ -441,8 +484,13 @@ def restore_same(n_saved: int, world: int, rank: int, mesh1: DeviceMesh, mesh2: 
     for name in PLAIN:
         r.add(name, plain_target(name, full(name, n_saved)))
     rows = full("irr/rows", n_saved)
-    r.add("irr/rows", shard_rows_target("irr/rows", rows, *weighted_range(rows.shape[0], world, rank)))
-    r.add("irr/flat", shard_rows_target("irr/flat", full("irr/flat", n_saved), *flat_range(world, rank)))
+    r.add(
+        "irr/rows", shard_rows_target("irr/rows", rows, *weighted_range(rows.shape[0], world, rank))
+    )
+    r.add(
+        "irr/flat",
+        shard_rows_target("irr/flat", full("irr/flat", n_saved), *flat_range(world, rank)),
+    )
     source = rank % n_saved  # the documented rule for PerRank across world sizes
     r.add_per_rank_tensor("per_rank/tensor", per_rank_tensor(source), prefilled=True)
     r.add_per_rank_tensor("per_rank/into_none", per_rank_tensor2(source), prefilled=False)
@@ -508,7 +556,9 @@ def setup() -> tuple[str, int, int, Any]:
 
 def meshes(world: int, restoring: bool) -> tuple[DeviceMesh, DeviceMesh]:
     mesh1 = init_device_mesh("cpu", (world,))
-    mesh2 = init_device_mesh("cpu", mesh_2d_shape(world, restoring), mesh_dim_names=("rep", "shard"))
+    mesh2 = init_device_mesh(
+        "cpu", mesh_2d_shape(world, restoring), mesh_dim_names=("rep", "shard")
+    )
     return mesh1, mesh2
 
 
@@ -528,6 +578,27 @@ def check_catalog(c: Checker, path: Path, n_saved: int) -> None:
         extra = [g for g in got if g not in want]
         c.fail(f"list_variables({path})", f"not as saved: missing {missing}, unexpected {extra}")
     c.checks += 1
+
+
+def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
+    """The checkpoint exercises the layouts this test claims to cover."""
+    from distckpt.storage.index import read_index
+
+    index = read_index(path)
+    variables = index["variables"]
+    c.value(f"{path} index world_size", index["world_size"], n_saved)
+    c.value(f"{path} dt/even layout", variables["dt/even"]["layout"], "small")
+    big = variables["big"]
+    c.value(f"{path} big layout", big["layout"], "regular")
+    c.value(f"{path} big pieces", len(big["pieces"]), n_saved)
+    for piece in big["pieces"]:
+        inner, block = piece["inner"], piece["block"]
+        if inner is None or not inner[0] < block[0]:
+            c.fail(f"{path} big", f"a shard without several inner chunks: {piece}")
+    flat = variables["irr/flat"]
+    c.value(f"{path} irr/flat layout", flat["layout"], "regular" if n_saved == 1 else "boxes")
+    if n_saved == 2:  # its second box (300 KB) is above small_bytes: inner chunks
+        c.value(f"{path} irr/flat p1 inner", flat["pieces"][1]["inner"] is not None, True)
 
 
 def do_save(root: Path) -> Checker:
@@ -556,64 +627,89 @@ def do_restore(jobs: list[tuple[Path, int]]) -> Checker:
     check_comm(c, launcher, comm)
     mesh1, mesh2 = meshes(world, restoring=True)
     for root, n_saved in jobs:
-        path = root / f"n{n_saved}"
-        where = f"[{path} N={n_saved} -> M={world} {launcher}]"
-        every = all_names()
-        c.run(f"{where} list_variables", lambda: check_catalog(c, path, n_saved))
-
-        # 1. Everything, same kinds of targets, strict.
-        same = restore_same(n_saved, world, rank, mesh1, mesh2)
-        if same.names != every:
-            c.fail(where, f"test bug: restore_same covers {same.names}, saved {every}")
-
-        def load_same() -> None:
-            result = distckpt.load(same.state, path, comm)
-            c.value(f"{where} strict load: loaded", sorted(result.loaded), every)
-            c.value(f"{where} strict load: missing", result.missing, [])
-            c.value(f"{where} strict load: unexpected", result.unexpected, [])
-            for _, check in same.checks:
-                check(c, f"{where} strict")
-
-        c.run(f"{where} strict load", load_same)
-
-        # 2-3. Subsets into other placements, strict=False.
-        for label, restore, extra in (
-            ("resharded", restore_resharded(n_saved, mesh1), {}),
-            ("partial", restore_partial(n_saved, world, rank, mesh1), PARTIAL_MISSING),
-        ):
-            for name, value in extra.items():
-                put(restore.state, name, value)
-
-            def load_subset(restore: Restore = restore, label: str = label, extra: dict[str, Any] = extra) -> None:
-                result = distckpt.load(restore.state, path, comm, strict=False)
-                c.value(f"{where} {label}: loaded", sorted(result.loaded), restore.names)
-                c.value(f"{where} {label}: missing", sorted(result.missing), sorted(extra))
-                c.value(
-                    f"{where} {label}: unexpected", sorted(result.unexpected),
-                    sorted(set(every) - set(restore.names)),
-                )
-                for _, check in restore.checks:
-                    check(c, f"{where} {label}")
-
-            c.run(f"{where} {label} load", load_subset)
-
-        # 4. strict=True with a name the checkpoint lacks raises on every rank.
-        def strict_refuses() -> None:
-            try:
-                distckpt.load({"dt": {"even": torch.zeros(24, 8)}, "nope": torch.zeros(1)}, path, comm)
-            except distckpt.MissingVariablesError as exc:
-                c.value(f"{where} strict mismatch: missing", list(exc.missing), ["nope"])
-                c.value(f"{where} strict mismatch: unexpected", list(exc.unexpected), sorted(set(every) - {"dt/even"}))
-                return
-            except distckpt.CheckpointError as exc:
-                # Reported apart (the test checks these lines in a test of its own), so a
-                # wrong error type on the other ranks does not hide the matrix results.
-                c.error_type(where, f"{type(exc).__name__} instead of MissingVariablesError: {str(exc)[:200]}")
-                return
-            c.fail(where, "strict load of a mismatching state did not raise MissingVariablesError")
-
-        c.run(f"{where} strict mismatch", strict_refuses)
+        restore_checkpoint(c, comm, launcher, root / f"n{n_saved}", n_saved, mesh1, mesh2)
     return c
+
+
+def restore_checkpoint(
+    c: Checker,
+    comm: Any,
+    launcher: str,
+    path: Path,
+    n_saved: int,
+    mesh1: DeviceMesh,
+    mesh2: DeviceMesh,
+) -> None:
+    """Every restore of one checkpoint (saved on ``n_saved`` ranks) on this world size."""
+    rank, world = c.rank, c.world
+    where = f"[{path} N={n_saved} -> M={world} {launcher}]"
+    every = all_names()
+    c.run(f"{where} list_variables", lambda: check_catalog(c, path, n_saved))
+    c.run(f"{where} layouts", lambda: check_layouts(c, path, n_saved))
+
+    # 1. Everything, into targets of the same kinds, strict.
+    same = restore_same(n_saved, world, rank, mesh1, mesh2)
+    if same.names != every:
+        c.fail(where, f"test bug: restore_same covers {same.names}, saved {every}")
+
+    def load_same() -> None:
+        result = distckpt.load(same.state, path, comm)
+        c.value(f"{where} strict load: loaded", sorted(result.loaded), every)
+        c.value(f"{where} strict load: missing", result.missing, [])
+        c.value(f"{where} strict load: unexpected", result.unexpected, [])
+        for _, check in same.checks:
+            check(c, f"{where} strict")
+
+    c.run(f"{where} strict load", load_same)
+
+    # 2-3. Subsets into other placements and kinds, strict=False.
+    def load_subset(label: str, restore: Restore, extra: dict[str, Any]) -> None:
+        for name, value in extra.items():
+            put(restore.state, name, value)
+        result = distckpt.load(restore.state, path, comm, strict=False)
+        c.value(f"{where} {label}: loaded", sorted(result.loaded), restore.names)
+        c.value(f"{where} {label}: missing", sorted(result.missing), sorted(extra))
+        c.value(
+            f"{where} {label}: unexpected",
+            sorted(result.unexpected),
+            sorted(set(every) - set(restore.names)),
+        )
+        for _, check in restore.checks:
+            check(c, f"{where} {label}")
+
+    resharded = restore_resharded(n_saved, mesh1)
+    c.run(f"{where} resharded load", lambda: load_subset("resharded", resharded, {}))
+    partial = restore_partial(n_saved, world, rank, mesh1)
+    c.run(f"{where} partial load", lambda: load_subset("partial", partial, PARTIAL_MISSING))
+
+    # 4. strict=True with names that do not match raises, on every rank.
+    def strict_refuses() -> None:
+        state = {"dt": {"even": torch.zeros(24, 8)}, "nope": torch.zeros(1)}
+        try:
+            distckpt.load(state, path, comm)
+        except distckpt.MissingVariablesError as exc:
+            c.value(f"{where} strict mismatch: missing", list(exc.missing), ["nope"])
+            c.value(
+                f"{where} strict mismatch: unexpected",
+                list(exc.unexpected),
+                sorted(set(every) - {"dt/even"}),
+            )
+            return
+        except distckpt.CheckpointError as exc:
+            # Reported apart (the test module checks these lines in a test of its own), so
+            # a wrong error type on the other ranks does not hide the matrix's results.
+            message = f"{type(exc).__name__} instead of MissingVariablesError: {str(exc)[:200]}"
+            c.error_type(where, message)
+            return
+        c.fail(where, "strict load of a mismatching state did not raise MissingVariablesError")
+
+    c.run(f"{where} strict mismatch", strict_refuses)
+
+
+def emit(line: str) -> None:
+    """One whole line in one write: ranks share the launcher's pipe, and a line printed
+    in pieces can be split by another rank's output (breaking ``^OK <rank>$``)."""
+    os.write(1, (line + "\n").encode())
 
 
 def parse_jobs(args: list[str]) -> list[tuple[Path, int]]:
@@ -640,20 +736,20 @@ def main(argv: list[str]) -> int:
         print(f"usage: {sys.argv[0]} save DIR | restore DIR N [N ...] [DIR N ...]", file=sys.stderr)
         return 2
     for line in c.error_types:
-        print(line, flush=True)
+        emit(line)
     if c.failures:
         for line in c.failures:
-            print(line, flush=True)
-        print(f"FAILED rank {c.rank}: {len(c.failures)} of {c.checks} checks", flush=True)
+            emit(line)
+        emit(f"FAILED rank {c.rank}: {len(c.failures)} of {c.checks} checks")
     else:
-        print(f"checks {c.rank}: {c.checks}", flush=True)
+        emit(f"checks {c.rank}: {c.checks}")
     # Every rank finishes its checks before any rank tears the groups down.
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     if c.failures:
         return 1
-    print(f"OK {c.rank}", flush=True)
+    emit(f"OK {c.rank}")
     return 0
 
 
