@@ -31,6 +31,7 @@ from distckpt.errors import (  # noqa: E402
 )
 from distckpt.items import PerRank, Shard  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
+from distckpt.training import Checkpoint, RNGState, SampleCursor, latest_checkpoint  # noqa: E402
 
 
 def register_zarr_dtypes() -> None:
@@ -50,6 +51,7 @@ def register_zarr_dtypes() -> None:
 
 __all__ = [
     "Box",
+    "Checkpoint",
     "CheckpointError",
     "CheckpointExists",
     "CheckpointNotFoundError",
@@ -58,7 +60,9 @@ __all__ = [
     "LoadResult",
     "MissingVariablesError",
     "PerRank",
+    "RNGState",
     "RemoteError",
+    "SampleCursor",
     "SaveResult",
     "Shard",
     "ShapeMismatchError",
@@ -68,6 +72,7 @@ __all__ = [
     "ValidationError",
     "Variable",
     "comm",
+    "latest_checkpoint",
     "list_variables",
     "load",
     "register_zarr_dtypes",

@@ -32,11 +32,10 @@ from launch_util import (
 
 SCRIPT = SCRIPTS / "matrix.py"
 SIZES = (1, 2, 3, 4)
-LAUNCH_TIMEOUT = 150  # seconds per launch (a loaded 2-core machine needs ~10-20 s)
-TEST_TIMEOUT = 5 * LAUNCH_TIMEOUT  # a test may also run a fixture's four save launches
-
-#: Output of every multi-rank restore launch of this module, for test_strict_error_type.
-_RESTORE_OUTPUTS: list[subprocess.CompletedProcess[str]] = []
+LAUNCH_TIMEOUT = 120  # seconds per launch (a loaded 2-core machine needs ~5-25 s)
+#: distckpt's collective time-out in the jobs: a dead rank fails the launch, not the clock
+JOB_ENV = {"DISTCKPT_TIMEOUT": "60"}
+TEST_TIMEOUT = 10 * LAUNCH_TIMEOUT  # a test may also run both fixtures (8 save launches)
 
 
 def assert_all_ok(proc: subprocess.CompletedProcess[str], nprocs: int) -> None:
@@ -65,7 +64,7 @@ def mpi_saved(matrix_root: Path) -> Path:
         pytest.skip("mpiexec not found (pip install mpich)")
     root = matrix_root / "mpi"
     for n in SIZES:
-        assert_all_ok(run_mpi(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT), n)
+        assert_all_ok(run_mpi(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT, env=JOB_ENV), n)
     return root
 
 
@@ -74,7 +73,9 @@ def torch_saved(matrix_root: Path) -> Path:
     """Checkpoints n1..n4 saved under torchrun on 1..4 ranks."""
     root = matrix_root / "torchrun"
     for n in SIZES:
-        assert_all_ok(run_torchrun(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT), n)
+        assert_all_ok(
+            run_torchrun(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT, env=JOB_ENV), n
+        )
     return root
 
 
@@ -82,9 +83,7 @@ def torch_saved(matrix_root: Path) -> Path:
 @pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("m", SIZES, ids=[f"M{m}" for m in SIZES])
 def test_matrix_mpiexec(mpi_saved: Path, m: int) -> None:
-    proc = run_mpi(m, SCRIPT, *restore_args(mpi_saved), timeout=LAUNCH_TIMEOUT)
-    if m > 1:
-        _RESTORE_OUTPUTS.append(proc)
+    proc = run_mpi(m, SCRIPT, *restore_args(mpi_saved), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
     assert_all_ok(proc, m)
 
 
@@ -101,9 +100,7 @@ def test_matrix_torchrun(request: pytest.FixtureRequest, torch_saved: Path, m: i
     sets = [torch_saved]
     if m == CROSS_M and HAVE_MPIEXEC:  # saved under mpiexec, restored under torchrun
         sets.append(request.getfixturevalue("mpi_saved"))
-    proc = run_torchrun(m, SCRIPT, *restore_args(*sets), timeout=LAUNCH_TIMEOUT)
-    if m > 1:
-        _RESTORE_OUTPUTS.append(proc)
+    proc = run_torchrun(m, SCRIPT, *restore_args(*sets), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
     assert_all_ok(proc, m)
 
 
@@ -113,31 +110,5 @@ def test_single_process_restores_all(request: pytest.FixtureRequest, torch_saved
     sets = [torch_saved]
     if HAVE_MPIEXEC:
         sets.insert(0, request.getfixturevalue("mpi_saved"))
-    proc = run_single(SCRIPT, *restore_args(*sets), timeout=LAUNCH_TIMEOUT)
+    proc = run_single(SCRIPT, *restore_args(*sets), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
     assert_all_ok(proc, 1)
-
-
-@pytest.mark.timeout(TEST_TIMEOUT)
-def test_strict_error_type_on_every_rank(request: pytest.FixtureRequest) -> None:
-    """A strict load whose names do not match raises MissingVariablesError (with
-    ``.missing`` and ``.unexpected``) on *every* rank, not only where it was detected.
-
-    The restore launches above check it on each rank and print ``ERROR-TYPE ...`` lines
-    instead of failing, so that this one problem does not hide the matrix's results.
-    """
-    outputs = list(_RESTORE_OUTPUTS)
-    if not outputs:  # run alone: one launch of its own
-        if HAVE_MPIEXEC:
-            root = request.getfixturevalue("mpi_saved")
-            proc = run_mpi(2, SCRIPT, "restore", str(root), "1", "2", timeout=LAUNCH_TIMEOUT)
-        else:
-            root = request.getfixturevalue("torch_saved")
-            proc = run_torchrun(2, SCRIPT, "restore", str(root), "1", "2", timeout=LAUNCH_TIMEOUT)
-        outputs.append(proc)
-    wrong = [
-        line
-        for proc in outputs
-        for line in proc.stdout.splitlines()
-        if line.startswith("ERROR-TYPE")
-    ]
-    assert not wrong, f"{len(wrong)} ranks raised the wrong type, e.g.:\n" + "\n".join(wrong[:6])

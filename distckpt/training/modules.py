@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from distckpt.training.names import join
 
@@ -70,4 +71,4 @@ def module_tensors(module: nn.Module, prefix: str) -> Iterator[ModuleTensor]:
 
 def is_uninitialized(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a lazy module's parameter or buffer not yet materialized."""
-    return isinstance(tensor, nn.parameter.UninitializedTensorMixin)
+    return isinstance(tensor, (UninitializedParameter, UninitializedBuffer))

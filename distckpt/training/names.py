@@ -23,7 +23,9 @@ from distckpt.errors import UnsupportedValueError
 from distckpt.naming import escape_key
 
 _ESCAPED = re.compile(r"%(25|2F)")
-_MISSING = object()
+
+#: What :func:`descend` returns for a part a stored value does not have.
+MISSING = object()
 
 
 def join(prefix: str, key: str | int) -> str:
@@ -86,15 +88,12 @@ def descend(value: Any, keys: Iterable[str]) -> Any:
             if key.lstrip("-").isdigit() and int(key) in value:
                 value = value[int(key)]
                 continue
-            return _MISSING
+            return MISSING
         if isinstance(value, (list, tuple)) and key.isdigit() and int(key) < len(value):
             value = value[int(key)]
             continue
-        return _MISSING
+        return MISSING
     return value
-
-
-MISSING = _MISSING
 
 
 def is_subtree(value: Any) -> bool:

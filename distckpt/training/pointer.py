@@ -54,7 +54,7 @@ def read_pointer(directory: str | os.PathLike[str]) -> Pointer | None:
         doc = json.loads(raw)
         kind, version = doc["format"], doc["version"]
     except (ValueError, KeyError, TypeError):
-        raise CorruptCheckpointError(f"{path} is not a distckpt pointer (unreadable JSON)") from None
+        raise CorruptCheckpointError(f"{path} is not a distckpt pointer (bad JSON)") from None
     if kind != FORMAT:
         raise CorruptCheckpointError(f"{path}: unknown pointer format {kind!r}")
     if not isinstance(version, int) or version > VERSION:

@@ -25,10 +25,15 @@ from typing import Any, Protocol, SupportsIndex
 import torch
 from torch import nn
 
-from distckpt.errors import UnsupportedValueError
+from distckpt.errors import CheckpointError, UnsupportedValueError
 from distckpt.items import PerRank, Shard
 from distckpt.training.names import join
 from distckpt.values import SCALARS
+
+
+class ObjectGraphError(CheckpointError, ValueError):
+    """The object graph cannot be saved or restored as built (a cycle, a parameter that no
+    module in the graph names, an attribute name a Checkpoint reserves)."""
 
 
 class RestoreTarget(Protocol):
@@ -236,7 +241,7 @@ def _walk(obj: Any, name: str, parent: Node | None, key: Any, path: set[int]) ->
     if kind != "node":
         return
     if id(obj) in path:
-        raise UnsupportedValueError(f"{name!r}: the object graph has a cycle through here")
+        raise ObjectGraphError(f"{name!r}: the object graph has a cycle through here")
     path.add(id(obj))
     for child_key, child in obj._children():
         yield from _walk(child, join(name, child_key), obj, child_key, path)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -522,7 +523,11 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     if rank == 0:
         shutil.copytree(prev, corrupt)
         data = bytearray((corrupt / "w" / f"c.{last}.0").read_bytes())
-        data[10] ^= 0xFF  # inside the first inner chunk of the last rank's shard
+        meta = json.loads((corrupt / "w" / "zarr.json").read_text())
+        block = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+        table = 4 * math.prod(b // i for b, i in zip(block, inner))  # checksum table first
+        data[table + 10] ^= 0xFF  # inside the first inner chunk of the last rank's shard
         (corrupt / "w" / f"c.{last}.0").write_bytes(bytes(data))
     comm.barrier()
     mine = torch.full((ROWS, 16), -1.0)

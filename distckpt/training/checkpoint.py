@@ -1,0 +1,205 @@
+"""``distckpt.Checkpoint``: an object graph saved and restored by name, as
+``tf.train.Checkpoint``.
+
+Names come from keyword and attribute names, then from what each object holds:
+``Checkpoint(net=net, optimizer=opt, step=step)`` saves ``net/l1/weight`` for
+``net.l1.weight``, Adam's moment of it as ``optimizer/state/net/l1/weight/exp_avg``, and
+the counter as ``step`` (see :mod:`distckpt.training.tracking` for what can be tracked,
+:mod:`distckpt.training.optim` for the optimizer layout). Next to the graph a checkpoint
+holds ``save_counter`` and, when tensors are tied, ``_aliases`` (alias name to the name
+the tensor was saved under).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.engine.save import save as engine_save
+from distckpt.training.handlers import collect, plan_restore
+from distckpt.training.names import nest
+from distckpt.training.plan import Plan, Slot
+from distckpt.training.pointer import advance_pointer
+from distckpt.training.session import ALIASES, SAVE_COUNTER, RestoreSession
+from distckpt.training.status import CheckpointLoadStatus, InitializationOnlyStatus
+from distckpt.training.tracking import Node, ObjectGraphError, track
+
+
+class Checkpoint(Node):
+    """Save and restore a graph of tracked objects, named by attribute, as TensorFlow.
+
+    A training loop that resumes where it stopped::
+
+        ckpt = distckpt.Checkpoint(step=torch.tensor(1), optimizer=opt, net=net,
+                                   iterator=distckpt.training.SampleCursor(10, 2))
+        status = ckpt.restore(distckpt.latest_checkpoint("run"))  # no-op on a fresh start
+        for _ in range(50):
+            train_step(); ckpt.step.add_(1)
+            if int(ckpt.step) % 10 == 0:
+                path = ckpt.save("run/ckpt")                      # run/ckpt-1, run/ckpt-2 ...
+
+    Restoring into a new graph built from stand-ins fills just what it names::
+
+        bias = torch.zeros(5)
+        part = distckpt.Checkpoint(net=distckpt.Checkpoint(l1=distckpt.Checkpoint(bias=bias)))
+        part.restore("run/ckpt-5").assert_existing_objects_matched()
+
+    Attributes assigned later are tracked too (``ckpt.extra = ...``); after a restore they
+    are filled the moment they are assigned (delayed restore), as are entries appended
+    to tracked lists and dicts and the parameters of lazy modules at their first call.
+    A name is restored once: assigning again to a name the restore already filled
+    (``ckpt.epoch = ckpt.epoch + 1``) keeps what is assigned.
+    Attribute names starting with ``_`` are not tracked; method names are refused.
+
+    Every method that reads or writes is collective: call it on every rank, in the same
+    order. ``comm`` defaults to :func:`distckpt.comm.auto`.
+    """
+
+    _tracked: dict[str, Any]
+    _save_counter: int
+    _session: RestoreSession | None
+    _finalizer: weakref.finalize | None
+
+    def __init__(self, **objects: Any) -> None:
+        object.__setattr__(self, "_tracked", {})
+        object.__setattr__(self, "_positions", [])
+        object.__setattr__(self, "_save_counter", 0)
+        object.__setattr__(self, "_session", None)
+        object.__setattr__(self, "_finalizer", None)
+        for name, obj in objects.items():
+            setattr(self, name, obj)
+
+    # ------------------------------------------------------------ tracking
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if hasattr(type(self), name):
+            raise ObjectGraphError(
+                f"{name!r} is a Checkpoint method or property; pick another attribute name"
+            )
+        value = track(value, name)
+        self._tracked[name] = value
+        self._arrived(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        tracked = self.__dict__.get("_tracked", {})
+        if name in tracked:
+            return tracked[name]
+        raise AttributeError(f"Checkpoint has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._tracked:
+            del self._tracked[name]
+        else:
+            object.__delattr__(self, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self._tracked})
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(self._tracked)})"
+
+    def _children(self) -> list[tuple[Any, Any]]:
+        return list(self._tracked.items())
+
+    def _replace(self, key: Any, value: Any) -> None:
+        self._tracked[key] = value
+
+    @property
+    def save_counter(self) -> int:
+        """How many times :meth:`save` has numbered a checkpoint (restored with the graph)."""
+        return int(self._save_counter)
+
+    # ------------------------------------------------------------ saving
+
+    def write(self, path: str | os.PathLike[str], comm: Communicator | None = None) -> str:
+        """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
+
+        Returns ``path``. Fails with :class:`~distckpt.errors.CheckpointExists` if a
+        checkpoint is already committed there.
+        """
+        comm = comm or auto()
+        self._warn_unresolved()
+        leaves, aliases = collect(self)
+        leaves[SAVE_COUNTER] = self._save_counter
+        if aliases:
+            leaves[ALIASES] = aliases
+        engine_save(nest(leaves), path, comm)
+        return os.fspath(path)
+
+    def save(self, file_prefix: str | os.PathLike[str], comm: Communicator | None = None) -> str:
+        """Save as ``{file_prefix}-{N}`` and make it its directory's latest. Collective.
+
+        ``N`` is :attr:`save_counter` after incrementing it (1 for the first save of a
+        fresh run; after a restore it continues from the restored counter). Once the
+        checkpoint is committed, rank 0 replaces the directory's ``latest`` pointer (see
+        :mod:`distckpt.training.pointer`). Returns the checkpoint's path::
+
+            path = ckpt.save("run/ckpt")   # "run/ckpt-1"
+        """
+        comm = comm or auto()
+        counter = self._save_counter + 1
+        path = f"{os.fspath(file_prefix)}-{counter}"
+        self._save_counter = counter
+        try:
+            self.write(path, comm)
+        except BaseException:
+            self._save_counter = counter - 1
+            raise
+        error: BaseException | None = None
+        if comm.rank == 0:
+            try:
+                advance_pointer(path)
+            except Exception as exc:
+                error = exc
+        raise_if_any_failed(comm, error)
+        return path
+
+    # ------------------------------------------------------------ restoring
+
+    def restore(
+        self, path: str | os.PathLike[str] | None, comm: Communicator | None = None
+    ) -> CheckpointLoadStatus | InitializationOnlyStatus:
+        """Fill the graph from the checkpoint at ``path``; collective.
+
+        ``path`` None (no checkpoint yet) restores nothing and returns a status whose
+        assertions fail. Otherwise every object the checkpoint names is restored now:
+        tensors in place (resharded), Python values by replacement, objects with
+        ``state_dict`` through ``load_state_dict``, optimizers by parameter name (their
+        state is created first if they have not stepped yet). Values for objects that do
+        not exist yet are applied when they appear. Returns a
+        :class:`~distckpt.training.status.CheckpointLoadStatus`.
+
+        A tensor whose shape or dtype differs from the checkpoint raises
+        :class:`~distckpt.errors.ShapeMismatchError` naming the variable and both shapes.
+        """
+        self._warn_unresolved()
+        if path is None:
+            return InitializationOnlyStatus()
+        comm = comm or auto()
+        if self._session is not None:
+            self._session.deactivate()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        session = RestoreSession(path, comm, self)
+        self._session = session
+        plan = Plan([Slot(SAVE_COUNTER, None, self._set_counter)])
+        try:
+            plan_restore(self, "", None, None, session, plan)
+            session.execute(plan)
+        except BaseException:
+            session.deactivate()  # nothing more is applied from a restore that failed
+            raise
+        self._finalizer = weakref.finalize(self, session.warn_unresolved)
+        return CheckpointLoadStatus(session, self)
+
+    def _set_counter(self, value: Any) -> None:
+        self._save_counter = int(value)
+
+    def _warn_unresolved(self) -> None:
+        if self._session is not None:
+            self._session.warn_unresolved()

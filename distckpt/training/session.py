@@ -1,0 +1,234 @@
+"""One restore in progress: the checkpoint's names, what matched, and the reads.
+
+A :class:`RestoreSession` is created by :meth:`Checkpoint.restore
+<distckpt.training.Checkpoint.restore>` and lives as long as values may still arrive:
+nodes of the graph keep it (see :class:`~distckpt.training.tracking.Position`) and
+restore children assigned to them later; lazy modules keep it until their first
+forward. A later ``restore`` of the same root deactivates it.
+
+Reads go through :func:`distckpt.load` (tensors, per-rank entries) and are collective:
+every rank must reach each restore, delayed ones included, at the same point, as SPMD
+training code does. Python values are read from the index directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distckpt import dtypes
+from distckpt.comm import Communicator, raise_if_any_failed
+from distckpt.engine.load import load
+from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
+from distckpt.items import PerRank, Shard
+from distckpt.storage.index import read_index
+from distckpt.training.handlers import TensorNames, plan_restore
+from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
+from distckpt.training.plan import Plan, Slot
+from distckpt.values import decode
+
+log = logging.getLogger("distckpt")
+
+#: Reserved top-level names a Checkpoint writes next to the graph's variables.
+SAVE_COUNTER = "save_counter"
+ALIASES = "_aliases"
+
+
+def _is_dtensor(obj: object) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+    return module is not None and isinstance(obj, module.DTensor)
+
+
+@dataclass
+class Found:
+    """Where a graph name was found: ``source`` is the checkpoint name read."""
+
+    source: str
+    entry: dict[str, Any] | None  # an index entry, or None for a part of a stored value
+    value: Any = None
+
+
+class RestoreSession:
+    """The state of one restore (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], comm: Communicator, root: Any) -> None:
+        self.path = Path(path)
+        self.comm = comm
+        self._root = weakref.ref(root)
+        variables = dict(read_index(path)["variables"])
+        aliases = variables.pop(ALIASES, None)
+        self.aliases: dict[str, str] = (
+            decode(aliases["value"]) if aliases and aliases.get("kind") == "value" else {}
+        )
+        self.variables: dict[str, Any] = variables
+        self._groups = {a for name in variables for a in ancestors(name)}
+        self._decoded: dict[str, Any] = {}
+        self.matched: set[str] = set()  # graph names that received a value
+        self.used: set[str] = set()  # checkpoint names read
+        self.pending: set[str] = set()  # graph names waiting for a lazy module
+        self.claimed: set[str] = set()  # graph names already planned: never restored again
+        self.active = True
+        self.expect_partial = False
+        self._warned = False
+
+    # ------------------------------------------------------------ finding names
+
+    def _value(self, name: str) -> Any:
+        if name not in self._decoded:
+            self._decoded[name] = decode(self.variables[name]["value"])
+        return self._decoded[name]
+
+    def find(self, name: str) -> Found | None:
+        """Where the checkpoint holds graph name ``name``: its own entry, the entry it is
+        an alias of, or a part of a stored value; None if nowhere."""
+        for candidate in (name, self.aliases.get(name)):
+            if candidate is not None and candidate in self.variables:
+                return Found(candidate, self.variables[candidate])
+        for prefix in ancestors(name):
+            entry = self.variables.get(prefix)
+            if entry is None:
+                continue
+            if entry.get("kind") != "value":
+                return None
+            part = descend(self._value(prefix), parts(name[len(prefix) + 1 :]))
+            return None if part is MISSING else Found(name, None, part)
+        return None
+
+    def has_under(self, name: str) -> bool:
+        """Whether the checkpoint holds ``name`` or anything below it."""
+        return name in self._groups or self.find(name) is not None
+
+    def tensor_names(self) -> TensorNames:
+        root = self._root()
+        if root is None:
+            raise ReferenceError("the Checkpoint of this restore no longer exists")
+        return TensorNames(root)
+
+    # ------------------------------------------------------------ restoring
+
+    def restore_object(self, obj: Any, name: str, parent: Any, key: Any) -> None:
+        """Restore ``obj``, just assigned under ``name``, and everything below it; collective.
+
+        Only once per name, as TensorFlow's deferred restores: a name this restore has
+        already served (``ckpt.epoch = ckpt.epoch + 1`` after the restore) keeps the new
+        object as assigned.
+        """
+        if name in self.claimed:
+            return
+        plan = Plan()
+        plan_restore(obj, name, parent, key, self, plan)
+        self.execute(plan)
+
+    def execute(self, plan: Plan) -> None:
+        """Read every slot of ``plan`` the checkpoint holds, then run its finalizers.
+
+        Collective: one :func:`distckpt.load` per round of distinct checkpoint names
+        (one round unless a name fills two different targets), plus a check that no rank
+        failed before and after reading.
+        """
+        rounds: list[dict[str, Any]] = [{}]
+        ready: list[tuple[Slot, Any]] = []
+        error: BaseException | None = None
+        try:
+            for slot in plan.slots:
+                found = self.find(slot.name)
+                if found is not None:
+                    ready.append((slot, self._schedule(slot, found, rounds)))
+                    self.matched.add(slot.name)
+                    self.used.add(found.source)
+        except Exception as exc:
+            error = exc
+        raise_if_any_failed(self.comm, error)
+        for batch in rounds:
+            if batch:
+                load(nest(batch), self.path, self.comm, strict=False)
+        try:
+            for slot, holder in ready:
+                if slot.on_value is not None:
+                    slot.on_value(holder.value if isinstance(holder, PerRank) else holder)
+            for finish in plan.finalizers:
+                finish()
+        except Exception as exc:
+            error = exc
+        raise_if_any_failed(self.comm, error)
+
+    def _schedule(self, slot: Slot, found: Found, rounds: list[dict[str, Any]]) -> Any:
+        """What receives the value of ``slot``: the value itself, or a holder to load into."""
+        entry = found.entry
+        kind = "value" if entry is None else entry.get("kind")
+        if kind == "value":
+            if slot.target is not None:
+                raise ShapeMismatchError(
+                    f"variable {slot.name!r} is a tensor in the object graph but a Python value "
+                    f"in the checkpoint ({found.source!r})"
+                )
+            return found.value if entry is None else self._value(found.source)
+        assert entry is not None
+        if kind == "tensor":
+            holder = slot.target
+            if holder is None:
+                shape = tuple(entry["shape"])
+                holder = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
+        elif kind == "per_rank":
+            target = slot.target
+            if isinstance(target, Shard) or _is_dtensor(target):
+                raise ShapeMismatchError(
+                    f"variable {slot.name!r} is sharded in the object graph but per-rank in the "
+                    f"checkpoint ({found.source!r})"
+                )
+            holder = PerRank(target)
+        else:
+            raise CorruptCheckpointError(
+                f"{self.path}: variable {found.source!r} has unknown kind {kind!r}"
+            )
+        for batch in rounds:
+            if batch.get(found.source) is holder:
+                return holder
+            if found.source not in batch:
+                batch[found.source] = holder
+                return holder
+        rounds.append({found.source: holder})
+        return holder
+
+    # ------------------------------------------------------------ reporting
+
+    def unused(self) -> list[str]:
+        """Checkpoint names that no object of the graph has read (yet), sorted."""
+        used_groups = {a for name in self.used for a in ancestors(name)}
+        out = []
+        for name, entry in self.variables.items():
+            held = expand(name, self._value(name)) if entry.get("kind") == "value" else [name]
+            for n in held:
+                if n in self.used or n in used_groups:
+                    continue
+                if any(a in self.used for a in ancestors(n)):
+                    continue
+                out.append(n)
+        return sorted(out)
+
+    def warn_unresolved(self) -> None:
+        """Log, once and on rank 0, the checkpoint values nothing has read, unless the
+        status was told ``expect_partial()``."""
+        if self._warned or self.expect_partial:
+            return
+        self._warned = True
+        unused = self.unused()
+        if unused and self.comm.rank == 0:
+            log.warning(
+                "restore of %s: %d value(s) in the checkpoint were not matched to any object: "
+                "%s. Call expect_partial() on the restore status to silence this when a "
+                "partial restore is intended.",
+                self.path,
+                len(unused),
+                ", ".join(unused),
+            )
+
+    def deactivate(self) -> None:
+        self.active = False
