@@ -490,4 +490,4 @@ def test_fsdp2_saved_on_4_ranks_restores_on_2(tmp_path: Path) -> None:
     check(restored)
     assert restored.stdout.count("OK restore") == 2, output(restored)
     # RNG states are per rank: on 2 ranks, rank r takes what rank r % 4 saved, with a warning
-    assert "saved on 4 ranks and is restored on 2" in restored.stderr, output(restored)
+    assert "saved on 4 ranks are restored on 2" in restored.stderr, output(restored)

@@ -112,13 +112,25 @@ def _load_local(
     saved_world = int(index.get("world_size", world))
     # Check every leaf before reading anything.
     jobs: list[tuple[Leaf, dict[str, Any]]] = []
+    moved: list[str] = []  # per-rank variables restored on another world size
     for leaf in leaves:
         entry = stored.get(leaf.name)
         if entry is None:
             continue
         if leaf.kind == "per_rank":
             entry = _per_rank_entry(leaf.name, entry, rank, world, saved_world)
+            if world != saved_world:
+                moved.append(leaf.name)
         jobs.append((leaf, _check(leaf, entry)))
+    if moved and rank == 0:
+        log.warning(
+            "per-rank variables saved on %d ranks are restored on %d: rank r takes what rank "
+            "r %% %d saved (%s)",
+            saved_world,
+            world,
+            saved_world,
+            ", ".join(moved),
+        )
     for leaf, entry in jobs:
         if entry["kind"] == "value":
             _assign(leaf, decode(entry["value"]))
@@ -145,15 +157,6 @@ def _per_rank_entry(
         )
     ranks = entry["ranks"]
     source = rank if world == saved_world else rank % saved_world
-    if world != saved_world and rank == 0:
-        log.warning(
-            "per-rank variable %r was saved on %d ranks and is restored on %d: rank r takes "
-            "what rank r %% %d saved",
-            name,
-            saved_world,
-            world,
-            saved_world,
-        )
     if str(source) not in ranks:
         raise MissingVariablesError(
             f"per-rank variable {name!r} has no entry for rank {source}", [name], []
