@@ -29,6 +29,8 @@ _TABLE: list[tuple[torch.dtype, str, np.dtype]] = [
     (torch.complex64, "complex64", np.dtype(np.complex64)),
     (torch.complex128, "complex128", np.dtype(np.complex128)),
 ]
+#: Every torch dtype distckpt stores, bit-exactly.
+SUPPORTED: tuple[torch.dtype, ...] = tuple(t for t, _, _ in _TABLE)
 _BY_TORCH = {t: (name, npd) for t, name, npd in _TABLE}
 _BY_NAME = {name: (t, npd) for t, name, npd in _TABLE}
 

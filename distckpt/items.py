@@ -91,19 +91,19 @@ class Leaf:
         return dtypes.zarr_name(self.tensor.dtype, self.name)
 
 
-def _is_dtensor(obj: object) -> bool:
+def is_dtensor(obj: object) -> bool:
     # A DTensor can only exist once its module is imported; importing it costs a second.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(obj, module.DTensor)
 
 
-def _has_tensor(obj: object) -> bool:
+def has_tensor(obj: object) -> bool:
     if isinstance(obj, (torch.Tensor, Shard, PerRank)):
         return True
     if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
+        return any(has_tensor(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
+        return any(has_tensor(v) for v in obj)
     return False
 
 
@@ -158,7 +158,7 @@ def flatten(state: Any, prefix: tuple[str, ...] = ()) -> list[Leaf]:
 
 def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Leaf]:
     name = "/".join(escape_key(p) for p in path)
-    if isinstance(obj, dict) and (_has_tensor(obj) or not path):
+    if isinstance(obj, dict) and (has_tensor(obj) or not path):
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise UnsupportedValueError(
@@ -166,13 +166,13 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
                 )
             yield from _walk(v, (*path, str(k)), obj, k)
         return
-    if isinstance(obj, (list, tuple)) and _has_tensor(obj):
+    if isinstance(obj, (list, tuple)) and has_tensor(obj):
         for i, v in enumerate(obj):
             yield from _walk(v, (*path, str(i)), obj, i)
         return
     if not name:
         raise UnsupportedValueError("a state to save or load is a dict of named things")
-    if _is_dtensor(obj):
+    if is_dtensor(obj):
         local, shape, box = dtensor_box(obj, name)
         yield Leaf(name, "tensor", tensor=local, shape=shape, box=box, parent=parent, key=key)
     elif isinstance(obj, torch.Tensor):
@@ -197,7 +197,7 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
         yield Leaf(name, "tensor", tensor=obj.tensor, shape=shape, box=box, parent=parent, key=key)
     elif isinstance(obj, PerRank):
         inner = obj.value
-        if isinstance(inner, torch.Tensor) and not _is_dtensor(inner):
+        if isinstance(inner, torch.Tensor) and not is_dtensor(inner):
             shape = tuple(inner.shape)
             yield Leaf(
                 name,
@@ -208,7 +208,7 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
                 parent=obj,
                 key=key,
             )
-        elif is_value(inner) and not _has_tensor(inner):
+        elif is_value(inner) and not has_tensor(inner):
             yield Leaf(name, "per_rank", value=inner, parent=obj, key=key)
         else:
             raise UnsupportedValueError(

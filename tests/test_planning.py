@@ -26,6 +26,19 @@ def row_shards(name, shape, world, dtype="float32"):
     return out
 
 
+def rep(n, checksum):
+    """A replicated 1-d float32 tensor 'w' of length n with the given checksum."""
+    return Desc(
+        "w",
+        "tensor",
+        dtype="float32",
+        shape=(n,),
+        box=Box.full((n,)),
+        replicated=True,
+        checksum=checksum,
+    )
+
+
 def merge(*per_rank_lists):
     return [sum(parts, []) for parts in zip(*per_rank_lists, strict=True)]
 
@@ -115,28 +128,8 @@ def test_irregular_partition_uses_one_array_per_box():
     [
         (
             [
-                [
-                    Desc(
-                        "w",
-                        "tensor",
-                        dtype="float32",
-                        shape=(4,),
-                        box=Box.full((4,)),
-                        replicated=True,
-                        checksum=1,
-                    )
-                ],
-                [
-                    Desc(
-                        "w",
-                        "tensor",
-                        dtype="float32",
-                        shape=(5,),
-                        box=Box.full((5,)),
-                        replicated=True,
-                        checksum=1,
-                    )
-                ],
+                [rep(4, 1)],
+                [rep(5, 1)],
             ],
             r"'w': global shape \[4\] on rank 0 but \[5\] on rank 1",
         ),
@@ -163,39 +156,9 @@ def test_irregular_partition_uses_one_array_per_box():
         ),
         (
             [
-                [
-                    Desc(
-                        "w",
-                        "tensor",
-                        dtype="float32",
-                        shape=(4,),
-                        box=Box.full((4,)),
-                        replicated=True,
-                        checksum=1,
-                    )
-                ],
-                [
-                    Desc(
-                        "w",
-                        "tensor",
-                        dtype="float32",
-                        shape=(4,),
-                        box=Box.full((4,)),
-                        replicated=True,
-                        checksum=1,
-                    )
-                ],
-                [
-                    Desc(
-                        "w",
-                        "tensor",
-                        dtype="float32",
-                        shape=(4,),
-                        box=Box.full((4,)),
-                        replicated=True,
-                        checksum=2,
-                    )
-                ],
+                [rep(4, 1)],
+                [rep(4, 1)],
+                [rep(4, 2)],
             ],
             "differs between rank 0 and rank 2",
         ),

@@ -27,6 +27,7 @@ from make_golden import assert_same_bits, assert_same_value, tensor_bytes
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.dtypes import SUPPORTED
 from distckpt.errors import (
     CheckpointError,
     CheckpointExists,
@@ -43,22 +44,7 @@ from distckpt.storage.staging import OWNER_FILE, Staging, collect_garbage, lefto
 
 pytestmark = pytest.mark.timeout(120)
 
-ALL_DTYPES = [
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
+ALL_DTYPES = list(SUPPORTED)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.load import load
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
-from distckpt.items import PerRank, Shard
+from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.index import read_index
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
@@ -41,9 +40,6 @@ SAVE_COUNTER = "save_counter"
 ALIASES = "_aliases"
 
 
-def _is_dtensor(obj: object) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    return module is not None and isinstance(obj, module.DTensor)
 
 
 @dataclass
@@ -178,7 +174,7 @@ class RestoreSession:
                 holder = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
         elif kind == "per_rank":
             target = slot.target
-            if isinstance(target, Shard) or _is_dtensor(target):
+            if isinstance(target, Shard) or is_dtensor(target):
                 raise ShapeMismatchError(
                     f"variable {slot.name!r} is sharded in the object graph but per-rank in the "
                     f"checkpoint ({found.source!r})"

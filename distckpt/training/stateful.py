@@ -16,22 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
-from distckpt.items import PerRank, Shard
+from distckpt.items import has_tensor
 from distckpt.training.names import is_subtree, join
 
 Path = tuple[Any, ...]
 
 
-def has_tensor(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, Shard, PerRank)):
-        return True
-    if isinstance(obj, dict):
-        return any(has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(has_tensor(v) for v in obj)
-    return False
 
 
 def _entered(obj: Any) -> bool:

@@ -42,6 +42,7 @@ from torch.distributed.tensor import Shard as DShard
 
 import distckpt
 from distckpt.comm.auto import launched_by_mpi, launched_by_torchrun
+from distckpt.dtypes import SUPPORTED
 
 INNER_BYTES = 64 * 1024  # the big tensor's shards get several inner chunks
 
@@ -161,22 +162,7 @@ DT2D: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Any, Any]]] = {
     "mesh2d/s01": ((7, 5), torch.float64, (DShard(0), DShard(1))),
     "mesh2d/s00": ((10, 3), torch.int64, (DShard(0), DShard(0))),  # nested split of dim 0
 }
-PLAIN_DTYPES = [
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
+PLAIN_DTYPES = list(SUPPORTED)
 PLAIN: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     **{f"plain/{str(d).removeprefix('torch.')}": ((3, 5), d) for d in PLAIN_DTYPES},
     "plain/scalar": ((), torch.float64),
