@@ -35,6 +35,9 @@ from distckpt.slices import Box
 
 EMPTY = 2**64 - 1
 _IOV_MAX = 1024
+#: Bytes read per system call when reading an inner chunk: small enough that the checksum
+#: of each step runs on data still in the CPU cache.
+_STEP = 1 << 20
 
 
 def _view(data: np.ndarray | bytes | bytearray | memoryview) -> memoryview:
@@ -132,6 +135,17 @@ def write_plain(path: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int
     return size, crc
 
 
+def _row_run(part: Box, chunk: Box) -> tuple[int, int] | None:
+    """(first, end) rows of ``chunk`` that ``part`` covers, when ``part`` is whole rows of it
+    (it spans the chunk in every dimension but the first); else None."""
+    if part.ndim == 0:
+        return (0, 1)
+    if part.lengths[1:] != chunk.lengths[1:]:
+        return None
+    start = part.offsets[0] - chunk.offsets[0]
+    return start, start + part.lengths[0]
+
+
 class PieceReader:
     """Reads regions of stored pieces into destination arrays, verifying every checksum.
 
@@ -172,6 +186,24 @@ class PieceReader:
         out[...] = chunk[src.slices()]
         return got
 
+    def _read_verified(
+        self, fd: int, offset: int, segments: list[np.ndarray], expected: int, coord: object
+    ) -> None:
+        """Read one inner chunk (its bytes scattered over ``segments``, then its crc32c) and
+        verify it. Reads in steps of at most :data:`_STEP` bytes and checksums each step
+        while it is still in the CPU cache."""
+        crc = 0
+        for segment in segments:
+            for start in range(0, segment.nbytes, _STEP):
+                piece = segment[start : start + _STEP]
+                if os.preadv(fd, [piece.data], offset) != piece.nbytes:
+                    raise self._corrupt(f"inner chunk {coord} is truncated")
+                crc = _crc.crc32c(piece.data, crc)
+                offset += piece.nbytes
+        stored = int.from_bytes(os.pread(fd, 4, offset), "little")
+        if stored != expected or crc != stored:
+            raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+
     def read_sharded(
         self, block: Sequence[int], inner: Sequence[int], src: Box, out: np.ndarray
     ) -> int:
@@ -199,7 +231,7 @@ class PieceReader:
             last = tuple(
                 (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)
             )
-            crc_buf = bytearray(4)
+            scratch = np.empty(0, dtype=np.uint8)
             for coord in itertools.product(*(range(a, b + 1) for a, b in zip(first, last))):
                 chunk_box = Box(
                     tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
@@ -212,17 +244,24 @@ class PieceReader:
                 if offset == EMPTY or length != chunk_bytes + 4 or offset + length > size:
                     raise self._corrupt(f"inner chunk {coord} is missing or has the wrong size")
                 dst = out[part.relative_to(src).slices()]
-                # Straight into the destination where it is one contiguous run: no copy.
-                direct = part == chunk_box and dst.flags.c_contiguous
-                target = as_bytes(dst) if direct else np.empty(chunk_bytes, dtype=np.uint8)
-                got = os.preadv(fd, [target.data, crc_buf], offset)
-                crc = int.from_bytes(crc_buf, "little")
-                if got != length or crc != table[linear] or crc32c(target) != crc:
-                    raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
-                if not direct:
-                    chunk = target.view(self.dtype).reshape(tuple(inner))
+                rows = _row_run(part, chunk_box)
+                if rows is not None and dst.flags.c_contiguous:
+                    # The needed rows go straight into the destination; the chunk's other
+                    # rows (read only to verify its checksum) into scratch: no copy.
+                    row_bytes = chunk_bytes // inner[0] if inner else chunk_bytes
+                    before, after = rows[0] * row_bytes, chunk_bytes - rows[1] * row_bytes
+                    if scratch.nbytes < before + after:
+                        scratch = np.empty(before + after, dtype=np.uint8)
+                    segments = [scratch[:before], as_bytes(dst), scratch[before : before + after]]
+                    self._read_verified(fd, offset, segments, table[linear], coord)
+                else:
+                    if scratch.nbytes < chunk_bytes:
+                        scratch = np.empty(chunk_bytes, dtype=np.uint8)
+                    whole = scratch[:chunk_bytes]
+                    self._read_verified(fd, offset, [whole], table[linear], coord)
+                    chunk = whole.view(self.dtype).reshape(tuple(inner))
                     dst[...] = chunk[part.relative_to(chunk_box).slices()]
-                total += got
+                total += length
             return total
         finally:
             os.close(fd)
