@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import itertools
 import json
 import math
@@ -644,12 +645,11 @@ class Driver:
 
     def run(self) -> None:
         a = self.args
-        for d in a.dir:
-            d = Path(d).absolute()
-            if d.exists() and any(d.iterdir()) and not a.force:
-                raise SystemExit(f"{d} is not empty; pass --force to use it (it is cleared)")
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
+        for parent in a.dir:
+            parent = Path(parent).absolute()
+            # A directory of our own inside --dir: concurrent runs never touch each other's files.
+            parent.mkdir(parents=True, exist_ok=True)
+            d = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=parent))
             print(f"== {d} ({fs_type(d)}, loads {'cold: page cache evicted' if self.cold_for(d) else 'from memory'})",
                   flush=True)
             try:
@@ -659,6 +659,28 @@ class Driver:
                     self.case_b(d)
             finally:
                 shutil.rmtree(d, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only if empty
+
+
+def exclusive(lock_path: str):
+    """Hold an exclusive lock for the whole run: two benchmark runs on one machine would
+    time each other. Waits (with a message) while another run holds it."""
+    import fcntl
+
+    fh = open(lock_path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        print(f"waiting for another bench_engine run to finish (lock {lock_path}: {fh.read().strip()})",
+              flush=True)
+        fcntl.flock(fh, fcntl.LOCK_EX)
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}\n")
+    fh.flush()
+    return fh
 
 
 # --------------------------------------------------------------------------- report
@@ -773,7 +795,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--case", nargs="+", choices=["A", "B"], default=["A", "B"])
     p.add_argument("--dir", action="append",
-                   help="benchmark directory (created, cleared, removed; repeat for several); "
+                   help="parent directory of the benchmark's files (a fresh run-PID-* directory "
+                        "inside it is used and removed; repeat for several); "
                         "default: /dev/shm/distckpt-bench and /tmp/distckpt-bench")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true",
@@ -784,7 +807,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="import distckpt from the working tree in every launch (default: a copy "
                         "taken at start, so concurrent edits cannot mix versions within a run)")
-    p.add_argument("--force", action="store_true", help="clear a non-empty --dir")
+    p.add_argument("--lock", default="/tmp/bench_engine.lock",
+                   help="lock file serializing benchmark runs on this machine ('' for none)")
     p.add_argument("--launch-timeout", type=float, default=1800)
     p.add_argument("--wait-idle", type=float, default=60,
                    help="before each launch wait up to this many seconds for the machine to be idle")
@@ -817,6 +841,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     import torch
 
+    lock = exclusive(args.lock) if args.lock else None
     t0 = time.time()
     drv = Driver(args)
     print(f"bench_engine: cases {args.case}, dirs {args.dir}, {args.rounds} rounds; logs {drv.logdir}",
@@ -840,6 +865,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"\nwrote {args.json}")
     shutil.rmtree(drv.logdir, ignore_errors=True)
+    if lock is not None:
+        lock.close()
 
 
 if __name__ == "__main__":

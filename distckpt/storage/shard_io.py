@@ -90,35 +90,44 @@ def write_sharded(
     data_box = Box.full(data.shape)
     index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
     table = np.zeros(math.prod(grid), dtype="<u4")
-    buffers: list[np.ndarray | bytes] = [table]
-    offset = table.nbytes
-    for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
-        chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
-        part = chunk_box.intersect(data_box)
-        if part is None:
-            continue
-        if part == chunk_box:
-            chunk = np.ascontiguousarray(data[chunk_box.slices()])
-        else:
-            chunk = np.zeros(tuple(inner), dtype=data.dtype)
-            chunk[part.relative_to(chunk_box).slices()] = data[part.slices()]
-        raw = as_bytes(chunk)
-        table[linear] = crc32c(raw)
-        buffers.append(raw)
-        buffers.append(struct.pack("<I", table[linear]))
-        index[linear] = (offset, raw.nbytes + 4)
-        offset += raw.nbytes + 4
-    index_bytes = index.tobytes()
-    buffers.append(index_bytes)
-    buffers.append(struct.pack("<I", crc32c(index_bytes)))
     fd = _open_new(path)
     try:
-        size = _write_all(fd, buffers)
+        offset = os.lseek(fd, table.nbytes, os.SEEK_SET)  # the table is written last
+        for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
+            chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
+            part = chunk_box.intersect(data_box)
+            if part is None:
+                continue
+            if part == chunk_box:
+                chunk = np.ascontiguousarray(data[chunk_box.slices()])
+            else:
+                chunk = np.zeros(tuple(inner), dtype=data.dtype)
+                chunk[part.relative_to(chunk_box).slices()] = data[part.slices()]
+            raw = as_bytes(chunk)
+            table[linear] = _stream_out(fd, raw)
+            _write_all(fd, [struct.pack("<I", table[linear])])
+            index[linear] = (offset, raw.nbytes + 4)
+            offset += raw.nbytes + 4
+        index_bytes = index.tobytes()
+        size = offset + _write_all(fd, [index_bytes, struct.pack("<I", crc32c(index_bytes))])
+        if os.pwrite(fd, table.data, 0) != table.nbytes:
+            raise OSError(f"short write of the checksum table of {path}")
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     return size, crc32c(table)
+
+
+def _stream_out(fd: int, raw: np.ndarray) -> int:
+    """Write ``raw`` in steps of :data:`_STEP` bytes, checksumming each step just before
+    writing it (while it is in the CPU cache); return the crc32c of all of it."""
+    crc = 0
+    for start in range(0, raw.nbytes, _STEP):
+        step = raw[start : start + _STEP]
+        crc = _crc.crc32c(step.data, crc)
+        _write_all(fd, [step])
+    return crc
 
 
 def write_plain(path: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
