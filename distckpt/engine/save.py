@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import time
 import uuid
 from collections import defaultdict
@@ -47,6 +48,7 @@ from distckpt.planning.save_plan import (
     DEFAULT_SMALL_BYTES,
     Desc,
     Piece,
+    RankWork,
     SavePlan,
     make_save_plan,
 )
@@ -154,20 +156,25 @@ def save(
                     )
                 except Exception as exc:
                     local_error, decision = exc, Failure.capture(exc, comm.rank)
+        if isinstance(decision, SavePlan):
+            # Each rank unpickles only its own work: the whole plan is large for many
+            # variables on many ranks, and only the coordinator needs it.
+            plan = decision
+            decision = [pickle.dumps(w, protocol=pickle.HIGHEST_PROTOCOL) for w in plan.work()]
         decision = comm.broadcast(decision, root=COORDINATOR)
         if isinstance(decision, Failure):
             decision.raise_here(comm.rank, local_error)
-        plan: SavePlan = decision
+        work: RankWork = pickle.loads(decision[comm.rank])
         assert local is not None
         t_plan = time.perf_counter()
 
         # 3-4. Exchange small tensors, write.
         report: Any
-        received, report = _exchange(comm, plan, local)
+        received, report = _exchange(comm, work, local)
         t_exchange = time.perf_counter()
         if not isinstance(report, Failure):
             try:
-                report = _write(plan, local, received, comm.rank, final, result)
+                report = _write(work, local, received, comm.rank, final, result)
             except Exception as exc:
                 local_error, report = exc, Failure.capture(exc, comm.rank)
         reports = comm.gather(report, root=COORDINATOR)
@@ -241,34 +248,22 @@ def _plan(
 
 
 def _exchange(
-    comm: Communicator, plan: SavePlan, local: _Local
+    comm: Communicator, work: RankWork, local: _Local
 ) -> tuple[dict[int, dict[int, bytes]], Failure | None]:
     """Send the boxes of small tensors to their writers (one gather per writer).
 
     Every rank takes part in every gather, even after a local error (it then sends
     nothing and reports the error), so no rank is left waiting.
     """
-    writers = sorted(
-        {
-            p.writer
-            for v in plan.variables
-            for p in v.pieces
-            if any(r != p.writer for r, _ in p.sources)
-        }
-    )
     outgoing: dict[int, dict[tuple[int, int], bytes]] = defaultdict(dict)
     failure: Failure | None = None
     try:
-        for var in plan.variables:
-            for piece in var.pieces:
-                for k, (rank, _box) in enumerate(piece.sources):
-                    if rank == comm.rank and rank != piece.writer:
-                        arr = local.arrays[piece.var]
-                        outgoing[piece.writer][(piece.id, k)] = shard_io.as_bytes(arr).tobytes()
+        for piece_id, k, writer, var in work.sends:
+            outgoing[writer][(piece_id, k)] = shard_io.as_bytes(local.arrays[var]).tobytes()
     except Exception as exc:
         failure, outgoing = Failure.capture(exc, comm.rank), defaultdict(dict)
     received: dict[int, dict[int, bytes]] = defaultdict(dict)
-    for writer in writers:
+    for writer in work.exchange_writers:
         gathered = comm.gather(outgoing.get(writer, {}), root=writer)
         if gathered is not None:
             for part in gathered:
@@ -291,7 +286,7 @@ def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int
 
 
 def _write(
-    plan: SavePlan,
+    work: RankWork,
     local: _Local,
     received: dict[int, dict[int, bytes]],
     rank: int,
@@ -301,10 +296,10 @@ def _write(
     """Write this rank's pieces into the staging directory; return {piece id: (size, crc)}."""
     from distckpt.storage.staging import staging_path
 
-    root = staging_path(final, plan.token)
+    root = staging_path(final, work.token)
     written: dict[int, tuple[int, int]] = {}
     dirs: set[Path] = set()
-    for piece in plan.pieces_written_by(rank):
+    for piece in work.writes:
         target = root / piece.file
         if target.parent not in dirs:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,9 @@ from distckpt.storage import zarr_meta
 
 DEFAULT_SMALL_BYTES = 256 * 1024
 DEFAULT_INNER_BYTES = 4 * 1024 * 1024
+#: Bytes of gathered small tensors per writing rank: few writers keep the number of
+#: gathers (one per writer) small, enough of them keep each writer's share of files small.
+SMALL_WRITER_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -85,14 +88,37 @@ class VarPlan:
 
 
 @dataclass
+class RankWork:
+    """The part of a plan one rank acts on: the pieces it writes, and the boxes it sends to
+    other writers (piece id, index in the piece's sources, writer, variable)."""
+
+    token: str
+    writes: list[Piece]
+    sends: list[tuple[int, int, int, str]]
+    exchange_writers: list[int]  # every rank takes part in one gather per writer, in order
+
+
+@dataclass
 class SavePlan:
     token: str
     world_size: int
     variables: list[VarPlan]
     groups: list[str]  # group nodes the coordinator writes zarr.json for ("" is the root)
 
-    def pieces_written_by(self, rank: int) -> list[Piece]:
-        return [p for v in self.variables for p in v.pieces if p.writer == rank]
+    def work(self) -> list[RankWork]:
+        """Every rank's :class:`RankWork`, in rank order (one pass over the plan)."""
+        writers: set[int] = set()
+        works = [RankWork(self.token, [], [], []) for _ in range(self.world_size)]
+        for var in self.variables:
+            for piece in var.pieces:
+                works[piece.writer].writes.append(piece)
+                for k, (rank, _box) in enumerate(piece.sources):
+                    if rank != piece.writer:
+                        writers.add(piece.writer)
+                        works[rank].sends.append((piece.id, k, piece.writer, piece.var))
+        for w in works:
+            w.exchange_writers = sorted(writers)
+        return works
 
 
 def _fail(errors: list[str]) -> None:
@@ -138,6 +164,7 @@ def make_save_plan(
     _fail(errors)
 
     balancer = _Balancer(world)
+    small_writers = _small_writers(by_name, world, small_bytes)
     variables: list[VarPlan] = []
     next_id = 0
     # Largest first, so the greedy balance spreads big tensors before small ones.
@@ -172,7 +199,13 @@ def make_save_plan(
         else:
             var.dtype, var.shape = first.dtype, first.shape
             next_id = _plan_tensor(
-                var, held, balancer, next_id, small_bytes=small_bytes, inner_bytes=inner_bytes
+                var,
+                held,
+                balancer,
+                next_id,
+                small_writers,
+                small_bytes=small_bytes,
+                inner_bytes=inner_bytes,
             )
         variables.append(var)
     variables.sort(key=lambda v: v.name)
@@ -247,11 +280,31 @@ def _owners(held: list[tuple[int, Desc]]) -> dict[Box, list[int]]:
     return owners
 
 
+def _small_writers(
+    by_name: dict[str, list[tuple[int, Desc]]], world: int, small_bytes: int
+) -> list[int]:
+    """The ranks that write small tensors no single rank holds whole: evenly spread, one
+    per :data:`SMALL_WRITER_BYTES` of them."""
+    total = 0
+    for held in by_name.values():
+        d = held[0][1]
+        n = _nbytes(d)
+        if (
+            d.kind == "tensor"
+            and n <= small_bytes
+            and not any(h.box == Box.full(h.shape or ()) for _, h in held)
+        ):
+            total += n
+    count = min(world, max(1, -(-total // SMALL_WRITER_BYTES)))
+    return sorted({i * world // count for i in range(count)})
+
+
 def _plan_tensor(
     var: VarPlan,
     held: list[tuple[int, Desc]],
     balancer: _Balancer,
     next_id: int,
+    small_writers: list[int],
     *,
     small_bytes: int,
     inner_bytes: int,
@@ -264,9 +317,8 @@ def _plan_tensor(
     if total <= small_bytes or not owners:
         # One plain chunk, assembled by one writer from the holders' boxes.
         var.layout = "small"
-        holders = sorted({r for rs in owners.values() for r in rs})
         whole = [rs for b, rs in owners.items() if b == Box.full(shape)]
-        writer = balancer.pick(whole[0] if whole else (holders or [held[0][0]]), total)
+        writer = balancer.pick(whole[0] if whole else small_writers, total)
         sources = tuple(
             (writer if writer in rs else rs[0], box) for box, rs in sorted(owners.items())
         )
