@@ -31,7 +31,13 @@ from distckpt.errors import (  # noqa: E402
 )
 from distckpt.items import PerRank, Shard  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
-from distckpt.training import Checkpoint, RNGState, SampleCursor, latest_checkpoint  # noqa: E402
+from distckpt.training import (  # noqa: E402
+    Checkpoint,
+    CheckpointManager,
+    RNGState,
+    SampleCursor,
+    latest_checkpoint,
+)
 
 
 def register_zarr_dtypes() -> None:
@@ -54,6 +60,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointExists",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CommTimeoutError",
     "CorruptCheckpointError",

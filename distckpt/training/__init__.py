@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.cursor import SampleCursor
+from distckpt.training.manager import CheckpointManager
 from distckpt.training.pointer import latest_checkpoint
 from distckpt.training.rng import RNGState
 from distckpt.training.status import (
@@ -30,6 +31,7 @@ from distckpt.training.tracking import ObjectGraphError, TrackedDict, TrackedLis
 __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
+    "CheckpointManager",
     "InitializationOnlyStatus",
     "ObjectGraphError",
     "RNGState",

@@ -40,8 +40,6 @@ SAVE_COUNTER = "save_counter"
 ALIASES = "_aliases"
 
 
-
-
 @dataclass
 class Found:
     """Where a graph name was found: ``source`` is the checkpoint name read."""

@@ -22,8 +22,6 @@ from distckpt.training.names import is_subtree, join
 Path = tuple[Any, ...]
 
 
-
-
 def _entered(obj: Any) -> bool:
     if is_subtree(obj):
         return True

@@ -1,0 +1,441 @@
+"""``distckpt.CheckpointManager``: numbered checkpoints in a run directory, as
+``tf.train.CheckpointManager``, with the Estimator's time-based schedule.
+
+::
+
+    ckpt = distckpt.Checkpoint(step=torch.tensor(1), optimizer=opt, net=net)
+    manager = distckpt.CheckpointManager(ckpt, "run", max_to_keep=3)
+    if manager.restore_or_initialize():
+        print(f"Restored from {manager.latest_checkpoint}")
+    for _ in range(50):
+        train_step(); ckpt.step.add_(1)
+        if int(ckpt.step) % 10 == 0:
+            path = manager.save()          # run/ckpt-1, run/ckpt-2, ...
+
+**State.** Everything the manager knows lives in the directory's ``latest`` pointer
+(see :mod:`distckpt.training.pointer`), so a new manager on the same directory (a
+restarted job) sees the same list. Next to ``latest`` and ``all`` the pointer carries a
+``"manager"`` entry: the commit time of every checkpoint, the checkpoints preserved by
+``keep_checkpoint_every_n_hours`` and the time of the last one preserved. A committed
+``<name>-N`` that the pointer does not name (a crash between the commit and the pointer
+update) is adopted at construction.
+
+**Numbering.** ``N`` is ``checkpoint_number`` when given, else the checkpoint's
+``save_counter`` after incrementing it. When ``<name>-N`` already exists (e.g. it was
+adopted, or a job restarted from an older checkpoint), the manager never overwrites it:
+it takes the next free number and logs it. Auto-numbered saves then continue from that
+number (the ``save_counter`` saved with the checkpoint is its ``N``).
+
+**Retention.** Only after the new checkpoint is committed *and* the pointer names the
+new list does rank 0 delete what fell out of it: each one is first marked (an owner file
+inside it, so :func:`~distckpt.storage.staging.collect_garbage` never restores it),
+renamed out of sight to ``<dir>/.<name>.trash-<token>``, then removed. A crash leaves at
+worst a trash directory, which ``collect_garbage`` (run by every save and by the
+manager's construction) removes.
+
+**Ranks.** Every method is collective: call it on every rank. Decisions that depend on
+time (``save_interval_secs``, ``keep_checkpoint_every_n_hours``) and on the directory's
+contents are made on rank 0 and broadcast. Only rank 0 writes the pointer, deletes, and
+holds the directory's lock (:mod:`distckpt.training.lock`): a second manager on the same
+directory fails with :class:`~distckpt.training.lock.DirectoryLockedError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.storage import index as index_mod
+from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
+from distckpt.storage.staging import OWNER_FILE, collect_garbage, trash_path
+from distckpt.training.checkpoint import Checkpoint
+from distckpt.training.lock import STALE_SECONDS, DirectoryLock, DirectoryLockedError
+from distckpt.training.pointer import FORMAT, VERSION, pointer_path, read_pointer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "DirectoryLockedError"]
+
+
+def _step_value(step: Any) -> int:
+    if hasattr(step, "item"):
+        return int(step.item())
+    return int(step)
+
+
+def _index_time(path: Path) -> float:
+    try:
+        return float(index_mod.read_index(path).get("created", 0.0))
+    except Exception:
+        return 0.0
+
+
+class CheckpointManager:
+    """Keep the newest ``max_to_keep`` checkpoints of ``checkpoint`` in ``directory``.
+
+    ``max_to_keep`` None keeps every checkpoint. ``keep_checkpoint_every_n_hours``
+    additionally preserves, forever, one checkpoint per that many hours (by commit time)
+    among those that fall out of the newest ``max_to_keep``; preserved checkpoints stay
+    in the pointer's ``all`` but not in :attr:`checkpoints` (as TensorFlow).
+    ``checkpoint_interval`` with ``step_counter`` (an int-like or 0-d tensor, read at
+    each save) makes :meth:`save` skip until the step advanced by at least that much
+    since the last save; ``save_interval_secs`` makes it skip until that many seconds
+    passed since the last save (the first save of a manager always happens: the
+    Estimator's "save at start"; call ``save(check_interval=False)`` at the end).
+    ``directory`` None: rank 0 creates a temporary directory and logs it.
+    ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
+    ``time.time``) is read on rank 0 only. Collective.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str] | None,
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_interval: int | None = None,
+        step_counter: Any = None,
+        save_interval_secs: float | None = None,
+        checkpoint_name: str = "ckpt",
+        *,
+        comm: Communicator | None = None,
+        clock: Callable[[], float] = time.time,
+        lock_stale_seconds: float = STALE_SECONDS,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        if checkpoint_interval is not None:
+            if step_counter is None:
+                raise ValueError("checkpoint_interval needs a step_counter")
+            if checkpoint_interval < 0:
+                raise ValueError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
+        if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
+            raise ValueError(f"bad checkpoint_name {checkpoint_name!r}")
+        self._checkpoint = checkpoint
+        self._comm = comm or auto()
+        self._clock = clock
+        self._max_to_keep = max_to_keep
+        self._keep_hours = keep_checkpoint_every_n_hours
+        self._checkpoint_interval = checkpoint_interval
+        self._step_counter = step_counter
+        self._save_interval_secs = save_interval_secs
+        self._name = checkpoint_name
+        self._pattern = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+        self._last_step: int | None = None
+        self._last_save_time: float | None = None
+        self._lock: DirectoryLock | None = None
+        self._closed = False
+
+        comm = self._comm
+        if directory is None:
+            made = tempfile.mkdtemp(prefix="distckpt-") if comm.rank == 0 else None
+            directory = comm.broadcast(made)
+            log.info(
+                "CheckpointManager: no directory given; using temporary directory %s", directory
+            )
+        self._directory = os.fspath(directory)
+
+        error: BaseException | None = None
+        state: dict[str, Any] | None = None
+        if comm.rank == 0:
+            try:
+                self._lock = DirectoryLock(self._directory, stale_seconds=lock_stale_seconds)
+                self._lock.acquire()
+                collect_garbage(self._directory)
+                state = self._recover()
+            except BaseException as exc:
+                error = exc
+                if self._lock is not None:
+                    self._lock.release()
+        raise_if_any_failed(comm, error)
+        if self._lock is not None:  # a manager dropped without close() frees its directory
+            weakref.finalize(self, self._lock.release)
+        self._set_state(comm.broadcast(state))
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Paths of the managed checkpoints, oldest first (not the preserved ones)."""
+        return [os.path.join(self._directory, n) for n in self._managed]
+
+    @property
+    def preserved_checkpoints(self) -> list[str]:
+        """Paths kept forever by ``keep_checkpoint_every_n_hours``, oldest first."""
+        return [os.path.join(self._directory, n) for n in self._preserved]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """Path of the newest checkpoint, or None when there is none."""
+        names = self._managed or self._preserved
+        return os.path.join(self._directory, names[-1]) if names else None
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    # ------------------------------------------------------------ state
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._managed: list[str] = list(state["managed"])
+        self._preserved: list[str] = list(state["preserved"])
+        self._times: dict[str, float] = dict(state["times"])
+        self._last_preserved: float = float(state["last_preserved"])
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "managed": list(self._managed),
+            "preserved": list(self._preserved),
+            "times": dict(self._times),
+            "last_preserved": self._last_preserved,
+        }
+
+    def _recover(self) -> dict[str, Any]:
+        """Rank 0: read the pointer, adopt committed checkpoints it does not name."""
+        directory = Path(self._directory)
+        pointer = read_pointer(directory)  # validates format and version
+        meta: dict[str, Any] = {}
+        if pointer is not None:
+            raw = json.loads(pointer_path(directory).read_bytes())
+            meta = raw.get("manager") or {}
+        times = {str(k): float(v) for k, v in (meta.get("times") or {}).items()}
+        preserved_set = {str(n) for n in meta.get("preserved") or []}
+
+        def alive(name: str) -> bool:
+            path = directory / name
+            return index_mod.is_committed(path) and not (path / OWNER_FILE).exists()
+
+        known = [] if pointer is None else [n for n in pointer.all if alive(n)]
+        if pointer is not None and pointer.latest not in pointer.all and alive(pointer.latest):
+            known.append(pointer.latest)
+        preserved = [n for n in known if n in preserved_set]
+        managed = [n for n in known if n not in preserved_set]
+        for name in known:
+            times.setdefault(name, _index_time(directory / name))
+
+        adopted = []
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if not self._pattern.match(entry.name) or entry.name in known:
+                continue
+            path = Path(entry.path)
+            if not entry.is_dir() or not index_mod.is_committed(path):
+                continue
+            if (path / OWNER_FILE).exists():
+                # Marked for deletion by a retention that crashed: finish it.
+                self._delete(entry.name)
+                continue
+            adopted.append(entry.name)
+            times[entry.name] = _index_time(path)
+        if adopted:
+            log.warning(
+                "adopting committed checkpoints the pointer does not name: %s", ", ".join(adopted)
+            )
+            managed = sorted(managed + adopted, key=lambda n: times[n])
+        times = {n: t for n, t in times.items() if n in managed or n in preserved}
+        last = meta.get("last_preserved")
+        state = {
+            "managed": managed,
+            "preserved": preserved,
+            "times": times,
+            "last_preserved": float(last) if last is not None else float(self._clock()),
+        }
+        if adopted or (pointer is not None and known != pointer.all):
+            self._write_pointer(state)
+        return state
+
+    def _write_pointer(self, state: dict[str, Any]) -> None:
+        names = [*state["preserved"], *state["managed"]]
+        if not names:
+            return
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "latest": names[-1],
+            "all": names,
+            "manager": {
+                "times": state["times"],
+                "preserved": state["preserved"],
+                "last_preserved": state["last_preserved"],
+            },
+        }
+        atomic_write(pointer_path(self._directory), json.dumps(doc, indent=1).encode())
+
+    # ------------------------------------------------------------ saving
+
+    def _decide(self, checkpoint_number: int | None, check_interval: bool) -> dict[str, Any]:
+        """Rank 0: whether to save, under which name and counter."""
+        if self._lock is not None:
+            self._lock.check()
+        now = float(self._clock())
+        step = None if self._step_counter is None else _step_value(self._step_counter)
+        if check_interval:
+            if (
+                self._checkpoint_interval is not None
+                and step is not None
+                and self._last_step is not None
+                and step - self._last_step < self._checkpoint_interval
+            ):
+                return {"save": False}
+            if (
+                self._save_interval_secs is not None
+                and self._last_save_time is not None
+                and now - self._last_save_time < self._save_interval_secs
+            ):
+                return {"save": False}
+        counter = self._checkpoint.save_counter + 1
+        number = counter if checkpoint_number is None else int(checkpoint_number)
+        taken = {*self._managed, *self._preserved}
+        first = number
+        while f"{self._name}-{number}" in taken or os.path.lexists(
+            os.path.join(self._directory, f"{self._name}-{number}")
+        ):
+            number += 1
+        if number != first:
+            log.warning(
+                "%s-%d exists; saving as %s-%d instead", self._name, first, self._name, number
+            )
+            if checkpoint_number is None:
+                counter = number
+        return {"save": True, "name": f"{self._name}-{number}", "counter": counter, "step": step}
+
+    def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
+        """Save a new numbered checkpoint and apply retention; collective.
+
+        Returns its path, or None when ``checkpoint_interval`` / ``save_interval_secs``
+        say it is not time yet (``check_interval=False`` saves regardless).
+        """
+        if self._closed:
+            raise ValueError("this CheckpointManager is closed")
+        comm = self._comm
+        decision: dict[str, Any] | None = None
+        error: BaseException | None = None
+        if comm.rank == 0:
+            try:
+                decision = self._decide(checkpoint_number, check_interval)
+            except BaseException as exc:
+                error = exc
+        raise_if_any_failed(comm, error)
+        decision = comm.broadcast(decision)
+        assert decision is not None
+        if not decision["save"]:
+            return None
+        name = decision["name"]
+        path = os.path.join(self._directory, name)
+        checkpoint = self._checkpoint
+        previous = checkpoint._save_counter
+        checkpoint._save_counter = decision["counter"]
+        try:
+            checkpoint.write(path, comm)
+        except BaseException:
+            checkpoint._save_counter = previous
+            raise
+
+        state: dict[str, Any] | None = None
+        doomed: list[str] = []
+        if comm.rank == 0:
+            try:
+                state, doomed = self._retain(name, float(self._clock()))
+                self._write_pointer(state)
+            except BaseException as exc:
+                error = exc
+        raise_if_any_failed(comm, error)
+        if comm.rank == 0:
+            for old in doomed:  # only now that the pointer no longer names them
+                self._delete(old)
+        state = comm.broadcast(state)
+        assert state is not None
+        self._set_state(state)
+        self._last_step = decision["step"]
+        self._last_save_time = state["times"][name]
+        return path
+
+    def _retain(self, name: str, now: float) -> tuple[dict[str, Any], list[str]]:
+        """Rank 0: the new list with ``name`` added, and the names that fall out of it."""
+        managed = [*self._managed, name]
+        preserved = list(self._preserved)
+        times = {**self._times, name: now}
+        last_preserved = self._last_preserved
+        doomed: list[str] = []
+        if self._max_to_keep is not None:
+            while len(managed) > self._max_to_keep:
+                old = managed.pop(0)
+                if (
+                    self._keep_hours is not None
+                    and times[old] - last_preserved >= self._keep_hours * 3600.0
+                ):
+                    preserved.append(old)
+                    last_preserved = times[old]
+                else:
+                    doomed.append(old)
+                    times.pop(old, None)
+        state = {
+            "managed": managed,
+            "preserved": preserved,
+            "times": times,
+            "last_preserved": last_preserved,
+        }
+        return state, doomed
+
+    def _delete(self, name: str) -> None:
+        """Rank 0: mark, rename out of sight, then remove the checkpoint ``name``."""
+        final = Path(self._directory) / name
+        try:
+            # The mark keeps collect_garbage from restoring it as an interrupted commit.
+            write_file(final / OWNER_FILE, json.dumps({"deleting": True}).encode())
+            trash = trash_path(final, uuid.uuid4().hex[:16])
+            os.rename(final, trash)
+            fsync_dir(final.parent)
+        except OSError as exc:
+            log.warning("could not retire checkpoint %s: %s", final, exc)
+            return
+        try:
+            shutil.rmtree(trash)
+        except OSError as exc:
+            log.warning("could not remove %s (collect_garbage will): %s", trash, exc)
+
+    # ------------------------------------------------------------ restoring
+
+    def restore_or_initialize(self) -> str | None:
+        """Restore the latest checkpoint and return its path, or return None; collective."""
+        path = self.latest_checkpoint
+        if path is None:
+            return None
+        self._checkpoint.restore(path, self._comm)
+        if self._step_counter is not None:
+            self._last_step = _step_value(self._step_counter)
+        return path
+
+    # ------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Release the directory's lock (rank 0). Idempotent."""
+        self._closed = True
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({self._directory!r}, max_to_keep={self._max_to_keep}, "
+            f"checkpoints={self._managed})"
+        )
