@@ -739,7 +739,8 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         ok = None
         if target is not None:
             ok = val >= target[1] if target[0] == ">=" else val <= target[1]
-        ratios.append({"label": label, "dir": d, "fs": rn["fs"], "value": val,
+        mins = rd["min_s"] / rn["min_s"] if invert else rn["min_s"] / rd["min_s"]
+        ratios.append({"label": label, "dir": d, "fs": rn["fs"], "value": val, "of_mins": mins,
                        "paired_median": med(pr), "paired_min": min(pr), "paired_max": max(pr),
                        "target": f"{target[0]} {target[1]}" if target else "", "ok": ok})
 
@@ -770,10 +771,11 @@ def print_report(summary: dict[str, Any]) -> None:
               f"{r['median_s']:9.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['GiBps']:7.2f} "
               f"{100 * r['other_cpu_median']:5.0f}")
     print()
-    print(f"{'ratio':36} {'fs':6} {'of medians':>10} {'paired med [min..max]':>24} {'target':>7} ok")
+    print(f"{'ratio':36} {'fs':6} {'of medians':>10} {'of mins':>8} {'paired med [min..max]':>24} "
+          f"{'target':>7} ok")
     for q in ratios:
         ok = "" if q["ok"] is None else ("yes" if q["ok"] else "NO")
-        print(f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} "
+        print(f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
               f"{q['paired_median']:8.3f} [{q['paired_min']:.3f}..{q['paired_max']:.3f}] "
               f"{q['target']:>7} {ok}")
     phases = [r for r in rows if "phases_median_max_over_ranks" in r]
@@ -804,6 +806,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
                    help="on a non-tmpfs dir, evict the files before each timed load (cold, default)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--report", metavar="JSON", help="print the report of a saved --json file and exit")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="import distckpt from the working tree in every launch (default: a copy "
                         "taken at start, so concurrent edits cannot mix versions within a run)")
@@ -838,6 +841,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
         worker_main(args.worker)
+        return
+    if args.report:
+        doc = json.loads(Path(args.report).read_text())
+        saved = argparse.Namespace(**{**vars(args), **doc["args"]})
+        print_report(summarize(saved, doc["events"]))
         return
     import torch
 
