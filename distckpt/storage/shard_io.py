@@ -3,7 +3,7 @@
 A *piece* is one file holding one box of a variable. Two formats, both zarr v3:
 
 * **sharded** (``sharding_indexed`` codec, index at the end): the piece's block is cut
-  into inner chunks of a few MiB, each stored as its raw little-endian bytes followed by
+  into inner chunks (1 MiB by default), each stored as its raw little-endian bytes followed by
   its crc32c; then the shard index (per inner chunk, in C order: offset and length as
   little-endian uint64, both ``2**64-1`` for a chunk that is absent) and the index's own
   crc32c. A reader fetches the index, then only the inner chunks it needs.
