@@ -55,6 +55,24 @@ DTYPE_NAMES = [
 ]
 
 
+def target(weight: Any, emb: Any, flat: Any) -> dict[str, Any]:
+    """A state to restore the two-rank golden into; its three partitioned variables are the
+    targets given (full tensors, or ``distckpt.Shard`` boxes of them)."""
+    import distckpt
+
+    return {
+        "model": {"l1.weight": weight, "emb": emb},
+        "opt": {"flat": flat},
+        "bias": torch.zeros(3, dtype=torch.float64),
+        "__scalar": torch.tensor(0.0),
+        "odd": {"a/b": torch.zeros(3, dtype=torch.int16)},
+        "rng": distckpt.PerRank(None),
+        "loader": distckpt.PerRank(None),
+        "step": None,
+        "cfg": None,
+    }
+
+
 def weight() -> torch.Tensor:
     """model/l1.weight: (5, 8) float32, rows split torch.chunk-wise over 2 ranks (3 + 2)."""
     return torch.arange(40, dtype=torch.float32).reshape(5, 8) * 0.25 - 3.0

@@ -31,6 +31,7 @@ from make_golden import (
     scalar,
     slashed,
     small,
+    target,
     tensor_bytes,
     values,
     weight,
@@ -77,20 +78,11 @@ def test_list_variables_matches_the_record() -> None:
 
 
 def _full_target() -> dict[str, Any]:
-    return {
-        "model": {
-            "l1.weight": torch.zeros(5, 8),
-            "emb": torch.zeros(6, 8, dtype=torch.bfloat16),
-        },
-        "opt": {"flat": torch.zeros(6, 4, dtype=torch.int32)},
-        "bias": torch.zeros(3, dtype=torch.float64),
-        "__scalar": torch.tensor(0.0),
-        "odd": {"a/b": torch.zeros(3, dtype=torch.int16)},
-        "rng": distckpt.PerRank(None),
-        "loader": distckpt.PerRank(None),
-        "step": None,
-        "cfg": None,
-    }
+    return target(
+        torch.zeros(5, 8),
+        torch.zeros(6, 8, dtype=torch.bfloat16),
+        torch.zeros(6, 4, dtype=torch.int32),
+    )
 
 
 def test_two_rank_golden_loads_in_one_process() -> None:

@@ -573,20 +573,11 @@ def check_golden(comm: Communicator, golden: Path) -> None:
     w0, wn = chunk(5)
     e0, en = chunk(8)
     f0, fn = chunk(6)
-    state: dict[str, Any] = {
-        "model": {
-            "l1.weight": distckpt.Shard(torch.zeros(wn, 8), (5, 8), (w0, 0)),
-            "emb": distckpt.Shard(torch.zeros(6, en, dtype=torch.bfloat16), (6, 8), (0, e0)),
-        },
-        "opt": {"flat": distckpt.Shard(torch.zeros(fn, 4, dtype=torch.int32), (6, 4), (f0, 0))},
-        "bias": torch.zeros(3, dtype=torch.float64),
-        "__scalar": torch.tensor(0.0),
-        "odd": {"a/b": torch.zeros(3, dtype=torch.int16)},
-        "rng": distckpt.PerRank(None),
-        "loader": distckpt.PerRank(None),
-        "step": None,
-        "cfg": None,
-    }
+    state = g.target(
+        distckpt.Shard(torch.zeros(wn, 8), (5, 8), (w0, 0)),
+        distckpt.Shard(torch.zeros(6, en, dtype=torch.bfloat16), (6, 8), (0, e0)),
+        distckpt.Shard(torch.zeros(fn, 4, dtype=torch.int32), (6, 4), (f0, 0)),
+    )
     distckpt.load(state, golden, comm)
     got_want = [
         (state["model"]["l1.weight"].tensor, g.weight()[w0 : w0 + wn]),
