@@ -21,8 +21,9 @@ Contenders, all on identical data (float32 DTensors sharded on dim 0 over a 1-D 
 Case A: 16 x (4096 x 4096) float32 (1 GiB) saved on 4 ranks, loaded on 2 and on 3 ranks
 (DTensor Shard(0) targets on the new mesh: a resharded load). Each round is: save launch
 (4 ranks; untimed warm-up save of every contender, then timed saves of all three, order
-rotated each round; each contender's warm-up copy is deleted right before its timed save) -> load launch on 2 ranks -> load launch on 3 ranks (each: untimed
-warm-up load of every contender, then timed loads, order rotated) -> delete.
+rotated each round; each contender's warm-up copy is deleted right before its timed
+save) -> load launch on 2 ranks -> load launch on 3 ranks (each: untimed warm-up load of
+every contender, then timed loads, order rotated) -> delete.
 
 Case B: 1,000 tensors of 48 x 64 float32, saved and loaded on the same world size
 (4 and 16 ranks). One launch per world size; the workers loop over the rounds (warm-up
@@ -49,7 +50,6 @@ import bisect
 import contextlib
 import itertools
 import json
-import math
 import os
 import platform
 import shutil
@@ -119,7 +119,9 @@ def reset(state: dict[str, Any]) -> None:
         dt.to_local().fill_(-1.0)
 
 
-def verify(spec: dict[str, Any], state: dict[str, Any], rank: int, world: int, salt: int) -> str | None:
+def verify(
+    spec: dict[str, Any], state: dict[str, Any], rank: int, world: int, salt: int
+) -> str | None:
     """None if the restored state holds the formula's values, else a description."""
     import torch
 
@@ -214,7 +216,9 @@ def raw_load(spec: dict[str, Any], path: Path, writers: int, rank: int, world: i
     return got
 
 
-def raw_verify(spec: dict[str, Any], writers: int, rank: int, world: int, buf, salt: int) -> str | None:
+def raw_verify(
+    spec: dict[str, Any], writers: int, rank: int, world: int, buf, salt: int
+) -> str | None:
     import numpy as np
 
     _, start, end = raw_share(spec, writers, rank, world)
@@ -239,7 +243,8 @@ def raw_verify(spec: dict[str, Any], writers: int, rank: int, world: int, buf, s
         r, c = divmod(e - starts[j], cols)
         want = expected_element(i, row0 + r, c)
         if vals[k] != want:
-            return f"raw element {e} (tensor {i}, row {row0 + r}, col {c}) is {vals[k]}, expected {want}"
+            where = f"raw element {e} (tensor {i}, row {row0 + r}, col {c})"
+            return f"{where} is {vals[k]}, expected {want}"
     return None
 
 
@@ -288,13 +293,17 @@ class Worker:
         self.spec = spec
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh("cpu", (self.world,))
-        import distckpt
         import torch.distributed.checkpoint as dcp
+
+        import distckpt
 
         self.distckpt, self.dcp = distckpt, dcp
         self.comm = distckpt.comm.auto()
-        self.out: dict[str, Any] = {"world": self.world, "events": [],
-                                    "distckpt_file": distckpt.__file__}
+        self.out: dict[str, Any] = {
+            "world": self.world,
+            "events": [],
+            "distckpt_file": distckpt.__file__,
+        }
         self.cold = spec["cold"]
 
     def barrier(self) -> None:
@@ -399,9 +408,16 @@ class Worker:
             # every contender writes into memory freed just before (see README: on this VM
             # fresh pages are far more expensive than recycled ones).
             self.rmtree(warm[who])
-            span, own, res = self.timed(lambda w=who: self.save(w, src, paths[w]))
-            ev = {"op": "save", "who": who, "world": self.world, "span": span, "own": own,
-                  "foreign_cpu": self.last_foreign, "steal": self.last_steal}
+            span, own, res = self.timed(lambda w=who, p=paths: self.save(w, src, p[w]))
+            ev = {
+                "op": "save",
+                "who": who,
+                "world": self.world,
+                "span": span,
+                "own": own,
+                "foreign_cpu": self.last_foreign,
+                "steal": self.last_steal,
+            }
             if res is not None:
                 ev["timings_max"] = self.allmax(res["timings"])
                 ev["timings_rank0"] = res["timings"]
@@ -427,8 +443,15 @@ class Worker:
                     evict(list(paths.values()))
             span, own, res = self.timed(lambda w=who: self.load(w, state, paths[w], buf, writers))
             self.verify_load(who, state, buf, writers, salt=spec["round"])
-            ev = {"op": f"load{writers}->{self.world}", "who": who, "world": self.world,
-                  "span": span, "own": own, "foreign_cpu": self.last_foreign, "steal": self.last_steal}
+            ev = {
+                "op": f"load{writers}->{self.world}",
+                "who": who,
+                "world": self.world,
+                "span": span,
+                "own": own,
+                "foreign_cpu": self.last_foreign,
+                "steal": self.last_steal,
+            }
             if res is not None:
                 ev["bytes_max"] = self.allmax({"b": float(res["bytes"])})["b"]
             self.out["events"].append(ev)
@@ -445,11 +468,18 @@ class Worker:
             order = orders[rnd % len(orders)] if rnd >= 0 else list(CONTENDERS)
             paths = {c: base / f"B{self.world}-r{rnd + 1}-{c}" for c in CONTENDERS}
             for who in order:
-                span, own, res = self.timed(lambda w=who: self.save(w, src, paths[w]))
+                span, own, res = self.timed(lambda w=who, p=paths: self.save(w, src, p[w]))
                 if rnd >= 0:
-                    ev = {"op": "save", "who": who, "world": self.world, "round": rnd,
-                          "span": span, "own": own, "foreign_cpu": self.last_foreign,
-                          "steal": self.last_steal}
+                    ev = {
+                        "op": "save",
+                        "who": who,
+                        "world": self.world,
+                        "round": rnd,
+                        "span": span,
+                        "own": own,
+                        "foreign_cpu": self.last_foreign,
+                        "steal": self.last_steal,
+                    }
                     if res is not None:
                         ev["timings_max"] = self.allmax(res["timings"])
                         ev["timings_rank0"] = res["timings"]
@@ -462,15 +492,22 @@ class Worker:
                     if self.rank == 0:
                         evict(list(paths.values()))
                 span, own, _ = self.timed(
-                    lambda w=who: self.load(w, dst, paths[w], buf, self.world)
+                    lambda w=who, p=paths: self.load(w, dst, p[w], buf, self.world)
                 )
                 self.verify_load(who, dst, buf, self.world, salt=rnd + 7)
                 if rnd >= 0:
-                    self.out["events"].append({"op": f"load{self.world}->{self.world}", "who": who,
-                                               "world": self.world, "round": rnd,
-                                               "span": span, "own": own,
-                                               "foreign_cpu": self.last_foreign,
-                                               "steal": self.last_steal})
+                    self.out["events"].append(
+                        {
+                            "op": f"load{self.world}->{self.world}",
+                            "who": who,
+                            "world": self.world,
+                            "round": rnd,
+                            "span": span,
+                            "own": own,
+                            "foreign_cpu": self.last_foreign,
+                            "steal": self.last_steal,
+                        }
+                    )
             self.rmtree(*paths.values())
 
 
@@ -502,7 +539,9 @@ def fs_type(path: Path) -> str:
     for line in Path("/proc/mounts").read_text().splitlines():
         parts = line.split()
         mnt = parts[1]
-        if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+        if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(
+            best
+        ):
             best, kind = mnt, parts[2]
     return kind
 
@@ -537,14 +576,21 @@ class Driver:
         digest = hashlib.sha256()
         for f in sorted(dst.rglob("*.py")):
             digest.update(str(f.relative_to(dst)).encode() + b"\0" + f.read_bytes())
-        info: dict[str, Any] = {"source": str(src), "sha256": digest.hexdigest()[:16], "path": str(dst.parent)}
+        info: dict[str, Any] = {
+            "source": str(src),
+            "sha256": digest.hexdigest()[:16],
+            "path": str(dst.parent),
+        }
         try:
             root = src.parent
-            info["git_head"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
-                                              capture_output=True, text=True).stdout.strip()
+            info["git_head"] = subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
             info["git_dirty"] = subprocess.run(
                 ["git", "-C", str(root), "status", "--porcelain", "--", str(src)],
-                capture_output=True, text=True).stdout.split("\n")
+                capture_output=True,
+                text=True,
+            ).stdout.split("\n")
             info["git_dirty"] = [x for x in info["git_dirty"] if x]
         except OSError:
             pass
@@ -572,18 +618,34 @@ class Driver:
         spec = {**spec, "result": result}
         spec_file = Path(result).with_suffix(".spec.json")
         spec_file.write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-        first = self.snapshot["path"] if self.snapshot else str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(Path(__file__).resolve()), "--worker", str(spec_file)]
+        first = (
+            self.snapshot["path"] if self.snapshot else str(Path(__file__).resolve().parent.parent)
+        )
+        env["PYTHONPATH"] = os.pathsep.join(
+            [first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            str(spec_file),
+        ]
         log = self.logdir / f"{label}.log"
         t = time.perf_counter()
         with open(log, "w") as fh:
-            proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                  timeout=self.args.launch_timeout)
+            proc = subprocess.run(
+                cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=self.args.launch_timeout
+            )
         wall = time.perf_counter() - t
         if proc.returncode != 0:
             sys.stderr.write(Path(log).read_text()[-6000:])
@@ -597,11 +659,14 @@ class Driver:
         self.mem.append({"after": label, **m})
         if m["MemAvailable"] < 3.0:
             raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
-        print(f"  {label}: {wall:.1f}s launch; "
-              + ", ".join(f"{e['op']} {e['who']} {e['span']:.3f}s" for e in out["events"])
-              + f"  [avail {m['MemAvailable']:.1f} GiB, shmem {m['Shmem']:.1f} GiB, "
-              f"other CPU before {busy:.0%}, during timed max "
-              f"{max((e['foreign_cpu'] for e in out['events']), default=0):.0%}]", flush=True)
+        print(
+            f"  {label}: {wall:.1f}s launch; "
+            + ", ".join(f"{e['op']} {e['who']} {e['span']:.3f}s" for e in out["events"])
+            + f"  [avail {m['MemAvailable']:.1f} GiB, shmem {m['Shmem']:.1f} GiB, "
+            f"other CPU before {busy:.0%}, during timed max "
+            f"{max((e['foreign_cpu'] for e in out['events']), default=0):.0%}]",
+            flush=True,
+        )
         return out
 
     def cold_for(self, d: Path) -> bool:
@@ -611,8 +676,14 @@ class Driver:
 
     def case_a(self, d: Path) -> None:
         a = self.args
-        spec0 = {"ntensors": a.a_tensors, "rows": a.a_rows, "cols": a.a_cols, "dir": str(d),
-                 "cold": self.cold_for(d), "saved_world": a.a_save_world}
+        spec0 = {
+            "ntensors": a.a_tensors,
+            "rows": a.a_rows,
+            "cols": a.a_cols,
+            "dir": str(d),
+            "cold": self.cold_for(d),
+            "saved_world": a.a_save_world,
+        }
         paths = {c: str(d / f"A-{c}") for c in CONTENDERS}
         orders = orders_for(a.rounds)
         for rnd in range(a.rounds):
@@ -621,13 +692,19 @@ class Driver:
             order = orders[rnd]
             print(f" case A {d} round {rnd + 1}/{a.rounds} order {order}", flush=True)
             tag = {"case": "A", "dir": str(d), "fs": fs_type(d), "round": rnd}
-            out = self.launch(a.a_save_world, {**spec0, "mode": "save", "order": order,
-                                               "paths": paths, "round": rnd}, f"A-r{rnd}-save")
+            out = self.launch(
+                a.a_save_world,
+                {**spec0, "mode": "save", "order": order, "paths": paths, "round": rnd},
+                f"A-r{rnd}-save",
+            )
             self.events += [{**tag, **e} for e in out["events"]]
             for k, m in enumerate(a.a_load_worlds):
                 lorder = orders[(rnd + 1 + k) % len(orders)]
-                out = self.launch(m, {**spec0, "mode": "load", "order": lorder, "paths": paths,
-                                      "round": rnd}, f"A-r{rnd}-load{m}")
+                out = self.launch(
+                    m,
+                    {**spec0, "mode": "load", "order": lorder, "paths": paths, "round": rnd},
+                    f"A-r{rnd}-load{m}",
+                )
                 self.events += [{**tag, **e} for e in out["events"]]
             for p in paths.values():
                 shutil.rmtree(p, ignore_errors=True)
@@ -636,9 +713,16 @@ class Driver:
         a = self.args
         for n in a.b_worlds:
             print(f" case B {d} world {n}", flush=True)
-            spec = {"ntensors": a.b_tensors, "rows": a.b_rows, "cols": a.b_cols, "dir": str(d),
-                    "cold": self.cold_for(d), "mode": "small", "rounds": a.rounds,
-                    "orders": orders_for(a.rounds)}
+            spec = {
+                "ntensors": a.b_tensors,
+                "rows": a.b_rows,
+                "cols": a.b_cols,
+                "dir": str(d),
+                "cold": self.cold_for(d),
+                "mode": "small",
+                "rounds": a.rounds,
+                "orders": orders_for(a.rounds),
+            }
             out = self.launch(n, spec, f"B-w{n}")
             tag = {"case": "B", "dir": str(d), "fs": fs_type(d)}
             self.events += [{**tag, **e} for e in out["events"]]
@@ -650,8 +734,11 @@ class Driver:
             # A directory of our own inside --dir: concurrent runs never touch each other's files.
             parent.mkdir(parents=True, exist_ok=True)
             d = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=parent))
-            print(f"== {d} ({fs_type(d)}, loads {'cold: page cache evicted' if self.cold_for(d) else 'from memory'})",
-                  flush=True)
+            print(
+                f"== {d} ({fs_type(d)}, loads "
+                f"{'cold: page cache evicted' if self.cold_for(d) else 'from memory'})",
+                flush=True,
+            )
             try:
                 if "A" in a.case:
                     self.case_a(d)
@@ -668,13 +755,16 @@ def exclusive(lock_path: str):
     time each other. Waits (with a message) while another run holds it."""
     import fcntl
 
-    fh = open(lock_path, "a+")
+    fh = open(lock_path, "a+")  # noqa: SIM115 - held open for the whole run
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         fh.seek(0)
-        print(f"waiting for another bench_engine run to finish (lock {lock_path}: {fh.read().strip()})",
-              flush=True)
+        print(
+            "waiting for another bench_engine run to finish "
+            f"(lock {lock_path}: {fh.read().strip()})",
+            flush=True,
+        )
         fcntl.flock(fh, fcntl.LOCK_EX)
     fh.seek(0)
     fh.truncate()
@@ -694,15 +784,29 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for e in events:
         groups.setdefault((e["case"], e["dir"], e["op"], e["world"], e["who"]), []).append(e)
-    nbytes = {"A": args.a_tensors * args.a_rows * args.a_cols * 4,
-              "B": args.b_tensors * args.b_rows * args.b_cols * 4}
+    nbytes = {
+        "A": args.a_tensors * args.a_rows * args.a_cols * 4,
+        "B": args.b_tensors * args.b_rows * args.b_cols * 4,
+    }
     rows = []
     for (case, d, op, world, who), es in sorted(groups.items()):
         spans = [e["span"] for e in es]
-        row = {"case": case, "dir": d, "fs": es[0]["fs"], "op": op, "world": world, "who": who,
-               "n": len(spans), "median_s": med(spans), "min_s": min(spans), "max_s": max(spans),
-               "bytes": nbytes[case], "GiBps": nbytes[case] / GiB / med(spans),
-               "spans": spans, "other_cpu_median": med([e.get("foreign_cpu", 0.0) for e in es])}
+        row = {
+            "case": case,
+            "dir": d,
+            "fs": es[0]["fs"],
+            "op": op,
+            "world": world,
+            "who": who,
+            "n": len(spans),
+            "median_s": med(spans),
+            "min_s": min(spans),
+            "max_s": max(spans),
+            "bytes": nbytes[case],
+            "GiBps": nbytes[case] / GiB / med(spans),
+            "spans": spans,
+            "other_cpu_median": med([e.get("foreign_cpu", 0.0) for e in es]),
+        }
         br = [e["bytes_max"] for e in es if "bytes_max" in e]
         if br:
             row["bytes_read_max_rank"] = max(br)
@@ -710,7 +814,8 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         if tm:
             row["phases_median_max_over_ranks"] = {k: med([t[k] for t in tm]) for k in tm[0]}
             row["phases_median_rank0"] = {
-                k: med([e["timings_rank0"][k] for e in es]) for k in tm[0]}
+                k: med([e["timings_rank0"][k] for e in es]) for k in tm[0]
+            }
         rows.append(row)
 
     def pick(case, d, op, world, who):
@@ -740,22 +845,61 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         if target is not None:
             ok = val >= target[1] if target[0] == ">=" else val <= target[1]
         mins = rd["min_s"] / rn["min_s"] if invert else rn["min_s"] / rd["min_s"]
-        ratios.append({"label": label, "dir": d, "fs": rn["fs"], "value": val, "of_mins": mins,
-                       "paired_median": med(pr), "paired_min": min(pr), "paired_max": max(pr),
-                       "target": f"{target[0]} {target[1]}" if target else "", "ok": ok})
+        ratios.append(
+            {
+                "label": label,
+                "dir": d,
+                "fs": rn["fs"],
+                "value": val,
+                "of_mins": mins,
+                "paired_median": med(pr),
+                "paired_min": min(pr),
+                "paired_max": max(pr),
+                "target": f"{target[0]} {target[1]}" if target else "",
+                "ok": ok,
+            }
+        )
 
     for d in sorted({e["dir"] for e in events}):
         shm = any(r["fs"] == "tmpfs" for r in rows if r["dir"] == d)
         s = args.a_save_world
-        add("A save thr distckpt/raw", "A", d, "save", s, "distckpt", "raw", (">=", 0.7) if shm else None, invert=True)
+        add(
+            "A save thr distckpt/raw",
+            "A",
+            d,
+            "save",
+            s,
+            "distckpt",
+            "raw",
+            (">=", 0.7) if shm else None,
+            invert=True,
+        )
         for m in args.a_load_worlds:
-            add(f"A load{s}->{m} thr distckpt/raw", "A", d, f"load{s}->{m}", m, "distckpt", "raw", (">=", 0.6), invert=True)
+            add(
+                f"A load{s}->{m} thr distckpt/raw",
+                "A",
+                d,
+                f"load{s}->{m}",
+                m,
+                "distckpt",
+                "raw",
+                (">=", 0.6),
+                invert=True,
+            )
         add("A save time distckpt/dcp", "A", d, "save", s, "distckpt", "dcp")
         for m in args.a_load_worlds:
             add(f"A load{s}->{m} time distckpt/dcp", "A", d, f"load{s}->{m}", m, "distckpt", "dcp")
         for n in args.b_worlds:
-            add(f"B save time distckpt/dcp (w{n})", "B", d, "save", n, "distckpt", "dcp",
-                ("<=", 0.5) if n == max(args.b_worlds) else None)
+            add(
+                f"B save time distckpt/dcp (w{n})",
+                "B",
+                d,
+                "save",
+                n,
+                "distckpt",
+                "dcp",
+                ("<=", 0.5) if n == max(args.b_worlds) else None,
+            )
             add(f"B load time distckpt/dcp (w{n})", "B", d, f"load{n}->{n}", n, "distckpt", "dcp")
             add(f"B save time distckpt/raw (w{n})", "B", d, "save", n, "distckpt", "raw")
     return {"rows": rows, "ratios": ratios}
@@ -764,59 +908,97 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
 def print_report(summary: dict[str, Any]) -> None:
     rows, ratios = summary["rows"], summary["ratios"]
     print()
-    print(f"{'case':4} {'fs':6} {'op':10} {'world':>5} {'who':9} {'n':>2} {'median s':>9} "
-          f"{'min s':>8} {'max s':>8} {'GiB/s':>7} {'oth%':>5}")
+    print(
+        f"{'case':4} {'fs':6} {'op':10} {'world':>5} {'who':9} {'n':>2} {'median s':>9} "
+        f"{'min s':>8} {'max s':>8} {'GiB/s':>7} {'oth%':>5}"
+    )
     for r in rows:
-        print(f"{r['case']:4} {r['fs'][:6]:6} {r['op']:10} {r['world']:>5} {r['who']:9} {r['n']:>2} "
-              f"{r['median_s']:9.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['GiBps']:7.2f} "
-              f"{100 * r['other_cpu_median']:5.0f}")
+        print(
+            f"{r['case']:4} {r['fs'][:6]:6} {r['op']:10} {r['world']:>5} {r['who']:9} {r['n']:>2} "
+            f"{r['median_s']:9.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['GiBps']:7.2f} "
+            f"{100 * r['other_cpu_median']:5.0f}"
+        )
     print()
-    print(f"{'ratio':36} {'fs':6} {'of medians':>10} {'of mins':>8} {'paired med [min..max]':>24} "
-          f"{'target':>7} ok")
+    print(
+        f"{'ratio':36} {'fs':6} {'of medians':>10} {'of mins':>8} {'paired med [min..max]':>24} "
+        f"{'target':>7} ok"
+    )
     for q in ratios:
         ok = "" if q["ok"] is None else ("yes" if q["ok"] else "NO")
-        print(f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
-              f"{q['paired_median']:8.3f} [{q['paired_min']:.3f}..{q['paired_max']:.3f}] "
-              f"{q['target']:>7} {ok}")
+        print(
+            f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
+            f"{q['paired_median']:8.3f} [{q['paired_min']:.3f}..{q['paired_max']:.3f}] "
+            f"{q['target']:>7} {ok}"
+        )
     phases = [r for r in rows if "phases_median_max_over_ranks" in r]
     if phases:
         print()
         print("distckpt save phases (median over rounds of the max over ranks, s):")
         for r in phases:
             ph = r["phases_median_max_over_ranks"]
-            print(f"  case {r['case']} {r['fs'][:6]:6} world {r['world']:>2}: "
-                  + "  ".join(f"{k} {v:.3f}" for k, v in ph.items()))
+            print(
+                f"  case {r['case']} {r['fs'][:6]:6} world {r['world']:>2}: "
+                + "  ".join(f"{k} {v:.3f}" for k, v in ph.items())
+            )
 
 
 # --------------------------------------------------------------------------- main
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--case", nargs="+", choices=["A", "B"], default=["A", "B"])
-    p.add_argument("--dir", action="append",
-                   help="parent directory of the benchmark's files (a fresh run-PID-* directory "
-                        "inside it is used and removed; repeat for several); "
-                        "default: /dev/shm/distckpt-bench and /tmp/distckpt-bench")
+    p.add_argument(
+        "--dir",
+        action="append",
+        help="parent directory of the benchmark's files (a fresh run-PID-* directory "
+        "inside it is used and removed; repeat for several); "
+        "default: /dev/shm/distckpt-bench and /tmp/distckpt-bench",
+    )
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 16 x 1024x1024 (64 MiB), 100 small tensors, B on 4 ranks, 2 rounds")
-    p.add_argument("--cache", choices=["cold", "warm"], default="cold",
-                   help="on a non-tmpfs dir, evict the files before each timed load (cold, default)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 16 x 1024x1024 (64 MiB), 100 small tensors, B on 4 ranks, 2 rounds",
+    )
+    p.add_argument(
+        "--cache",
+        choices=["cold", "warm"],
+        default="cold",
+        help="on a non-tmpfs dir, evict the files before each timed load (cold, default)",
+    )
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--report", metavar="JSON", help="print the report of a saved --json file and exit")
-    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
-                   help="import distckpt from the working tree in every launch (default: a copy "
-                        "taken at start, so concurrent edits cannot mix versions within a run)")
-    p.add_argument("--lock", default="/tmp/bench_engine.lock",
-                   help="lock file serializing benchmark runs on this machine ('' for none)")
+    p.add_argument(
+        "--report", metavar="JSON", help="print the report of a saved --json file and exit"
+    )
+    p.add_argument(
+        "--no-snapshot",
+        dest="snapshot",
+        action="store_false",
+        help="import distckpt from the working tree in every launch (default: a copy "
+        "taken at start, so concurrent edits cannot mix versions within a run)",
+    )
+    p.add_argument(
+        "--lock",
+        default="/tmp/bench_engine.lock",
+        help="lock file serializing benchmark runs on this machine ('' for none)",
+    )
     p.add_argument("--launch-timeout", type=float, default=1800)
-    p.add_argument("--wait-idle", type=float, default=60,
-                   help="before each launch wait up to this many seconds for the machine to be idle")
-    p.add_argument("--idle-busy", type=float, default=0.25,
-                   help="'idle': other processes use less than this fraction of the CPUs")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=60,
+        help="before each launch wait up to this many seconds for the machine to be idle",
+    )
+    p.add_argument(
+        "--idle-busy",
+        type=float,
+        default=0.25,
+        help="'idle': other processes use less than this fraction of the CPUs",
+    )
     p.add_argument("--a-tensors", type=int, default=16)
     p.add_argument("--a-rows", type=int, default=4096)
     p.add_argument("--a-cols", type=int, default=4096)
@@ -852,23 +1034,37 @@ def main(argv: list[str] | None = None) -> None:
     lock = exclusive(args.lock) if args.lock else None
     t0 = time.time()
     drv = Driver(args)
-    print(f"bench_engine: cases {args.case}, dirs {args.dir}, {args.rounds} rounds; logs {drv.logdir}",
-          flush=True)
+    print(
+        f"bench_engine: cases {args.case}, dirs {args.dir}, {args.rounds} rounds; "
+        f"logs {drv.logdir}",
+        flush=True,
+    )
     if drv.snapshot:
-        print(f"distckpt snapshot {drv.snapshot['sha256']} of {drv.snapshot['source']} "
-              f"(HEAD {drv.snapshot.get('git_head', '?')[:10]}, {len(drv.snapshot.get('git_dirty', []))} "
-              "files modified)", flush=True)
+        print(
+            f"distckpt snapshot {drv.snapshot['sha256']} of {drv.snapshot['source']} "
+            f"(HEAD {drv.snapshot.get('git_head', '?')[:10]}, "
+            f"{len(drv.snapshot.get('git_dirty', []))} files modified)",
+            flush=True,
+        )
     drv.run()
     summary = summarize(args, drv.events)
     print_report(summary)
     if args.json:
         doc = {
-            "argv": sys.argv, "args": {k: v for k, v in vars(args).items() if k != "worker"},
-            "env": {"torch": torch.__version__, "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "machine": platform.machine(),
-                    "fs": {d: fs_type(Path(d).parent) for d in args.dir}},
-            "wall_s": time.time() - t0, "summary": summary, "events": drv.events,
-            "memory": drv.mem, "distckpt_snapshot": drv.snapshot,
+            "argv": sys.argv,
+            "args": {k: v for k, v in vars(args).items() if k != "worker"},
+            "env": {
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "fs": {d: fs_type(Path(d).parent) for d in args.dir},
+            },
+            "wall_s": time.time() - t0,
+            "summary": summary,
+            "events": drv.events,
+            "memory": drv.mem,
+            "distckpt_snapshot": drv.snapshot,
         }
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"\nwrote {args.json}")
