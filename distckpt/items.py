@@ -147,16 +147,21 @@ def dtensor_box(dt: Any, name: str) -> tuple[torch.Tensor, tuple[int, ...], Box]
     return local, shape, box
 
 
-def flatten(state: Any, prefix: tuple[str, ...] = ()) -> list[Leaf]:
-    """Every leaf of ``state`` with its name, in a deterministic order."""
+def flatten(state: Any, prefix: tuple[str, ...] = (), *, allow_pickle: bool = False) -> list[Leaf]:
+    """Every leaf of ``state`` with its name, in a deterministic order.
+
+    With ``allow_pickle``, an object distckpt cannot store natively becomes a value leaf
+    (stored pickled) instead of an error."""
     if not isinstance(state, dict):
         raise UnsupportedValueError(
             f"a state to save or load is a dict of named things, got {type(state).__name__}"
         )
-    return list(_walk(state, prefix, None, None))
+    return list(_walk(state, prefix, None, None, allow_pickle))
 
 
-def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Leaf]:
+def _walk(
+    obj: Any, path: tuple[str, ...], parent: Any, key: Any, allow_pickle: bool
+) -> Iterator[Leaf]:
     name = "/".join(escape_key(p) for p in path)
     if isinstance(obj, dict) and (has_tensor(obj) or not path):
         for k, v in obj.items():
@@ -164,11 +169,11 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
                 raise UnsupportedValueError(
                     f"{name or 'state'}: key {k!r} must be a str or an int to name a variable"
                 )
-            yield from _walk(v, (*path, str(k)), obj, k)
+            yield from _walk(v, (*path, str(k)), obj, k, allow_pickle)
         return
     if isinstance(obj, (list, tuple)) and has_tensor(obj):
         for i, v in enumerate(obj):
-            yield from _walk(v, (*path, str(i)), obj, i)
+            yield from _walk(v, (*path, str(i)), obj, i, allow_pickle)
         return
     if not name:
         raise UnsupportedValueError("a state to save or load is a dict of named things")
@@ -208,17 +213,17 @@ def _walk(obj: Any, path: tuple[str, ...], parent: Any, key: Any) -> Iterator[Le
                 parent=obj,
                 key=key,
             )
-        elif is_value(inner) and not has_tensor(inner):
+        elif (is_value(inner) or allow_pickle) and not has_tensor(inner):
             yield Leaf(name, "per_rank", value=inner, parent=obj, key=key)
         else:
             raise UnsupportedValueError(
                 f"variable {name!r}: PerRank holds a tensor or a small Python value, "
                 f"got {type(inner).__name__}"
             )
-    elif is_value(obj):
+    elif is_value(obj) or allow_pickle:
         yield Leaf(name, "value", value=obj, parent=parent, key=key)
     else:
-        hint = ""
+        hint = " (pass allow_pickle=True to store it pickled)"
         if hasattr(obj, "state_dict"):
             hint = " (pass obj.state_dict(), or use distckpt.Checkpoint)"
         raise UnsupportedValueError(

@@ -59,6 +59,7 @@ def load(
     comm: Communicator | None = None,
     *,
     strict: bool = True,
+    allow_pickle: bool = False,
 ) -> LoadResult:
     """Fill ``state`` in place from the checkpoint at ``path``; every rank calls it.
 
@@ -67,13 +68,15 @@ def load(
     values (and ``None`` placeholders) are replaced in their dict or list. With
     ``strict=True`` (the default) a name on one side and not the other is an error listing
     them all; ``strict=False`` restores what matches and reports the rest in the result.
+    A value saved pickled is unpickled only with ``allow_pickle=True``: unpickling runs code
+    from the checkpoint, so pass it only for checkpoints you trust.
     """
     comm = comm or auto()
     result = LoadResult(Path(path).absolute())
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
-        _load_local(state, result, comm.rank, comm.size, strict)
+        _load_local(state, result, comm.rank, comm.size, strict, allow_pickle)
     except Exception as exc:
         error = exc
     raise_if_any_failed(comm, error)
@@ -89,11 +92,16 @@ def load(
 
 
 def _load_local(
-    state: dict[str, Any], result: LoadResult, rank: int, world: int, strict: bool
+    state: dict[str, Any],
+    result: LoadResult,
+    rank: int,
+    world: int,
+    strict: bool,
+    allow_pickle: bool,
 ) -> None:
     index = index_mod.read_index(result.path)
     stored: dict[str, Any] = index["variables"]
-    leaves = flatten(state)
+    leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}
     result.missing = sorted(n for n in names if n not in stored)
     result.unexpected = sorted(n for n in stored if n not in names)
@@ -133,7 +141,7 @@ def _load_local(
         )
     for leaf, entry in jobs:
         if entry["kind"] == "value":
-            _assign(leaf, decode(entry["value"]))
+            _assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot takes a tensor
             shape = tuple(entry["shape"])
             tensor = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))

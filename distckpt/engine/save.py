@@ -81,15 +81,17 @@ class _Local:
     arrays: dict[str, np.ndarray]
 
 
-def _describe(state: dict[str, Any]) -> tuple[_Local, list[Desc]]:
-    leaves = flatten(state)
+def _describe(state: dict[str, Any], allow_pickle: bool) -> tuple[_Local, list[Desc]]:
+    leaves = flatten(state, allow_pickle=allow_pickle)
     arrays: dict[str, np.ndarray] = {}
     descs: list[Desc] = []
     for leaf in leaves:
         if leaf.kind == "value":
-            descs.append(Desc(leaf.name, "value", value=encode(leaf.value, leaf.name)))
+            value = encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
+            descs.append(Desc(leaf.name, "value", value=value))
         elif leaf.tensor is None:  # per-rank value
-            descs.append(Desc(leaf.name, "per_rank", value=encode(leaf.value, leaf.name)))
+            value = encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
+            descs.append(Desc(leaf.name, "per_rank", value=value))
         else:
             dtype = leaf.dtype
             arr = host_array(leaf.tensor, leaf.name)
@@ -117,14 +119,16 @@ def save(
     overwrite: bool = False,
     small_bytes: int = DEFAULT_SMALL_BYTES,
     inner_bytes: int = DEFAULT_INNER_BYTES,
+    allow_pickle: bool = False,
 ) -> SaveResult:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
     ``state`` is a dict of tensors, DTensors, :class:`~distckpt.Shard`,
     :class:`~distckpt.PerRank` and small Python values, nested in dicts and lists. Plain
     tensors must hold the same value on every rank. ``path`` must not hold a committed
-    checkpoint unless ``overwrite=True``, which replaces it atomically. Moves no
-    ``latest`` pointer. Example::
+    checkpoint unless ``overwrite=True``, which replaces it atomically. Other Python objects
+    are refused unless ``allow_pickle=True`` (they are then stored pickled, and loading them
+    needs ``allow_pickle=True`` too). Moves no ``latest`` pointer. Example::
 
         distckpt.save({"model": model.state_dict(), "step": 10}, "run/ckpt-10")
     """
@@ -138,7 +142,7 @@ def save(
     local_error: BaseException | None = None
     payload: Any
     try:
-        local, payload = _describe(state)
+        local, payload = _describe(state, allow_pickle)
     except Exception as exc:
         local_error, payload = exc, Failure.capture(exc, comm.rank)
     gathered = comm.gather(payload, root=COORDINATOR)
