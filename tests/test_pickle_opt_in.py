@@ -71,3 +71,34 @@ def test_index_holds_no_pickle_without_opt_in(tmp_path):
     raw = (tmp_path / "ck" / "zarr.json").read_text()
     assert '"pickle"' not in raw
     assert os.path.getsize(tmp_path / "ck" / "zarr.json") > 0
+
+
+class Holder:
+    """A stateful object whose state holds objects that are not typed values."""
+
+    def __init__(self, cfg: object = None, tag: object = None) -> None:
+        self.cfg, self.tag = cfg, tag
+
+    def state_dict(self) -> dict:
+        return {"cfg": self.cfg, "tag": self.tag}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cfg, self.tag = state["cfg"], state["tag"]
+
+
+def test_checkpoint_objects_need_the_opt_in_on_both_sides(tmp_path):
+    TRACE.clear()
+    ckpt = distckpt.Checkpoint(w=torch.ones(2), holder=Holder(fractions.Fraction(2, 3), Marker(5)))
+    with pytest.raises(UnsupportedValueError, match="allow_pickle=True"):
+        ckpt.write(tmp_path / "refused", SingleComm())
+    assert not (tmp_path / "refused").exists()
+    path = ckpt.save(tmp_path / "ckpt", SingleComm(), allow_pickle=True)
+
+    fresh = distckpt.Checkpoint(w=torch.zeros(2), holder=Holder())
+    with pytest.raises(UnsupportedValueError, match="pickled Python object"):
+        fresh.restore(path, SingleComm())
+    assert TRACE == []
+    fresh = distckpt.Checkpoint(w=torch.zeros(2), holder=Holder())
+    fresh.restore(path, SingleComm(), allow_pickle=True).assert_consumed()
+    assert torch.equal(fresh.w, torch.ones(2))
+    assert fresh.holder.cfg == fractions.Fraction(2, 3) and fresh.holder.tag.value == 5

@@ -116,22 +116,36 @@ class Checkpoint(Node):
 
     # ------------------------------------------------------------ saving
 
-    def write(self, path: str | os.PathLike[str], comm: Communicator | None = None) -> str:
+    def write(
+        self,
+        path: str | os.PathLike[str],
+        comm: Communicator | None = None,
+        *,
+        allow_pickle: bool = False,
+    ) -> str:
         """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
 
         Returns ``path``. Fails with :class:`~distckpt.errors.CheckpointExists` if a
-        checkpoint is already committed there.
+        checkpoint is already committed there. Objects that are neither tensors nor typed
+        Python values are refused unless ``allow_pickle=True`` (then stored pickled, and
+        :meth:`restore` needs ``allow_pickle=True`` to read them).
         """
         comm = comm or auto()
         self._warn_unresolved()
-        leaves, aliases = collect(self)
+        leaves, aliases = collect(self, allow_pickle=allow_pickle)
         leaves[SAVE_COUNTER] = self._save_counter
         if aliases:
             leaves[ALIASES] = aliases
-        engine_save(nest(leaves), path, comm)
+        engine_save(nest(leaves), path, comm, allow_pickle=allow_pickle)
         return os.fspath(path)
 
-    def save(self, file_prefix: str | os.PathLike[str], comm: Communicator | None = None) -> str:
+    def save(
+        self,
+        file_prefix: str | os.PathLike[str],
+        comm: Communicator | None = None,
+        *,
+        allow_pickle: bool = False,
+    ) -> str:
         """Save as ``{file_prefix}-{N}`` and make it its directory's latest. Collective.
 
         ``N`` is :attr:`save_counter` after incrementing it (1 for the first save of a
@@ -146,7 +160,7 @@ class Checkpoint(Node):
         path = f"{os.fspath(file_prefix)}-{counter}"
         self._save_counter = counter
         try:
-            self.write(path, comm)
+            self.write(path, comm, allow_pickle=allow_pickle)
         except BaseException:
             self._save_counter = counter - 1
             raise
@@ -162,7 +176,11 @@ class Checkpoint(Node):
     # ------------------------------------------------------------ restoring
 
     def restore(
-        self, path: str | os.PathLike[str] | None, comm: Communicator | None = None
+        self,
+        path: str | os.PathLike[str] | None,
+        comm: Communicator | None = None,
+        *,
+        allow_pickle: bool = False,
     ) -> CheckpointLoadStatus | InitializationOnlyStatus:
         """Fill the graph from the checkpoint at ``path``; collective.
 
@@ -176,6 +194,8 @@ class Checkpoint(Node):
 
         A tensor whose shape or dtype differs from the checkpoint raises
         :class:`~distckpt.errors.ShapeMismatchError` naming the variable and both shapes.
+        A value saved pickled is refused unless ``allow_pickle=True`` (unpickling runs code
+        from the checkpoint: only for checkpoints you trust).
         """
         self._warn_unresolved()
         if path is None:
@@ -185,7 +205,7 @@ class Checkpoint(Node):
             self._session.deactivate()
         if self._finalizer is not None:
             self._finalizer.detach()
-        session = RestoreSession(path, comm, self)
+        session = RestoreSession(path, comm, self, allow_pickle=allow_pickle)
         self._session = session
         plan = Plan([Slot(SAVE_COUNTER, None, self._set_counter)])
         try:

@@ -93,10 +93,14 @@ _SAVERS: dict[str, Callable[[Visit, TensorNames, bool], Leaves]] = {
 }
 
 
-def collect(root: Any, *, existing_only: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
+def collect(
+    root: Any, *, existing_only: bool = False, allow_pickle: bool = False
+) -> tuple[dict[str, Any], dict[str, str]]:
     """``({name: leaf}, {alias: name})`` for everything the graph under ``root`` saves.
 
-    ``existing_only`` skips what does not exist yet (lazy parameters) instead of failing.
+    ``existing_only`` skips what does not exist yet (lazy parameters) instead of failing;
+    ``allow_pickle`` lets objects that are not tensors or typed values through (the engine
+    stores them pickled).
     """
     names = TensorNames(root)
     leaves: dict[str, Any] = {}
@@ -113,7 +117,8 @@ def collect(root: Any, *, existing_only: bool = False) -> tuple[dict[str, Any], 
                     continue
                 first[id(leaf)] = name
             elif not existing_only and not isinstance(leaf, PerRank):
-                encode(leaf, name)  # refuse what cannot be stored, under its own name
+                # refuse what cannot be stored, under its own name
+                encode(leaf, name, allow_pickle=allow_pickle)
             leaves[name] = leaf
     return leaves, aliases
 

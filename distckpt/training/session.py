@@ -52,8 +52,16 @@ class Found:
 class RestoreSession:
     """The state of one restore (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str], comm: Communicator, root: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        comm: Communicator,
+        root: Any,
+        *,
+        allow_pickle: bool = False,
+    ) -> None:
         self.path = Path(path)
+        self.allow_pickle = allow_pickle
         self.comm = comm
         self._root = weakref.ref(root)
         variables = dict(read_index(path)["variables"])
@@ -76,7 +84,9 @@ class RestoreSession:
 
     def _value(self, name: str) -> Any:
         if name not in self._decoded:
-            self._decoded[name] = decode(self.variables[name]["value"])
+            self._decoded[name] = decode(
+                self.variables[name]["value"], allow_pickle=self.allow_pickle, name=name
+            )
         return self._decoded[name]
 
     def find(self, name: str) -> Found | None:
@@ -142,7 +152,9 @@ class RestoreSession:
         raise_if_any_failed(self.comm, error)
         for batch in rounds:
             if batch:
-                load(nest(batch), self.path, self.comm, strict=False)
+                load(
+                    nest(batch), self.path, self.comm, strict=False, allow_pickle=self.allow_pickle
+                )
         try:
             for slot, holder in ready:
                 if slot.on_value is not None:
