@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -221,10 +222,28 @@ def main() -> None:
     manager.close()
     if rank == 0:
         print(f"Done: step {int(step)} on {world} rank(s).")
+    shutdown(rank)
+
+
+def shutdown(rank: int) -> None:
+    """Tear torch.distributed down; under MPI, rank 0 (which hosts the rendezvous store
+    that ``init_torch_from_mpi`` started) goes last, once every other rank let go of it.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    under_mpi = "TORCHELASTIC_RUN_ID" not in os.environ and "mpi4py.MPI" in sys.modules
+    if not under_mpi:
+        dist.destroy_process_group()
+        return
+    from mpi4py import MPI
+
+    if rank != 0:
+        dist.destroy_process_group()
+    MPI.COMM_WORLD.Barrier()
+    if rank == 0:
         dist.destroy_process_group()
 
 

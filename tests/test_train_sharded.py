@@ -7,6 +7,9 @@ same or another world size (gloo on CPU; mpiexec, torchrun and one process).
   restored run, right after the restore).
 * On 2 ranks, 20 steps straight and 10 + 10 steps with a relaunch in between end
   bit-identical.
+* The loss scaling: on 3 ranks the first step's full gradients are those of the mean
+  over the global batch (AdamW hardly sees a wrong scale, so the parameters could not
+  tell).
 * 4 ranks for 10 steps, then 2 ranks for 10 more end where 4 ranks for 20 steps end, up
   to float rounding (the reduction order differs with the world size).
 """
@@ -21,6 +24,7 @@ import torch
 from launch_util import (
     HAVE_MPIEXEC,
     REPO_ROOT,
+    SCRIPTS,
     check,
     output,
     run_mpi,
@@ -90,9 +94,8 @@ def test_restore_on_another_world_size_is_bit_identical(
     )  # fmt: skip
     check(proc)
     out = proc.stdout
-    assert out.count(f"Restored from {run / 'ckpt-2'} at step 10 onto {n} rank(s).") == 1, (
-        output(proc)
-    )
+    restored = f"Restored from {run / 'ckpt-2'} at step 10 onto {n} rank(s)."
+    assert out.count(restored) == 1, output(proc)
     assert out.count("Restore check passed: 24 tensors bit-identical.") == 1, output(proc)
     assert "saved" not in out, output(proc)
     # the same state gathered again after the run (and written by the test's own reader)
@@ -155,3 +158,14 @@ def test_continue_on_another_world_size(saved_on_4: Path, tmp_path: Path) -> Non
     norm = torch.cat([want[k].flatten() for k in names]).norm()
     assert diff <= 1e-6 * norm, (diff.item(), norm.item())
     assert got["opt:0.weight:step"] == want["opt:0.weight:step"]
+
+
+@pytest.mark.timeout(200)
+def test_gradients_are_the_global_batch_mean_on_3_ranks() -> None:
+    script = SCRIPTS / "train_sharded_check.py"
+    if HAVE_MPIEXEC:
+        proc = run_mpi(3, script, timeout=TIMEOUT)
+    else:
+        proc = run_torchrun(3, script, timeout=TIMEOUT)
+    check(proc)
+    assert proc.stdout.count("OK gradients 3") == 1, output(proc)
