@@ -320,7 +320,8 @@ def _plan_tensor(
     if total <= small_bytes or not owners:
         # One plain chunk, assembled by one writer from the holders' boxes.
         var.layout = "small"
-        whole = [rs for b, rs in owners.items() if b == Box.full(shape)]
+        full = Box.full(shape)
+        whole = [rs for b, rs in owners.items() if b == full]
         writer = balancer.pick(whole[0] if whole else small_writers, total)
         sources = tuple(
             (writer if writer in rs else rs[0], box) for box, rs in sorted(owners.items())
@@ -332,7 +333,7 @@ def _plan_tensor(
                 var=var.name,
                 dtype=dtype,
                 file=f"{var.path}/{zarr_meta.chunk_key([0] * len(shape))}",
-                box=Box.full(shape),
+                box=full,
                 block=block,
                 inner=None,
                 writer=writer,
