@@ -13,6 +13,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from distckpt import comm  # noqa: E402
+from distckpt.engine.background import AsyncSave  # noqa: E402
 from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
 from distckpt.engine.load import LoadResult, load  # noqa: E402
 from distckpt.engine.save import SaveResult, save  # noqa: E402
@@ -56,6 +57,7 @@ def register_zarr_dtypes() -> None:
 
 
 __all__ = [
+    "AsyncSave",
     "Box",
     "Checkpoint",
     "CheckpointError",

@@ -68,6 +68,21 @@ class Communicator(Protocol):
         """Like :meth:`gather`, for one byte buffer per rank (small tensors to one writer)."""
 
 
+def background(comm: Communicator) -> Communicator:
+    """Collective at first use: a communicator over ``comm``'s ranks whose collectives
+    never mix with ``comm``'s, for a background thread (``comm.background()``: an
+    ``MPI_Comm_dup``, a new gloo group; cached). A communicator without ``background``
+    cannot save in the background."""
+    make = getattr(comm, "background", None)
+    if make is None:
+        raise TypeError(
+            f"{type(comm).__name__} has no background() method, which a background "
+            "(async) save needs; save with async_save=False"
+        )
+    dup: Communicator = make()
+    return dup
+
+
 def raise_if_any_failed(comm: Communicator, exc: BaseException | None) -> None:
     """Collective: if any rank passes an exception, raise it on every rank.
 

@@ -33,6 +33,9 @@ _POLL_MAX = 0.01
 
 _abort_registered = False
 
+#: Background communicators already created: Fortran handle of the communicator -> dup.
+_BACKGROUND: dict[int, MPIComm] = {}
+
 
 def _abort_at_exit() -> None:
     """At interpreter exit, abort the MPI job rather than wait in MPI_Finalize (once)."""
@@ -119,6 +122,30 @@ class MPIComm:
                 raise CommTimeoutError(self._broken)
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
+
+    def background(self) -> MPIComm:
+        """Collective at first use: the communicator of distckpt's background thread.
+
+        An MPIComm over ``MPI_Comm_dup`` of this one, created on the first call and cached
+        per underlying communicator. Its messages never match this communicator's, so a
+        background thread runs collectives on it while the training thread uses this
+        one. That needs MPI initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
+        """
+        from mpi4py import MPI
+
+        key = self.comm.py2f()
+        if key in _BACKGROUND:
+            return _BACKGROUND[key]
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "a background save needs MPI_THREAD_MULTIPLE, but MPI was initialized with "
+                f"thread level {MPI.Query_thread()}; leave mpi4py.rc.thread_level at its "
+                "default ('multiple') or save with async_save=False"
+            )
+        self._arrive("background")
+        dup = MPIComm(self.comm.Dup(), self.timeout, abort_at_exit=self.abort_at_exit)
+        _BACKGROUND[key] = dup
+        return dup
 
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""

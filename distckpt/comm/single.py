@@ -27,6 +27,10 @@ class SingleComm:
     def __repr__(self) -> str:
         return "SingleComm()"
 
+    def background(self) -> SingleComm:
+        """This communicator: one process has no collectives to keep apart."""
+        return self
+
     def barrier(self) -> None:
         """Return at once."""
 

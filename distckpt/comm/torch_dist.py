@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 #: Gloo side groups already created: (default group, group, timeout) -> side group.
 _SIDE_GROUPS: dict[tuple[Any, Any, float], Any] = {}
 
+#: Background communicators already created: (default group, group, timeout) -> comm.
+_BACKGROUND: dict[tuple[Any, Any, float], TorchComm] = {}
+
 #: Lower-cased fragments of gloo / c10d error messages that mean "a peer is gone or late".
 _PEER_LOST = (
     "timed out",
@@ -148,6 +151,34 @@ class TorchComm:
             )
             logger.debug("%s", self._broken)
             raise CommTimeoutError(self._broken) from exc
+
+    def background(self) -> TorchComm:
+        """Collective at first use: the communicator of distckpt's background thread.
+
+        A TorchComm over a new gloo group of the same ranks, created on the first call and
+        cached per (group, time-out). Its collectives never mix with this one's nor with
+        training's, so a background thread uses it while the training thread runs
+        collectives of its own. Every rank of the group must make the first call at the
+        same point of the program.
+        """
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        for stale in [k for k in _BACKGROUND if k[0] is not world]:  # from a destroyed world
+            del _BACKGROUND[stale]
+        key = (world, self.group, self.timeout)
+        if key in _BACKGROUND:
+            return _BACKGROUND[key]
+        is_world = self.group is world
+        group = dist.new_group(
+            ranks=None if is_world else dist.get_process_group_ranks(self.group),
+            backend="gloo",
+            timeout=timedelta(seconds=self.timeout),
+            use_local_synchronization=not is_world,
+            group_desc="distckpt_background",
+        )
+        _BACKGROUND[key] = TorchComm(group, self.timeout)
+        return _BACKGROUND[key]
 
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""

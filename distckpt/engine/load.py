@@ -24,6 +24,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.engine import background
 from distckpt.engine.arrays import tensor_from_numpy, writable_view
 from distckpt.errors import (
     CorruptCheckpointError,
@@ -71,6 +72,7 @@ def load(
     A value saved pickled is unpickled only with ``allow_pickle=True``: unpickling runs code
     from the checkpoint, so pass it only for checkpoints you trust.
     """
+    background.finish_pending()  # also raises the error of a save nobody waited for
     comm = comm or auto()
     result = LoadResult(Path(path).absolute())
     t0 = time.perf_counter()
@@ -227,6 +229,20 @@ def _read_tensor(
     staged = out is None
     if out is None:
         out = np.empty(target.lengths, dtype=dtype)
+    total = read_region(root, name, entry, target, out)
+    if staged:
+        with torch.no_grad():
+            tensor.copy_(tensor_from_numpy(out, tensor.dtype))
+    return total
+
+
+def read_region(root: Path, name: str, entry: dict[str, Any], target: Box, out: np.ndarray) -> int:
+    """Fill ``out`` (shaped like ``target``, of the stored dtype) with the box ``target`` of
+    the stored tensor ``entry`` of the checkpoint at ``root``, verifying every checksum it
+    reads. Returns the bytes read. Memory: ``out`` plus one inner chunk."""
+    if target.empty:
+        return 0
+    dtype = dtypes.numpy_dtype(entry["dtype"])
     pieces = [index_mod.StoredPiece.from_json(p) for p in entry["pieces"]]
     copies = list(plan_reads(target, pieces))
     if sum(c.dst.numel for c in copies) != target.numel:
@@ -243,7 +259,4 @@ def _read_tensor(
             total += reader.read_plain(piece.block, copy.src, dst)
         else:
             total += reader.read_sharded(piece.block, piece.inner, copy.src, dst)
-    if staged:
-        with torch.no_grad():
-            tensor.copy_(tensor_from_numpy(out, tensor.dtype))
     return total

@@ -31,16 +31,21 @@ import pickle
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from distckpt import __version__, dtypes
 from distckpt.comm import Communicator, auto
+from distckpt.comm.base import background as background_comm
 from distckpt.comm.outcome import Failure, first_failure
+from distckpt.engine import background, snapshot
 from distckpt.engine.arrays import host_array
+from distckpt.engine.background import AsyncSave
+from distckpt.engine.snapshot import BufferPool
 from distckpt.errors import CheckpointExists
 from distckpt.items import Leaf, flatten
 from distckpt.planning.save_plan import (
@@ -75,40 +80,87 @@ class SaveResult:
 
 @dataclass
 class _Local:
-    """This rank's leaves, as host arrays keyed by name."""
+    """This rank's leaves, their host arrays keyed by name, and its encoded values."""
 
     leaves: list[Leaf]
     arrays: dict[str, np.ndarray]
+    values: dict[str, Any]
 
 
-def _describe(state: dict[str, Any], allow_pickle: bool) -> tuple[_Local, list[Desc]]:
+def _gather_leaves(state: dict[str, Any], allow_pickle: bool) -> tuple[list[Leaf], dict[str, Any]]:
+    """Flatten ``state`` and encode its Python values (typed JSON) now: they may change."""
     leaves = flatten(state, allow_pickle=allow_pickle)
-    arrays: dict[str, np.ndarray] = {}
+    values = {
+        leaf.name: encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
+        for leaf in leaves
+        if leaf.tensor is None
+    }
+    return leaves, values
+
+
+def _describe(local: _Local) -> list[Desc]:
     descs: list[Desc] = []
-    for leaf in leaves:
-        if leaf.kind == "value":
-            value = encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
-            descs.append(Desc(leaf.name, "value", value=value))
-        elif leaf.tensor is None:  # per-rank value
-            value = encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
-            descs.append(Desc(leaf.name, "per_rank", value=value))
-        else:
-            dtype = leaf.dtype
-            arr = host_array(leaf.tensor, leaf.name)
-            arrays[leaf.name] = arr
-            checksum = shard_io.crc32c(shard_io.as_bytes(arr)) if leaf.replicated else None
-            descs.append(
-                Desc(
-                    leaf.name,
-                    leaf.kind,
-                    dtype=dtype,
-                    shape=leaf.shape,
-                    box=leaf.box,
-                    replicated=leaf.replicated,
-                    checksum=checksum,
-                )
+    for leaf in local.leaves:
+        if leaf.tensor is None:
+            kind = "value" if leaf.kind == "value" else "per_rank"
+            descs.append(Desc(leaf.name, kind, value=local.values[leaf.name]))
+            continue
+        arr = local.arrays[leaf.name]
+        checksum = shard_io.crc32c(shard_io.as_bytes(arr)) if leaf.replicated else None
+        descs.append(
+            Desc(
+                leaf.name,
+                leaf.kind,
+                dtype=leaf.dtype,
+                shape=leaf.shape,
+                box=leaf.box,
+                replicated=leaf.replicated,
+                checksum=checksum,
             )
-    return _Local(leaves, arrays), descs
+        )
+    return descs
+
+
+@dataclass
+class _Options:
+    final: Path
+    overwrite: bool
+    small_bytes: int
+    inner_bytes: int
+    after_commit: Callable[[], None] | None = None
+
+
+_POOL = BufferPool()
+
+
+@overload
+def save(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    comm: Communicator | None = ...,
+    *,
+    overwrite: bool = ...,
+    small_bytes: int = ...,
+    inner_bytes: int = ...,
+    allow_pickle: bool = ...,
+    async_save: Literal[False] = ...,
+    lazy: bool | Callable[[str], bool] = ...,
+) -> SaveResult: ...
+
+
+@overload
+def save(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    comm: Communicator | None = ...,
+    *,
+    overwrite: bool = ...,
+    small_bytes: int = ...,
+    inner_bytes: int = ...,
+    allow_pickle: bool = ...,
+    async_save: Literal[True],
+    lazy: bool | Callable[[str], bool] = ...,
+) -> AsyncSave: ...
 
 
 def save(
@@ -120,7 +172,9 @@ def save(
     small_bytes: int = DEFAULT_SMALL_BYTES,
     inner_bytes: int = DEFAULT_INNER_BYTES,
     allow_pickle: bool = False,
-) -> SaveResult:
+    async_save: bool = False,
+    lazy: bool | Callable[[str], bool] = False,
+) -> SaveResult | AsyncSave:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
     ``state`` is a dict of tensors, DTensors, :class:`~distckpt.Shard`,
@@ -131,20 +185,116 @@ def save(
     needs ``allow_pickle=True`` too). Moves no ``latest`` pointer. Example::
 
         distckpt.save({"model": model.state_dict(), "step": 10}, "run/ckpt-10")
+
+    ``async_save=True`` copies the tensors into reusable host buffers (pinned for GPU
+    tensors) and returns an :class:`~distckpt.engine.background.AsyncSave` at once; the
+    writing and the commit run on a background thread. Training may change the tensors
+    as soon as the call returns. ``lazy=True`` (or a predicate on variable names) does not
+    even copy those tensors before returning: the background thread copies them, and the
+    caller must not change them before ``handle.wait_snapshot()`` returns (the training
+    layer does this from an ``optimizer.step()`` hook). Every save, load and restore waits
+    for the previous background save first, and raises its error if nobody waited.
     """
+    return save_state(
+        state,
+        path,
+        comm,
+        overwrite=overwrite,
+        small_bytes=small_bytes,
+        inner_bytes=inner_bytes,
+        allow_pickle=allow_pickle,
+        async_save=async_save,
+        lazy=lazy,
+    )
+
+
+def save_state(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    comm: Communicator | None = None,
+    *,
+    overwrite: bool = False,
+    small_bytes: int = DEFAULT_SMALL_BYTES,
+    inner_bytes: int = DEFAULT_INNER_BYTES,
+    allow_pickle: bool = False,
+    async_save: bool = False,
+    lazy: bool | Callable[[str], bool] = False,
+    after_commit: Callable[[], None] | None = None,
+) -> SaveResult | AsyncSave:
+    """:func:`save`, plus ``after_commit``: called on the coordinator once the checkpoint is
+    committed and before any rank returns (the training layer moves its pointer there); an
+    error it raises is raised on every rank."""
+    if lazy is not False and not async_save:
+        raise ValueError("lazy saves run in the background: pass async_save=True as well")
+    background.finish_pending()
     comm = comm or auto()
-    final = Path(path).absolute()
+    options = _Options(Path(path).absolute(), overwrite, small_bytes, inner_bytes, after_commit)
+    error: BaseException | None = None
+    if not async_save:
+        local: _Local | Failure
+        try:
+            leaves, values = _gather_leaves(state, allow_pickle)
+            arrays = {
+                leaf.name: host_array(leaf.tensor, leaf.name)
+                for leaf in leaves
+                if leaf.tensor is not None
+            }
+            local = _Local(leaves, arrays, values)
+        except Exception as exc:
+            local, error = Failure.capture(exc, comm.rank), exc
+        return _protocol(comm, local, options, error=error)
+
+    t0 = time.perf_counter()
+    bg_comm = background_comm(comm)  # collective the first time
+    everything = bool(lazy)
+    is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
+    snap: snapshot.Snapshot | Failure
+    try:
+        leaves, values = _gather_leaves(state, allow_pickle)
+        snap = snapshot.take(leaves, _POOL, is_lazy)
+    except Exception as exc:
+        snap, error = Failure.capture(exc, comm.rank), exc
+        values = {}
+    blocked = time.perf_counter() - t0
+    rank = comm.rank
+
+    def body(handle: background.AsyncSave) -> SaveResult:
+        local: _Local | Failure
+        if isinstance(snap, Failure):
+            local = snap
+        else:
+            try:
+                snapshot.finish(snap)
+                local = _Local(snap.leaves, snap.arrays, values)
+            except Exception as exc:
+                local = Failure.capture(exc, rank)
+        handle._snapshot.set()
+        result = _protocol(bg_comm, local, options, error=error)
+        result.timings["snapshot"] = blocked
+        return result
+
+    handle = background.start(str(options.final), body)
+    log.debug("background save of %s started; the caller was blocked %.4fs", options.final, blocked)
+    return handle
+
+
+def _protocol(
+    comm: Communicator, local: _Local | Failure, opts: _Options, error: BaseException | None
+) -> SaveResult:
+    """Steps 1 to 5 of the protocol, from this rank's leaves or the failure that replaced
+    them (``error``, the local exception, is re-raised as itself on this rank)."""
+    final = opts.final
     result = SaveResult(final)
     t0 = time.perf_counter()
 
     # 1-2. Describe, then plan on the coordinator.
-    local: _Local | None = None
-    local_error: BaseException | None = None
-    payload: Any
-    try:
-        local, payload = _describe(state, allow_pickle)
-    except Exception as exc:
-        local_error, payload = exc, Failure.capture(exc, comm.rank)
+    local_error: BaseException | None = error
+    payload: Any = local
+    if not isinstance(local, Failure):
+        try:
+            payload = _describe(local)
+        except Exception as exc:
+            local_error, payload = exc, Failure.capture(exc, comm.rank)
     gathered = comm.gather(payload, root=COORDINATOR)
     t_describe = time.perf_counter()
     staging: Staging | None = None
@@ -156,7 +306,12 @@ def save(
             if decision is None:
                 try:
                     decision, staging = _plan(
-                        gathered, final, overwrite, comm.size, small_bytes, inner_bytes
+                        gathered,
+                        final,
+                        opts.overwrite,
+                        comm.size,
+                        opts.small_bytes,
+                        opts.inner_bytes,
                     )
                 except Exception as exc:
                     local_error, decision = exc, Failure.capture(exc, comm.rank)
@@ -169,7 +324,7 @@ def save(
         if isinstance(decision, Failure):
             decision.raise_here(comm.rank, local_error)
         work: RankWork = pickle.loads(decision[comm.rank])
-        assert local is not None
+        assert isinstance(local, _Local)
         t_plan = time.perf_counter()
 
         # 3-4. Exchange small tensors, write.
@@ -191,11 +346,18 @@ def save(
             outcome = first_failure(reports)
             if outcome is None:
                 try:
-                    _commit(plan, reports, staging, final, overwrite)
+                    _commit(plan, reports, staging, final, opts.overwrite)
+                    staging = None  # committed: nothing left to abort
                 except Exception as exc:
                     local_error, outcome = exc, Failure.capture(exc, comm.rank)
-            if outcome is not None:
+            if staging is not None:
                 staging.abort()
+                staging = None
+            elif opts.after_commit is not None:
+                try:
+                    opts.after_commit()
+                except Exception as exc:
+                    local_error, outcome = exc, Failure.capture(exc, comm.rank)
         outcome = comm.broadcast(outcome, root=COORDINATOR)
         if outcome is not None:
             outcome.raise_here(comm.rank, local_error)

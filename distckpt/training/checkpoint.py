@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-from distckpt.comm import Communicator, auto, raise_if_any_failed
-from distckpt.engine.save import save as engine_save
+from distckpt.comm import Communicator, auto
+from distckpt.engine import background
+from distckpt.engine.background import AsyncSave
+from distckpt.engine.save import save_state
 from distckpt.training.handlers import collect, plan_restore
+from distckpt.training.lazy import guard_optimizer_steps
 from distckpt.training.names import nest
 from distckpt.training.plan import Plan, Slot
 from distckpt.training.pointer import advance_pointer
 from distckpt.training.session import ALIASES, SAVE_COUNTER, RestoreSession
 from distckpt.training.status import CheckpointLoadStatus, InitializationOnlyStatus
-from distckpt.training.tracking import Node, ObjectGraphError, track
+from distckpt.training.tracking import Node, ObjectGraphError, track, walk
 
 
 class Checkpoint(Node):
@@ -122,22 +126,48 @@ class Checkpoint(Node):
         comm: Communicator | None = None,
         *,
         allow_pickle: bool = False,
-    ) -> str:
+        async_save: bool = False,
+        lazy: bool = False,
+    ) -> Any:
         """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
 
-        Returns ``path``. Fails with :class:`~distckpt.errors.CheckpointExists` if a
-        checkpoint is already committed there. Objects that are neither tensors nor typed
-        Python values are refused unless ``allow_pickle=True`` (then stored pickled, and
-        :meth:`restore` needs ``allow_pickle=True`` to read them).
+        Returns ``path`` (with ``async_save=True``, an
+        :class:`~distckpt.engine.background.AsyncSave` whose ``path`` it is). Fails with
+        :class:`~distckpt.errors.CheckpointExists` if a checkpoint is already committed
+        there. Objects that are neither tensors nor typed Python values are refused unless
+        ``allow_pickle=True`` (then stored pickled, and :meth:`restore` needs
+        ``allow_pickle=True`` to read them). See :meth:`save` for ``async_save`` and ``lazy``.
         """
+        handle = self._write(path, comm, allow_pickle, async_save, lazy, None)
+        return handle if async_save else os.fspath(path)
+
+    def _write(
+        self,
+        path: str | os.PathLike[str],
+        comm: Communicator | None,
+        allow_pickle: bool,
+        async_save: bool,
+        lazy: bool,
+        after_commit: Callable[[], None] | None,
+    ) -> Any:
         comm = comm or auto()
         self._warn_unresolved()
-        leaves, aliases = collect(self, allow_pickle=allow_pickle)
+        stable: set[str] = set()
+        leaves, aliases = collect(self, allow_pickle=allow_pickle, stable=stable)
         leaves[SAVE_COUNTER] = self._save_counter
         if aliases:
             leaves[ALIASES] = aliases
-        engine_save(nest(leaves), path, comm, allow_pickle=allow_pickle)
-        return os.fspath(path)
+        if lazy:
+            guard_optimizer_steps(v.obj for v in walk(self) if v.kind == "optimizer")
+        return save_state(
+            nest(leaves),
+            path,
+            comm,
+            allow_pickle=allow_pickle,
+            async_save=async_save or lazy,
+            lazy=stable.__contains__ if lazy else False,
+            after_commit=after_commit,
+        )
 
     def save(
         self,
@@ -145,7 +175,9 @@ class Checkpoint(Node):
         comm: Communicator | None = None,
         *,
         allow_pickle: bool = False,
-    ) -> str:
+        async_save: bool = False,
+        lazy: bool = False,
+    ) -> Any:
         """Save as ``{file_prefix}-{N}`` and make it its directory's latest. Collective.
 
         ``N`` is :attr:`save_counter` after incrementing it (1 for the first save of a
@@ -154,24 +186,43 @@ class Checkpoint(Node):
         :mod:`distckpt.training.pointer`). Returns the checkpoint's path::
 
             path = ckpt.save("run/ckpt")   # "run/ckpt-1"
+
+        ``async_save=True`` copies the tensors into host buffers and returns an
+        :class:`~distckpt.engine.background.AsyncSave` (``.path``, ``.wait()``,
+        ``.done()``) while writing, commit and pointer go on in the background; the next
+        save or restore (or :meth:`sync`) waits for it and raises its error.
+        ``lazy=True`` (implies ``async_save``) returns without copying parameters and
+        optimizer state at all: they are copied in the background, and the next
+        ``optimizer.step()`` of a tracked optimizer first waits for those copies. Buffers,
+        counters and other state are copied before ``save`` returns. Change parameters in
+        place yourself between a lazy save and the next step only after :meth:`sync` (or
+        ``handle.wait_snapshot()``).
         """
         comm = comm or auto()
         counter = self._save_counter + 1
         path = f"{os.fspath(file_prefix)}-{counter}"
         self._save_counter = counter
+
+        def undo(error: BaseException | None) -> None:
+            if error is not None and self._save_counter == counter:
+                self._save_counter = counter - 1
+
+        def move_pointer() -> None:  # coordinator, once committed
+            advance_pointer(path)
+
         try:
-            self.write(path, comm, allow_pickle=allow_pickle)
-        except BaseException:
-            self._save_counter = counter - 1
+            handle = self._write(path, comm, allow_pickle, async_save, lazy, move_pointer)
+        except BaseException as exc:
+            undo(exc)
             raise
-        error: BaseException | None = None
-        if comm.rank == 0:
-            try:
-                advance_pointer(path)
-            except Exception as exc:
-                error = exc
-        raise_if_any_failed(comm, error)
+        if isinstance(handle, AsyncSave):
+            handle.add_done_callback(undo)
+            return handle
         return path
+
+    def sync(self) -> None:
+        """Wait for a background save to commit; raise its error if it failed. Local."""
+        background.finish_pending()
 
     # ------------------------------------------------------------ restoring
 
@@ -198,6 +249,7 @@ class Checkpoint(Node):
         from the checkpoint: only for checkpoints you trust).
         """
         self._warn_unresolved()
+        background.finish_pending()
         if path is None:
             return InitializationOnlyStatus()
         comm = comm or auto()

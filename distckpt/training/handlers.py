@@ -94,13 +94,19 @@ _SAVERS: dict[str, Callable[[Visit, TensorNames, bool], Leaves]] = {
 
 
 def collect(
-    root: Any, *, existing_only: bool = False, allow_pickle: bool = False
+    root: Any,
+    *,
+    existing_only: bool = False,
+    allow_pickle: bool = False,
+    stable: set[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``({name: leaf}, {alias: name})`` for everything the graph under ``root`` saves.
 
     ``existing_only`` skips what does not exist yet (lazy parameters) instead of failing;
     ``allow_pickle`` lets objects that are not tensors or typed values through (the engine
-    stores them pickled).
+    stores them pickled). ``stable``, if given, receives the names of the tensors that only
+    ``optimizer.step()`` changes: module parameters and optimizer state (a lazy save
+    copies them in the background).
     """
     names = TensorNames(root)
     leaves: dict[str, Any] = {}
@@ -116,6 +122,11 @@ def collect(
                     aliases[name] = first[id(leaf)]
                     continue
                 first[id(leaf)] = name
+                if stable is not None and (
+                    visit.kind == "optimizer"
+                    or (visit.kind == "module" and isinstance(leaf, torch.nn.Parameter))
+                ):
+                    stable.add(name)
             elif not existing_only and not isinstance(leaf, PerRank):
                 # refuse what cannot be stored, under its own name
                 encode(leaf, name, allow_pickle=allow_pickle)

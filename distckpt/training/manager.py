@@ -56,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.engine import background
+from distckpt.engine.background import AsyncSave
 from distckpt.storage import index as index_mod
 from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
 from distckpt.storage.staging import OWNER_FILE, collect_garbage, trash_path
@@ -136,6 +138,7 @@ class CheckpointManager:
         self._last_save_time: float | None = None
         self._lock: DirectoryLock | None = None
         self._closed = False
+        self._pending: AsyncSave | None = None
 
         comm = self._comm
         if directory is None:
@@ -313,20 +316,39 @@ class CheckpointManager:
                 counter = number
         return {"save": True, "name": f"{self._name}-{number}", "counter": counter, "step": step}
 
-    def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
+    def save(
+        self,
+        checkpoint_number: int | None = None,
+        check_interval: bool = True,
+        *,
+        async_save: bool = False,
+        lazy: bool = False,
+    ) -> Any:
         """Save a new numbered checkpoint and apply retention; collective.
 
         Returns its path, or None when ``checkpoint_interval`` / ``save_interval_secs``
         say it is not time yet (``check_interval=False`` saves regardless).
+
+        ``async_save=True`` returns an :class:`~distckpt.engine.background.AsyncSave`
+        (``.path``, ``.wait()``, ``.done()``) once the state is copied to host memory; the
+        write, the commit, the ``latest`` pointer and the removal of checkpoints that
+        retention drops follow in the background, in that order. ``lazy=True`` also leaves
+        parameters and optimizer state to the background copy (see
+        :meth:`~distckpt.training.Checkpoint.save`). The manager's list of checkpoints
+        changes when the save is settled: by :meth:`sync`, the next save, or a restore.
         """
         if self._closed:
             raise ValueError("this CheckpointManager is closed")
+        self.sync()
         comm = self._comm
         decision: dict[str, Any] | None = None
         error: BaseException | None = None
         if comm.rank == 0:
             try:
                 decision = self._decide(checkpoint_number, check_interval)
+                if decision["save"]:
+                    now = float(self._clock())
+                    decision["state"], decision["doomed"] = self._retain(decision["name"], now)
             except BaseException as exc:
                 error = exc
         raise_if_any_failed(comm, error)
@@ -339,30 +361,41 @@ class CheckpointManager:
         checkpoint = self._checkpoint
         previous = checkpoint._save_counter
         checkpoint._save_counter = decision["counter"]
-        try:
-            checkpoint.write(path, comm)
-        except BaseException:
-            checkpoint._save_counter = previous
-            raise
 
-        state: dict[str, Any] | None = None
-        doomed: list[str] = []
-        if comm.rank == 0:
-            try:
-                state, doomed = self._retain(name, float(self._clock()))
-                self._write_pointer(state)
-            except BaseException as exc:
-                error = exc
-        raise_if_any_failed(comm, error)
-        if comm.rank == 0:
-            for old in doomed:  # only now that the pointer no longer names them
+        def after_commit() -> None:  # rank 0, once the checkpoint is committed
+            self._write_pointer(decision["state"])
+            for old in decision["doomed"]:  # only now that the pointer no longer names them
                 self._delete(old)
-        state = comm.broadcast(state)
-        assert state is not None
-        self._set_state(state)
-        self._last_step = decision["step"]
-        self._last_save_time = state["times"][name]
+
+        def settle(failure: BaseException | None) -> None:
+            if failure is not None:
+                if checkpoint._save_counter == decision["counter"]:
+                    checkpoint._save_counter = previous
+                return
+            self._set_state(decision["state"])
+            self._last_step = decision["step"]
+            self._last_save_time = decision["state"]["times"][name]
+
+        try:
+            handle = checkpoint._write(path, comm, False, async_save, lazy, after_commit)
+        except BaseException as exc:
+            settle(exc)
+            raise
+        if isinstance(handle, AsyncSave):
+            handle.add_done_callback(settle)
+            self._pending = handle
+            return handle
+        settle(None)
         return path
+
+    def sync(self) -> None:
+        """Wait for this manager's background save, if any; raise its error. Local."""
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            try:
+                handle.wait()
+            finally:
+                background.finish_pending()
 
     def _retain(self, name: str, now: float) -> tuple[dict[str, Any], list[str]]:
         """Rank 0: the new list with ``name`` added, and the names that fall out of it."""
@@ -412,6 +445,7 @@ class CheckpointManager:
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint and return its path, or return None; collective."""
+        self.sync()
         path = self.latest_checkpoint
         if path is None:
             return None
@@ -423,10 +457,18 @@ class CheckpointManager:
     # ------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Release the directory's lock (rank 0). Idempotent."""
+        """Wait for a background save, then release the directory's lock (rank 0).
+
+        Idempotent. Raises the background save's error, if it failed unseen.
+        """
+        if self._closed:
+            return
         self._closed = True
-        if self._lock is not None:
-            self._lock.release()
+        try:
+            self.sync()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,0 +1,162 @@
+"""Background saves: at most one per process, the next call waits for it.
+
+``distckpt.save(..., async_save=True)`` snapshots the state on the calling thread, then
+runs the rest of the save protocol (plan, write, commit) on a background thread, over the
+communicator's :meth:`background` twin (a duplicated MPI communicator, a separate gloo
+group), so the training thread's own collectives never meet distckpt's. The call returns
+an :class:`AsyncSave`.
+
+Rules, on every rank alike:
+
+* one background save at a time: every save, load or restore first waits for the one
+  running (:func:`finish_pending`), so at most one snapshot is alive and its buffers are
+  reused by the next;
+* an error in the background is never swallowed: :meth:`AsyncSave.wait` raises it, and if
+  nobody waited, the next save, load or restore raises it (once) before doing anything;
+* the commit happens only after every rank reported its data durable (the same protocol
+  as a blocking save), and a pointer moves only after the commit.
+
+The thread is not a daemon: a process that ends normally first finishes its save.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distckpt.engine.save import SaveResult
+
+log = logging.getLogger("distckpt")
+
+_lock = threading.Lock()
+_pending: AsyncSave | None = None
+
+
+class AsyncSave:
+    """A save running in the background; returned by ``save(..., async_save=True)``.
+
+    ``wait()`` blocks until the checkpoint is committed and returns the
+    :class:`~distckpt.engine.save.SaveResult`, or raises the save's error (on every rank
+    alike). ``done()`` tells without blocking. In lazy mode, ``wait_snapshot()`` returns
+    once the lazily copied tensors are copied and may change again.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._snapshot = threading.Event()
+        self._finished = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._observed = False
+        self._thread: threading.Thread | None = None
+        self._callbacks: list[Callable[[BaseException | None], None]] = []
+        self._settled = False
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"AsyncSave({self.path!r}, {state})"
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
+        return self._finished.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until every tensor is copied (they may change again after this)."""
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"the snapshot of {self.path} is not complete after {timeout} s")
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the save finished; return its result or raise its error."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the save of {self.path} is still running after {timeout} s")
+        self._settle()
+        if self._error is not None:
+            self._observed = True
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    @property
+    def result(self) -> SaveResult:
+        """The result of a finished save (blocks until then; raises its error)."""
+        return self.wait()
+
+    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error or None)`` on the waiting thread once the save is settled.
+
+        Callbacks run on whichever thread first waits for the finished save (``wait``,
+        or the next save, load or restore), never on the background thread.
+        """
+        self._callbacks.append(fn)
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        for fn in self._callbacks:
+            fn(self._error)
+
+    def _run(self, body: Callable[[AsyncSave], SaveResult]) -> None:
+        try:
+            self._result = body(self)
+        except BaseException as exc:  # delivered by wait() or the next call
+            self._error = exc
+            log.debug("background save of %s failed: %r", self.path, exc)
+        finally:
+            self._snapshot.set()
+            self._finished.set()
+
+
+def start(path: str, body: Callable[[AsyncSave], SaveResult]) -> AsyncSave:
+    """Run ``body(handle)`` on a background thread and make it the pending save.
+
+    The caller has called :func:`finish_pending` first. ``body`` calls
+    ``handle._snapshot.set()`` once the lazy copies are made.
+    """
+    global _pending
+    handle = AsyncSave(path)
+    thread = threading.Thread(
+        target=handle._run, args=(body,), name=f"distckpt-save {path}", daemon=False
+    )
+    handle._thread = thread
+    with _lock:
+        _pending = handle
+    thread.start()
+    return handle
+
+
+def pending() -> AsyncSave | None:
+    """The background save started last, if it has not been waited for."""
+    return _pending
+
+
+def finish_pending() -> None:
+    """Wait for the running background save, if any; raise its error if nobody saw it.
+
+    Every save, load and restore calls this first, on every rank.
+    """
+    global _pending
+    with _lock:
+        handle, _pending = _pending, None
+    if handle is None:
+        return
+    if not handle.done():
+        t0 = time.perf_counter()
+        handle._finished.wait()
+        waited = time.perf_counter() - t0
+        log.debug("waited %.3fs for the background save of %s", waited, handle.path)
+    handle._settle()
+    if handle._error is not None and not handle._observed:
+        handle._observed = True
+        raise handle._error
+
+
+def snapshot_barrier() -> None:
+    """Block until the pending save (if any) has copied every tensor it reads lazily."""
+    handle = _pending
+    if handle is not None:
+        handle._snapshot.wait()
