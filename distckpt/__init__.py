@@ -38,7 +38,9 @@ from distckpt.training import (  # noqa: E402
     RNGState,
     SampleCursor,
     latest_checkpoint,
+    preemption,  # noqa: E402
 )
+from distckpt.training.preemption import EXIT_PREEMPTED, PreemptionHandler  # noqa: E402
 
 
 def register_zarr_dtypes() -> None:
@@ -57,6 +59,9 @@ def register_zarr_dtypes() -> None:
 
 
 __all__ = [
+    "EXIT_PREEMPTED",
+    "PreemptionHandler",
+    "preemption",
     "AsyncSave",
     "Box",
     "Checkpoint",

@@ -21,6 +21,15 @@ with ``(1/W) * sum_r (W/B) * sum_{i in r} grad_i = (1/B) * sum_i grad_i``: the g
 the mean over the global batch, whatever ``W`` (up to float rounding, which depends on the
 reduction order).
 
+**Preemption.** ``SIGTERM`` or ``SIGUSR1`` on any rank (a cluster's preemption notice,
+``scontrol requeue``, torchrun passing on its own ``SIGTERM``) makes every rank save at
+the next step boundary and exit with code 75 (``distckpt.EXIT_PREEMPTED``); the scripts
+in ``launch/`` relaunch or requeue the job on that code, and the next run resumes.
+
+``--save-mode async`` writes checkpoints in the background after copying the state to
+host memory; ``lazy`` does not even copy parameters and optimizer state before returning
+(the copy runs during the next forward and backward; ``optimizer.step()`` waits for it).
+
 ``--dump PATH`` makes rank 0 write, at the end, every parameter and AdamW slot as a full
 tensor (``torch.save``); ``--check-restore-against PATH`` compares, right after the
 restore, the restored state with such a dump, bit for bit.
@@ -146,6 +155,12 @@ def main() -> None:
         "--stop-after", type=int, default=None, help="stop after this many steps of this run"
     )
     parser.add_argument("--max-to-keep", type=int, default=5)
+    parser.add_argument(
+        "--save-mode",
+        choices=("sync", "async", "lazy"),
+        default="sync",
+        help="blocking saves, background saves, or lazy background saves",
+    )
     parser.add_argument("--dump", default=None, help="rank 0 writes the full state here at the end")
     parser.add_argument(
         "--check-restore-against",
@@ -188,9 +203,12 @@ def main() -> None:
         if rank == 0:
             print(f"Restore check passed: {len(expected) - 1} tensors bit-identical.")
 
+    background = {"sync": {}, "async": {"async_save": True}, "lazy": {"lazy": True}}
+    save_options = background[args.save_mode]
     last_saved = int(step) if restored is not None else None
     done = 0
     loss = torch.tensor(float("nan"))
+    preemption = distckpt.PreemptionHandler(manager).install()
     while int(step) < args.steps and (args.stop_after is None or done < args.stop_after):
         batch = next(cursor)  # the global batch [s*B, (s+1)*B)
         start = batch[0] + rank * local_batch
@@ -202,15 +220,23 @@ def main() -> None:
         step.add_(1)
         done += 1
         if int(step) % args.every == 0:
-            path = manager.save()
+            saved = manager.save(**save_options)
             last_saved = int(step)
             if rank == 0:
-                print(f"step {int(step)}: local loss {loss.item():.6f}; saved {path}")
+                path = saved if isinstance(saved, str) else saved.path
+                print(f"step {int(step)}: local loss {loss.item():.6f}; saved {path}", flush=True)
+        if preemption.save_if_preempted():  # every rank, at every step boundary
+            last_saved = int(step)
+            if rank == 0:
+                print(f"step {int(step)}: preempted; saved {preemption.checkpoint}", flush=True)
+            break
+    preemption.uninstall()
 
     if last_saved != int(step):
         path = manager.save()
         if rank == 0:
             print(f"step {int(step)}: saved {path} (end of run)")
+    manager.sync()
 
     if args.dump is not None:
         state = full_state(model, opt, int(step))
@@ -220,9 +246,10 @@ def main() -> None:
             print(f"Dumped the full state at step {int(step)} to {args.dump}")
 
     manager.close()
-    if rank == 0:
+    if rank == 0 and not preemption.preempted:
         print(f"Done: step {int(step)} on {world} rank(s).")
     shutdown(rank)
+    preemption.exit_if_preempted()  # exit code 75: the launcher requeues or relaunches
 
 
 def shutdown(rank: int) -> None:
