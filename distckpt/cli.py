@@ -1,9 +1,17 @@
 """The ``distckpt`` command (also ``python -m distckpt``).
 
-    distckpt inspect CKPT [--json]   the variables of a checkpoint
-    distckpt gc DIR                  remove leftovers of aborted saves, nothing else
+    distckpt ls DIR [--json]            the checkpoints of a run directory
+    distckpt inspect CKPT [--json]      the variables of a checkpoint
+    distckpt verify CKPT                re-read every byte and check every checksum
+    distckpt export CKPT OUT            one .safetensors (streamed) or .pt file
+    distckpt import SRC OUT             a DCP directory, .pt/.pth/.bin or .safetensors file
+    distckpt diff A B                   which variables differ, and how
+    distckpt gc DIR                     remove leftovers of aborted saves, nothing else
 
-Bad input gives a one-line error and a non-zero exit, not a traceback.
+Exit status: 0 on success; 1 when ``verify`` finds a problem or ``diff`` a difference;
+2 on an error (bad input: not a checkpoint, an unreadable index, a missing file), which
+is reported as one line on stderr, ``distckpt CMD: error: ...``, never a traceback.
+The work is done in :mod:`distckpt.tools`; this module parses arguments and prints.
 """
 
 from __future__ import annotations
@@ -11,48 +19,116 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
+import time
 
 from distckpt.errors import CheckpointError
 
+OK, NEGATIVE, ERROR = 0, 1, 2
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from distckpt.tools.runs import list_run
+
+    listing = list_run(args.directory)
+    if listing.warning:
+        print(f"distckpt ls: warning: {listing.warning}", file=sys.stderr)
+    if args.json:
+        doc = {
+            "directory": str(listing.directory),
+            "latest": listing.latest,
+            "checkpoints": [e.to_json() for e in listing.entries],
+        }
+        print(json.dumps(doc, indent=1))
+        return OK
+    if not listing.entries:
+        print(f"{listing.directory}: no checkpoints")
+        return OK
+    print(f"{'STEP':>8}  {'CREATED':<19}  {'BYTES':>12}  {'WORLD':>5}  {'STATE':<11}  NAME")
+    for e in listing.entries:
+        step = "-" if e.step is None else str(e.step)
+        created = (
+            "-"
+            if e.created is None
+            else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created))
+        )
+        world = "-" if e.world_size is None else str(e.world_size)
+        mark = "  <- latest" if e.latest else ""
+        note = f"  ({e.note})" if e.note else ""
+        print(
+            f"{step:>8}  {created:<19}  {e.bytes:>12}  {world:>5}  {e.state:<11}  "
+            f"{e.name}{mark}{note}"
+        )
+    return OK
+
 
 def _inspect(args: argparse.Namespace) -> int:
-    from distckpt import dtypes
-    from distckpt.storage import index as index_mod
+    from distckpt.tools.summary import describe, format_summary
 
-    index = index_mod.read_index(args.checkpoint)
-    rows = []
-    for name, entry in sorted(index["variables"].items()):
-        if entry["kind"] == "tensor":
-            nbytes = math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"])
-            slices = [p["box"] for p in entry["pieces"]]
-            rows.append(
-                {
-                    "name": name,
-                    "kind": "tensor",
-                    "dtype": entry["dtype"],
-                    "shape": entry["shape"],
-                    "layout": entry["layout"],
-                    "bytes": nbytes,
-                    "slices": slices,
-                }
-            )
-        else:
-            rows.append({"name": name, "kind": entry["kind"]})
+    summary = describe(args.checkpoint)
     if args.json:
-        print(json.dumps({"world_size": index.get("world_size"), "variables": rows}, indent=1))
-        return 0
-    print(f"{args.checkpoint}: {len(rows)} variables, saved on {index.get('world_size')} ranks")
-    for row in rows:
-        if row["kind"] == "tensor":
-            print(
-                f"  {row['name']}  {row['dtype']}{row['shape']}  {row['layout']}, "
-                f"{len(row['slices'])} slice(s), {row['bytes']} bytes"
-            )
-        else:
-            print(f"  {row['name']}  ({row['kind']})")
-    return 0
+        print(json.dumps(summary, indent=1))
+    else:
+        print("\n".join(format_summary(args.checkpoint, summary)))
+    return OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from distckpt.tools.verify import verify
+
+    report = verify(args.checkpoint)
+    for problem in report.problems:
+        print(f"distckpt verify: {problem}", file=sys.stderr)
+    if not report.ok:
+        print(f"{args.checkpoint}: {len(report.problems)} problem(s) found")
+        return NEGATIVE
+    print(
+        f"{args.checkpoint}: ok, {report.variables} variables, {report.pieces} pieces, "
+        f"{report.bytes_read} bytes read and verified"
+    )
+    return OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from distckpt.tools.export import export
+
+    report = export(
+        args.checkpoint,
+        args.out,
+        max_slab_bytes=args.slab_mib * 1024 * 1024,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle,
+    )
+    for skipped in report.skipped:
+        print(f"distckpt export: skipped {skipped}", file=sys.stderr)
+    print(
+        f"wrote {report.path}: {report.tensors} tensors ({report.bytes_written} bytes), "
+        f"{report.values} values"
+    )
+    return OK
+
+
+def _import(args: argparse.Namespace) -> int:
+    from distckpt.tools.importer import import_checkpoint
+
+    result = import_checkpoint(
+        args.source, args.out, allow_pickle=args.allow_pickle, overwrite=args.overwrite
+    )
+    print(f"saved {result.path}")
+    return OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from distckpt.tools.diff import diff
+
+    differences = diff(args.a, args.b, max_slab_bytes=args.slab_mib * 1024 * 1024)
+    for difference in differences:
+        print(difference)
+    if differences:
+        print(f"{len(differences)} variable(s) differ")
+        return NEGATIVE
+    print("identical")
+    return OK
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -63,28 +139,89 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"removed {path}")
     if not removed:
         print("nothing to remove")
-    return 0
+    return OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="distckpt", description="Inspect and tidy distckpt checkpoints."
+        prog="distckpt",
+        description="Inspect, check, convert and tidy distckpt checkpoints.",
+        epilog="Exit status: 0 ok; 1 verify found a problem or diff a difference; 2 error.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ls", help="list the checkpoints of a run directory")
+    p.add_argument("directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_ls)
     p = sub.add_parser("inspect", help="list the variables of a checkpoint")
     p.add_argument("checkpoint")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
+    p = sub.add_parser(
+        "verify", help="re-read every stored byte; check checksums, sizes and coverage"
+    )
+    p.add_argument("checkpoint")
+    p.set_defaults(func=_verify)
+    p = sub.add_parser(
+        "export",
+        help="write one consolidated file: .safetensors (streamed, bounded memory) or "
+        ".pt/.pth (torch.save of a flat dict; holds the whole checkpoint in memory)",
+    )
+    p.add_argument("checkpoint")
+    p.add_argument("out", help="the file to write; its suffix picks the format")
+    p.add_argument("--slab-mib", type=_positive, default=64, help="MiB read at once (default 64)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--allow-pickle", action="store_true", help=".pt: include pickled values (runs code)"
+    )
+    p.set_defaults(func=_export)
+    p = sub.add_parser(
+        "import",
+        help="save a DCP directory, a torch.save file or a .safetensors file as a checkpoint",
+    )
+    p.add_argument("source")
+    p.add_argument("out", help="the checkpoint to create")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle the source (DCP metadata, torch.load(weights_only=False)): this runs "
+        "code from the file, so use it only for files you trust",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_import)
+    p = sub.add_parser("diff", help="which variables of two checkpoints differ")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument(
+        "--slab-mib", type=_positive, default=64, help="MiB compared at once, per side (default 64)"
+    )
+    p.set_defaults(func=_diff)
     p = sub.add_parser("gc", help="remove leftovers of aborted saves (and nothing else)")
     p.add_argument("directory")
     p.set_defaults(func=_gc)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="distckpt: %(message)s")
     try:
         return int(args.func(args))
     except (CheckpointError, OSError) as exc:
-        print(f"distckpt {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"distckpt {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return ERROR
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -63,3 +63,8 @@ class CommTimeoutError(CheckpointError, TimeoutError):
 
 class RemoteError(CheckpointError):
     """Stands in, on the other ranks, for an exception that could not be sent between ranks."""
+
+
+class ConversionError(CheckpointError, ValueError):
+    """A file cannot be imported or exported as asked: an unknown format, a dtype or value
+    the target format cannot hold, or a source that cannot be read safely."""

@@ -93,8 +93,7 @@ def read_index(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path}: the index is not readable JSON") from None
     except (KeyError, TypeError):
         raise CheckpointNotFoundError(
-            f"{checkpoint} is not a distckpt checkpoint (its zarr.json has no "
-            f"'{ATTRIBUTE}' index)"
+            f"{checkpoint} is not a distckpt checkpoint (its zarr.json has no '{ATTRIBUTE}' index)"
         ) from None
     if index.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path}: unknown format {index.get('format')!r}")

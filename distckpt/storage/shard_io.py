@@ -25,7 +25,7 @@ import itertools
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc
 import numpy as np
@@ -213,6 +213,72 @@ class PieceReader:
         if stored != expected or crc != stored:
             raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
 
+    def _read_header(self, fd: int, nchunks: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(file size, checksum table, shard index as (nchunks, 2) offsets and lengths) of
+        a shard, each verified: the table against the checkpoint index, the shard index
+        against its own crc32c."""
+        size = os.fstat(fd).st_size
+        index_len = nchunks * 16 + 4
+        if size < index_len:
+            raise self._corrupt(f"shard is truncated ({size} bytes)")
+        raw_table = os.pread(fd, nchunks * 4, 0)
+        if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
+            raise self._corrupt("shard checksum table does not match the checkpoint index")
+        table = np.frombuffer(raw_table, dtype="<u4")
+        raw_index = os.pread(fd, index_len, size - index_len)
+        if crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:], "little"):
+            raise self._corrupt("shard index fails its crc32c checksum")
+        index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
+        return size, table, index
+
+    def verify_sharded(
+        self,
+        block: Sequence[int],
+        inner: Sequence[int],
+        lengths: Sequence[int],
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> int:
+        """Read a whole shard and check all of it, keeping one inner chunk in memory.
+
+        Checks the checksum table against the checkpoint index, the shard index against
+        its crc32c, that every inner chunk holding data (those meeting the first
+        ``lengths`` of the block) is present with the right size and passes its crc32c,
+        and that the file ends where its index says. ``on_bytes(n)`` is called after each
+        inner chunk. Returns the bytes read.
+        """
+        grid = inner_grid(block, inner)
+        nchunks = math.prod(grid)
+        chunk_bytes = math.prod(inner) * self.dtype.itemsize
+        index_len = nchunks * 16 + 4
+        data_box = Box.full(lengths)
+        fd = self._open()
+        try:
+            size, table, index = self._read_header(fd, nchunks)
+            total = index_len + nchunks * 4
+            end = nchunks * 4
+            scratch = np.empty(chunk_bytes, dtype=np.uint8)
+            for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
+                chunk_box = Box(
+                    tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
+                )
+                offset, length = (int(v) for v in index[linear])
+                if offset == EMPTY:
+                    if chunk_box.intersect(data_box) is not None:
+                        raise self._corrupt(f"inner chunk {coord} is missing")
+                    continue
+                if length != chunk_bytes + 4 or offset + length > size - index_len:
+                    raise self._corrupt(f"inner chunk {coord} has the wrong size")
+                self._read_verified(fd, offset, [scratch], table[linear], coord)
+                end = max(end, offset + length)
+                total += length
+                if on_bytes is not None:
+                    on_bytes(length)
+            if end + index_len != size:
+                raise self._corrupt(f"shard is {size} bytes, its index ends at {end + index_len}")
+            return total
+        finally:
+            os.close(fd)
+
     def read_sharded(
         self, block: Sequence[int], inner: Sequence[int], src: Box, out: np.ndarray
     ) -> int:
@@ -223,19 +289,8 @@ class PieceReader:
         chunk_bytes = math.prod(inner) * self.dtype.itemsize
         fd = self._open()
         try:
-            size = os.fstat(fd).st_size
-            index_len = nchunks * 16 + 4
-            if size < index_len:
-                raise self._corrupt(f"shard is truncated ({size} bytes)")
-            raw_table = os.pread(fd, nchunks * 4, 0)
-            if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
-                raise self._corrupt("shard checksum table does not match the checkpoint index")
-            table = np.frombuffer(raw_table, dtype="<u4")
-            raw_index = os.pread(fd, index_len, size - index_len)
-            if crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:], "little"):
-                raise self._corrupt("shard index fails its crc32c checksum")
-            index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
-            total = index_len + len(raw_table)
+            size, table, index = self._read_header(fd, nchunks)
+            total = nchunks * 16 + 4 + nchunks * 4
             first = tuple(o // i for o, i in zip(src.offsets, inner, strict=True))
             last = tuple(
                 (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)

@@ -1,0 +1,113 @@
+"""A committed checkpoint's tensors and values, as the command-line tools see them.
+
+Per-rank variables are expanded: rank ``r``'s entry of ``name`` is listed as
+``name/rank<r>`` (a tensor or a value of its own), so exports and diffs keep every rank's
+data. Each entry is checked well-formed here (known dtype, pieces with boxes of the
+variable's rank), so the tools never meet a malformed index halfway through a file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distckpt import dtypes
+from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from distckpt.storage import index as index_mod
+from distckpt.storage.index import StoredPiece
+
+
+@dataclass(frozen=True)
+class TensorVar:
+    """One stored tensor: ``name`` as the tools show it, ``entry`` as the index holds it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[StoredPiece, ...]
+    entry: dict[str, Any]
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return dtypes.numpy_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.numpy_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ValueVar:
+    """One stored Python value, as distckpt's typed JSON (see :mod:`distckpt.values`)."""
+
+    name: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Catalog:
+    root: Path
+    index: dict[str, Any]
+    tensors: dict[str, TensorVar]
+    values: dict[str, ValueVar]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted([*self.tensors, *self.values])
+
+
+def per_rank_name(name: str, rank: str | int) -> str:
+    return f"{name}/rank{rank}"
+
+
+def open_catalog(path: str | os.PathLike[str]) -> Catalog:
+    """Read and check the index of the committed checkpoint at ``path``."""
+    root = Path(path)
+    index = index_mod.read_index(root)
+    tensors: dict[str, TensorVar] = {}
+    values: dict[str, ValueVar] = {}
+    for name, entry in sorted(index["variables"].items()):
+        kind = entry.get("kind") if isinstance(entry, dict) else None
+        if kind == "per_rank" and isinstance(entry.get("ranks"), dict):
+            items = [(per_rank_name(name, r), e) for r, e in entry["ranks"].items()]
+        else:
+            items = [(name, entry)]
+        for shown, item in items:
+            _add(shown, item, tensors, values)
+    return Catalog(root, index, tensors, values)
+
+
+def _add(name: str, entry: Any, tensors: dict[str, TensorVar], values: dict[str, ValueVar]) -> None:
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"variable {name!r}: malformed index entry")
+    kind = entry.get("kind", "value" if "value" in entry else None)
+    if kind == "value" and "value" in entry:
+        values[name] = ValueVar(name, entry["value"])
+        return
+    if kind != "tensor":
+        raise CorruptCheckpointError(f"variable {name!r}: unknown kind {kind!r} in the index")
+    try:
+        dtype = str(entry["dtype"])
+        shape = tuple(int(n) for n in entry["shape"])
+        pieces = tuple(StoredPiece.from_json(p) for p in entry["pieces"])
+        dtypes.numpy_dtype(dtype)
+    except UnsupportedValueError as exc:
+        raise CorruptCheckpointError(f"variable {name!r}: {exc}") from None
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise CorruptCheckpointError(f"variable {name!r}: malformed index entry") from None
+    for piece in pieces:
+        if piece.box.ndim != len(shape) or len(piece.block) != len(shape):
+            raise CorruptCheckpointError(
+                f"variable {name!r}: piece {piece.file} has a box of rank {piece.box.ndim} "
+                f"in a tensor of shape {list(shape)}"
+            )
+        if piece.inner is not None and len(piece.inner) != len(shape):
+            raise CorruptCheckpointError(
+                f"variable {name!r}: piece {piece.file} has inner chunks of the wrong rank"
+            )
+    tensors[name] = TensorVar(name, dtype, shape, pieces, entry)

@@ -1,0 +1,171 @@
+"""``distckpt export``: a checkpoint as one consolidated file.
+
+* ``.safetensors``: streamed with bounded memory. The header (every tensor's dtype, shape
+  and offsets) is written first, then each tensor's bytes, assembled from the stored
+  pieces one slab at a time (:mod:`distckpt.tools.slabs`): memory is one slab of at most
+  ``max_slab_bytes`` (64 MiB by default) plus one inner chunk, whatever the model's size.
+  Python values go into the header's ``__metadata__``, each as a JSON string of
+  distckpt's typed JSON (:mod:`distckpt.values`; plain JSON for ints, floats, strings,
+  lists and string-keyed dicts of them). complex128 has no safetensors dtype: refused.
+* ``.pt`` / ``.pth``: ``torch.save`` of a flat dict ``{name: tensor or value}``. This
+  holds the whole checkpoint in memory. Pickled values are included only with
+  ``allow_pickle=True`` (unpickling runs code from the checkpoint), else skipped.
+
+Names are the checkpoint's variable names (nested keys joined by ``/``); rank ``r``'s
+entry of a per-rank variable ``name`` is exported as ``name/rank<r>``. The output appears
+under its name only once it is complete (written beside it, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from distckpt import dtypes
+from distckpt.engine.arrays import writable_view
+from distckpt.engine.load import read_region
+from distckpt.errors import ConversionError, UnsupportedValueError
+from distckpt.slices import Box
+from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
+from distckpt.tools.safetensors_file import TensorHeader, header
+from distckpt.tools.slabs import DEFAULT_SLAB_BYTES, slabs
+from distckpt.values import decode
+
+FORMATS = (".safetensors", ".pt", ".pth")
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export` wrote; ``largest_buffer`` is the biggest slab buffer it used."""
+
+    path: Path
+    tensors: int = 0
+    values: int = 0
+    skipped: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    largest_buffer: int = 0
+
+
+def export(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    max_slab_bytes: int = DEFAULT_SLAB_BYTES,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ExportReport:
+    """Write the checkpoint at ``checkpoint`` as one file; the suffix of ``out`` picks the
+    format. ``on_bytes(n)`` is called as tensor bytes are written::
+
+        export("run/ckpt-10", "model.safetensors")
+    """
+    target = Path(out)
+    suffix = target.suffix.lower()
+    if suffix not in FORMATS:
+        raise ConversionError(
+            f"cannot export to {target.name!r}: the file name must end in " + ", ".join(FORMATS)
+        )
+    if not target.parent.is_dir():
+        raise ConversionError(f"cannot write {target}: no directory {target.parent}")
+    if max_slab_bytes < 1:
+        raise ConversionError(f"max_slab_bytes must be positive, got {max_slab_bytes}")
+    if target.exists() and not overwrite:
+        raise ConversionError(f"{target} exists (pass --overwrite to replace it)")
+    catalog = open_catalog(checkpoint)
+    report = ExportReport(target)
+    if suffix == ".safetensors":
+        _export_safetensors(catalog, target, report, max_slab_bytes, on_bytes)
+    else:
+        _export_torch(catalog, target, report, allow_pickle, on_bytes)
+    return report
+
+
+@contextmanager
+def _replacing(target: Path) -> Iterator[IO[bytes]]:
+    """A file written beside ``target`` and renamed onto it once complete."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _export_safetensors(
+    catalog: Catalog,
+    target: Path,
+    report: ExportReport,
+    max_slab_bytes: int,
+    on_bytes: Callable[[int], None] | None,
+) -> None:
+    tensors = [catalog.tensors[n] for n in sorted(catalog.tensors)]
+    metadata = {
+        name: json.dumps(v.value, ensure_ascii=False) for name, v in sorted(catalog.values.items())
+    }
+    head = header([TensorHeader(v.name, v.dtype, v.shape, v.nbytes) for v in tensors], metadata)
+    buffer = np.empty(0, dtype=np.uint8)
+    with _replacing(target) as f:
+        f.write(head)
+        for var in tensors:
+            itemsize = var.numpy_dtype.itemsize
+            for box in slabs(var.shape, itemsize, max_slab_bytes):
+                nbytes = box.numel * itemsize
+                if buffer.nbytes < nbytes:
+                    buffer = np.empty(nbytes, dtype=np.uint8)
+                raw = buffer[:nbytes]
+                read_region(catalog.root, var.name, var.entry, box, _shaped(raw, var, box))
+                f.write(raw.data)
+                report.bytes_written += nbytes
+                if on_bytes is not None:
+                    on_bytes(nbytes)
+            report.tensors += 1
+    report.values = len(metadata)
+    report.largest_buffer = buffer.nbytes
+
+
+def _shaped(raw: np.ndarray, var: TensorVar, box: Box) -> np.ndarray:
+    return raw.view(var.numpy_dtype).reshape(box.lengths)
+
+
+def _export_torch(
+    catalog: Catalog,
+    target: Path,
+    report: ExportReport,
+    allow_pickle: bool,
+    on_bytes: Callable[[int], None] | None,
+) -> None:
+    state: dict[str, Any] = {}
+    for name in catalog.names:
+        if name in catalog.tensors:
+            var = catalog.tensors[name]
+            tensor = torch.empty(var.shape, dtype=dtypes.torch_dtype(var.dtype))
+            view = writable_view(tensor)
+            assert view is not None  # a fresh contiguous CPU tensor
+            read_region(catalog.root, name, var.entry, Box.full(var.shape), view)
+            state[name] = tensor
+            report.tensors += 1
+            report.bytes_written += var.nbytes
+            if on_bytes is not None:
+                on_bytes(var.nbytes)
+            continue
+        try:
+            state[name] = decode(catalog.values[name].value, allow_pickle=allow_pickle, name=name)
+        except UnsupportedValueError:
+            report.skipped.append(f"{name} (a pickled value: pass --allow-pickle to include it)")
+            continue
+        report.values += 1
+    with _replacing(target) as f:
+        torch.save(state, f)
+    report.largest_buffer = max((v.nbytes for v in catalog.tensors.values()), default=0)

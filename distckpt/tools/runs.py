@@ -1,0 +1,146 @@
+"""``distckpt ls``: the checkpoints of a run directory.
+
+Lists every committed checkpoint (a directory holding a distckpt index) and every
+leftover of a save that did not commit (``.NAME.staging-TOKEN`` and ``.NAME.trash-TOKEN``
+directories, see :mod:`distckpt.storage.staging`), with its step, creation time, bytes on
+disk (the sum of its files' sizes), the world size that saved it, and which one the
+``latest`` pointer names. Reads only indexes and directory listings, never tensor data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from distckpt.errors import CheckpointError, CheckpointNotFoundError
+from distckpt.storage import index as index_mod
+from distckpt.storage.staging import OWNER_FILE, leftovers
+from distckpt.training.pointer import read_pointer
+
+_STEP = re.compile(r"(?:^|[-_.])(\d+)$")  # ckpt-10, step_10, 10
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:staging|trash)-[0-9a-f]+$")
+#: Index values that hold the step when a checkpoint's name does not end in a number.
+STEP_VARIABLES = ("step", "save_counter")
+
+COMMITTED = "committed"
+UNCOMMITTED = "uncommitted"
+UNREADABLE = "unreadable"
+
+
+@dataclass
+class Entry:
+    """One row of ``distckpt ls``; ``created`` is a Unix time, ``None`` when unknown."""
+
+    name: str
+    state: str
+    step: int | None = None
+    created: float | None = None
+    bytes: int = 0
+    world_size: int | None = None
+    latest: bool = False
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Listing:
+    directory: Path
+    latest: str | None
+    entries: list[Entry]
+    warning: str = ""
+
+
+def list_run(directory: str | os.PathLike[str]) -> Listing:
+    """The checkpoints and leftovers in ``directory``, committed ones ordered by step."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root} is not a directory")
+    if index_mod.is_committed(root):
+        raise CheckpointError(f"{root} is a checkpoint, not a run directory (see distckpt inspect)")
+    warning = ""
+    try:
+        pointer = read_pointer(root)
+    except CheckpointError as exc:
+        pointer, warning = None, f"ignoring the pointer: {exc}"
+    latest = pointer.latest if pointer is not None else None
+    entries: list[Entry] = []
+    for child in sorted(root.iterdir()):
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        if not index_mod.index_path(child).is_file():
+            continue
+        entry = _committed(child, latest)
+        if entry is not None:
+            entries.append(entry)
+    entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
+    entries.extend(_leftover(path) for path in leftovers(root))
+    return Listing(root, latest, entries, warning)
+
+
+def _committed(path: Path, latest: str | None) -> Entry | None:
+    """The row of a checkpoint; None for a zarr group that is not a distckpt checkpoint."""
+    try:
+        index = index_mod.read_index(path)
+    except CheckpointNotFoundError:
+        return None
+    except CheckpointError as exc:
+        index = None
+        note = str(exc)
+    entry = Entry(path.name, COMMITTED, latest=path.name == latest, bytes=_disk_bytes(path))
+    entry.step = _step_from_name(path.name)
+    if index is None:
+        entry.state, entry.note = UNREADABLE, note
+        return entry
+    created, world = index.get("created"), index.get("world_size")
+    entry.created = float(created) if isinstance(created, (int, float)) else None
+    entry.world_size = world if isinstance(world, int) else None
+    if entry.step is None:
+        entry.step = _step_from_index(index)
+    return entry
+
+
+def _leftover(path: Path) -> Entry:
+    match = _LEFTOVER.match(path.name)
+    target = match["name"] if match else path.name
+    entry = Entry(path.name, UNCOMMITTED, step=_step_from_name(target), bytes=_disk_bytes(path))
+    entry.note = f"leftover of a save of {target}"
+    try:  # when the save started, else when the directory last changed
+        started = json.loads((path / OWNER_FILE).read_bytes())["started"]
+        entry.created = float(started)
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            entry.created = path.stat().st_mtime
+        except OSError:
+            entry.created = None
+    return entry
+
+
+def _step_from_name(name: str) -> int | None:
+    match = _STEP.search(name)
+    return int(match[1]) if match else None
+
+
+def _step_from_index(index: dict[str, Any]) -> int | None:
+    for name in STEP_VARIABLES:
+        entry = index["variables"].get(name)
+        if isinstance(entry, dict) and entry.get("kind") == "value":
+            value = entry.get("value")
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def _disk_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed while we looked
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total

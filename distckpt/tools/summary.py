@@ -1,0 +1,62 @@
+"""``distckpt inspect``: the variables of one checkpoint, from its index alone."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from distckpt import dtypes
+from distckpt.errors import CorruptCheckpointError
+from distckpt.storage import index as index_mod
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"world_size", "created", "bytes", "variables": [row, ...]}``: a row per stored
+    name, tensors with dtype, shape, layout, bytes and their stored boxes (``slices``);
+    ``bytes`` totals the tensors (per-rank ones not included)."""
+    index = index_mod.read_index(path)
+    rows: list[dict[str, Any]] = []
+    for name, entry in sorted(index["variables"].items()):
+        try:
+            rows.append(_row(name, entry))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CorruptCheckpointError(f"variable {name!r}: malformed index entry") from None
+    return {
+        "world_size": index.get("world_size"),
+        "created": index.get("created"),
+        "bytes": sum(row.get("bytes", 0) for row in rows),
+        "variables": rows,
+    }
+
+
+def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    if entry.get("kind") != "tensor":
+        return {"name": name, "kind": entry.get("kind")}
+    return {
+        "name": name,
+        "kind": "tensor",
+        "dtype": entry["dtype"],
+        "shape": entry["shape"],
+        "layout": entry["layout"],
+        "bytes": math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"]),
+        "slices": [p["box"] for p in entry["pieces"]],
+    }
+
+
+def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> list[str]:
+    """The lines ``distckpt inspect`` prints."""
+    rows = summary["variables"]
+    lines = [
+        f"{path}: {len(rows)} variables, saved on {summary['world_size']} ranks, "
+        f"{summary['bytes']} bytes of tensors"
+    ]
+    for row in rows:
+        if row["kind"] == "tensor":
+            lines.append(
+                f"  {row['name']}  {row['dtype']}{row['shape']}  {row['layout']}, "
+                f"{len(row['slices'])} slice(s), {row['bytes']} bytes"
+            )
+        else:
+            lines.append(f"  {row['name']}  ({row['kind']})")
+    return lines
