@@ -181,7 +181,9 @@ def main() -> None:
     # and takes its contiguous slice); its position is saved once and restores anywhere.
     cursor = distckpt.SampleCursor(DATASET_SIZE, args.global_batch)
     ckpt = distckpt.Checkpoint(model=model, optimizer=opt, step=step, data=cursor)
-    manager = distckpt.CheckpointManager(ckpt, args.dir, max_to_keep=args.max_to_keep)
+    manager = distckpt.CheckpointManager(
+        ckpt, args.dir, max_to_keep=args.max_to_keep, step_counter=step
+    )
 
     restored = manager.restore_or_initialize()
     if restored is not None:

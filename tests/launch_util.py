@@ -11,7 +11,8 @@ Every launcher here:
   ``PYTHONPATH``; then ``env`` (yours) on top;
 * for ``mpiexec`` also ``HYDRA_LAUNCHER=fork`` (ranks are local processes, no ssh);
 * captures stdout and stderr as text and returns the ``CompletedProcess`` without
-  looking at the return code (see :func:`check`);
+  looking at the return code (see :func:`check`); :func:`start` and :func:`finish` do
+  the same in two halves, for a test that acts on the job while it runs;
 * on time-out kills the launcher and every process it started (hydra and torchrun put
   each rank in its own session, so the whole process tree is killed, not a process
   group), then raises AssertionError with the output captured so far.
@@ -46,6 +47,12 @@ def _find_mpiexec() -> str | None:
 
 MPIEXEC: str | None = _find_mpiexec()
 HAVE_MPIEXEC: bool = MPIEXEC is not None
+#: For mpiexec: start ranks as local processes, never over ssh (MPICH's hydra reads
+#: HYDRA_LAUNCHER); let Open MPI, if that is the mpiexec found, run more ranks than cores.
+MPI_LOCAL_ENV: dict[str, str] = {
+    "HYDRA_LAUNCHER": "fork",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+}
 needs_mpi = pytest.mark.skipif(not HAVE_MPIEXEC, reason="mpiexec not found (pip install mpich)")
 
 _SCRUB_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MPIR_", "TORCHELASTIC_")
@@ -110,7 +117,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_tree(proc: subprocess.Popen[str]) -> None:
+def kill_tree(proc: subprocess.Popen[str]) -> None:
     """SIGKILL ``proc`` and everything it started, collecting the tree before killing."""
     for _ in range(3):  # again, in case something forked while we looked
         victims = [proc.pid, *_descendants(proc.pid)]
@@ -124,10 +131,11 @@ def _kill_tree(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _run(
-    cmd: list[str], timeout: float, env: Mapping[str, str] | None
-) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(
+def start(cmd: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``cmd`` in the background in its own session, with :func:`job_env` ``(env)``,
+    in the repository root, output captured; collect it with :func:`finish`.
+    """
+    return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -137,10 +145,15 @@ def _run(
         cwd=REPO_ROOT,
         start_new_session=True,
     )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Wait for a job from :func:`start`; on time-out kill its tree and raise AssertionError."""
+    cmd = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc)
         try:
             out, err = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:  # a grandchild kept a pipe open
@@ -150,9 +163,15 @@ def _run(
             f"--- stdout ---\n{out}\n--- stderr ---\n{err}"
         ) from None
     except BaseException:
-        _kill_tree(proc)
+        kill_tree(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _run(
+    cmd: list[str], timeout: float, env: Mapping[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    return finish(start(cmd, env), timeout)
 
 
 def run_mpi(
@@ -166,10 +185,7 @@ def run_mpi(
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     cmd = [MPIEXEC, "-n", str(nprocs), sys.executable, str(script), *args]
-    # start ranks as local processes, never over ssh (MPICH's hydra reads HYDRA_LAUNCHER);
-    # let Open MPI, if that is the mpiexec found, run more ranks than cores
-    launcher = {"HYDRA_LAUNCHER": "fork", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
-    return _run(cmd, timeout, {**launcher, **(env or {})})
+    return _run(cmd, timeout, {**MPI_LOCAL_ENV, **(env or {})})
 
 
 def run_torchrun(

@@ -59,6 +59,8 @@ class PreemptionHandler:
         exit_code: what :meth:`exit_if_preempted` exits with (default :data:`EXIT_PREEMPTED`).
         check_every: ask the other ranks every this many calls of :meth:`save_if_preempted`
             (1: every step). A signal is acted on within ``check_every`` steps.
+        step_counter: an int-like or 0-d tensor holding the training step, recorded in the
+            marker file; the manager's ``step_counter`` if None.
 
     Handlers are installed by :meth:`install` (or ``with``) on the main thread, and the
     previous ones are put back by :meth:`uninstall`. A signal only sets a flag: nothing runs
@@ -71,6 +73,7 @@ class PreemptionHandler:
         signals: tuple[int, ...] = DEFAULT_SIGNALS,
         exit_code: int = EXIT_PREEMPTED,
         check_every: int = 1,
+        step_counter: Any = None,
     ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1, got {check_every}")
@@ -78,6 +81,7 @@ class PreemptionHandler:
         self.signals = tuple(signals)
         self.exit_code = exit_code
         self.check_every = check_every
+        self.step_counter = step_counter if step_counter is not None else manager._step_counter
         self.received: int | None = None  # the first signal this rank received
         self.preempted = False  # set on every rank once the ranks agreed
         self.checkpoint: str | None = None
@@ -147,7 +151,7 @@ class PreemptionHandler:
             )
             marker = os.environ.get(MARKER_ENV)
             if marker:
-                step = self.manager._last_step
+                step = None if self.step_counter is None else int(self.step_counter)
                 doc = {"step": step, "checkpoint": self.checkpoint, "signal": name}
                 atomic_write(marker, json.dumps(doc).encode())
         return True
