@@ -102,9 +102,14 @@ class PreemptionHandler:
         return self
 
     def uninstall(self) -> None:
-        """Put the previous handlers back."""
+        """Put the previous handlers back; once preempted, ignore the signals instead.
+
+        Launchers and cluster managers often deliver one notice several times (to each
+        process directly and again through each forwarding layer): a late copy must not
+        kill a process that saved and is exiting with :attr:`exit_code`.
+        """
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_IGN if self.preempted else previous)
         self._previous.clear()
 
     def __enter__(self) -> PreemptionHandler:
