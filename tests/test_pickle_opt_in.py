@@ -102,3 +102,22 @@ def test_checkpoint_objects_need_the_opt_in_on_both_sides(tmp_path):
     fresh.restore(path, SingleComm(), allow_pickle=True).assert_consumed()
     assert torch.equal(fresh.w, torch.ones(2))
     assert fresh.holder.cfg == fractions.Fraction(2, 3) and fresh.holder.tag.value == 5
+
+
+def test_manager_passes_the_opt_in_to_save_and_restore(tmp_path):
+    TRACE.clear()
+    ckpt = distckpt.Checkpoint(holder=Holder(fractions.Fraction(1, 3), Marker(7)))
+    refused = distckpt.CheckpointManager(ckpt, tmp_path / "refused", comm=SingleComm())
+    with refused, pytest.raises(UnsupportedValueError, match="allow_pickle=True"):
+        refused.save()
+    run = tmp_path / "run"
+    with distckpt.CheckpointManager(ckpt, run, comm=SingleComm(), allow_pickle=True) as manager:
+        manager.save()
+    fresh = distckpt.Checkpoint(holder=Holder())
+    strict = distckpt.CheckpointManager(fresh, run, comm=SingleComm())
+    with strict, pytest.raises(UnsupportedValueError, match="pickled Python object"):
+        strict.restore_or_initialize()
+    assert TRACE == []
+    with distckpt.CheckpointManager(fresh, run, comm=SingleComm(), allow_pickle=True) as manager:
+        assert manager.restore_or_initialize() == str(run / "ckpt-1")
+    assert fresh.holder.cfg == fractions.Fraction(1, 3) and fresh.holder.tag.value == 7

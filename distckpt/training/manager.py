@@ -96,6 +96,8 @@ class CheckpointManager:
     passed since the last save (the first save of a manager always happens: the
     Estimator's "save at start"; call ``save(check_interval=False)`` at the end).
     ``directory`` None: rank 0 creates a temporary directory and logs it.
+    ``allow_pickle`` is passed to every save and restore (see
+    :meth:`~distckpt.training.Checkpoint.save`: only for checkpoints you trust).
     ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
     ``time.time``) is read on rank 0 only. Collective.
     """
@@ -114,6 +116,7 @@ class CheckpointManager:
         comm: Communicator | None = None,
         clock: Callable[[], float] = time.time,
         lock_stale_seconds: float = STALE_SECONDS,
+        allow_pickle: bool = False,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
@@ -139,6 +142,7 @@ class CheckpointManager:
         self._lock: DirectoryLock | None = None
         self._closed = False
         self._pending: AsyncSave | None = None
+        self._allow_pickle = allow_pickle
 
         comm = self._comm
         if directory is None:
@@ -377,7 +381,9 @@ class CheckpointManager:
             self._last_save_time = decision["state"]["times"][name]
 
         try:
-            handle = checkpoint._write(path, comm, False, async_save, lazy, after_commit)
+            handle = checkpoint._write(
+                path, comm, self._allow_pickle, async_save, lazy, after_commit
+            )
         except BaseException as exc:
             settle(exc)
             raise
@@ -449,7 +455,7 @@ class CheckpointManager:
         path = self.latest_checkpoint
         if path is None:
             return None
-        self._checkpoint.restore(path, self._comm)
+        self._checkpoint.restore(path, self._comm, allow_pickle=self._allow_pickle)
         if self._step_counter is not None:
             self._last_step = _step_value(self._step_counter)
         return path

@@ -13,6 +13,7 @@ training code does. Python values are read from the index directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -25,7 +26,7 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.load import load
-from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
+from distckpt.errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.index import read_index
 from distckpt.training.handlers import TensorNames, plan_restore
@@ -210,7 +211,10 @@ class RestoreSession:
         used_groups = {a for name in self.used for a in ancestors(name)}
         out = []
         for name, entry in self.variables.items():
-            held = expand(name, self._value(name)) if entry.get("kind") == "value" else [name]
+            held = [name]
+            if entry.get("kind") == "value":
+                with contextlib.suppress(CheckpointError):  # pickled, not allowed: one name
+                    held = expand(name, self._value(name))
             for n in held:
                 if n in self.used or n in used_groups:
                     continue
@@ -222,8 +226,8 @@ class RestoreSession:
     def warn_unresolved(self) -> None:
         """Log, once and on rank 0, the checkpoint values nothing has read, unless the
         status was told ``expect_partial()``."""
-        if self._warned or self.expect_partial:
-            return
+        if self._warned or self.expect_partial or not self.active:
+            return  # (inactive: the restore failed, and its error said enough)
         self._warned = True
         unused = self.unused()
         if unused and self.comm.rank == 0:
