@@ -174,6 +174,26 @@ def _run(
     return finish(start(cmd, env), timeout)
 
 
+def mpiexec_command(nprocs: int, script: str | Path, *args: str) -> list[str]:
+    """``mpiexec -n nprocs python script args`` (the mpiexec found, this interpreter)."""
+    assert MPIEXEC is not None, "mpiexec not found"
+    return [MPIEXEC, "-n", str(nprocs), sys.executable, str(script), *args]
+
+
+def torchrun_command(nprocs: int, script: str | Path, *args: str) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N script args``."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nprocs),
+        str(script),
+        *args,
+    ]
+
+
 def run_mpi(
     nprocs: int,
     script: str | Path,
@@ -184,7 +204,7 @@ def run_mpi(
     """Run ``mpiexec -n nprocs python script args`` (see the module docstring)."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    cmd = [MPIEXEC, "-n", str(nprocs), sys.executable, str(script), *args]
+    cmd = mpiexec_command(nprocs, script, *args)
     return _run(cmd, timeout, {**MPI_LOCAL_ENV, **(env or {})})
 
 
@@ -196,16 +216,7 @@ def run_torchrun(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node N script args``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nprocs),
-        str(script),
-        *args,
-    ]
+    cmd = torchrun_command(nprocs, script, *args)
     return _run(cmd, timeout, env)
 
 

@@ -25,13 +25,21 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch_util import MPI_LOCAL_ENV, MPIEXEC, REPO_ROOT, _descendants, job_env, kill_tree
+from launch_util import (
+    MPI_LOCAL_ENV,
+    MPIEXEC,
+    REPO_ROOT,
+    _descendants,
+    job_env,
+    kill_tree,
+    mpiexec_command,
+    torchrun_command,
+)
 
 EXAMPLE = REPO_ROOT / "examples" / "train_sharded.py"
 STEPS, EVERY, BATCH = 48, 4, 12
@@ -43,17 +51,8 @@ def _command(launcher: str, nprocs: int, run_dir: Path, *extra: str) -> list[str
     args = [str(EXAMPLE), "--dir", str(run_dir), "--steps", str(STEPS), "--every", str(EVERY)]
     args += ["--global-batch", str(BATCH), *extra]
     if launcher == "mpiexec":
-        assert MPIEXEC is not None
-        return [MPIEXEC, "-n", str(nprocs), sys.executable, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nprocs),
-        *args,
-    ]
+        return mpiexec_command(nprocs, *args)
+    return torchrun_command(nprocs, *args)
 
 
 class Job:

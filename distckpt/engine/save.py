@@ -58,7 +58,8 @@ from distckpt.planning.save_plan import (
     make_save_plan,
 )
 from distckpt.storage import index as index_mod
-from distckpt.storage import shard_io, zarr_meta
+from distckpt.storage import codecs, shard_io, zarr_meta
+from distckpt.storage.codecs import Compression
 from distckpt.storage.fsutil import fsync_dir, write_file
 from distckpt.storage.staging import Staging, collect_garbage
 from distckpt.values import encode
@@ -127,7 +128,9 @@ class _Options:
     overwrite: bool
     small_bytes: int
     inner_bytes: int
+    compression: Compression
     after_commit: Callable[[], None] | None = None
+    show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
 
 
 _POOL = BufferPool()
@@ -145,6 +148,7 @@ def save(
     allow_pickle: bool = ...,
     async_save: Literal[False] = ...,
     lazy: bool | Callable[[str], bool] = ...,
+    after_commit: Callable[[], None] | None = ...,
 ) -> SaveResult: ...
 
 
@@ -160,7 +164,24 @@ def save(
     allow_pickle: bool = ...,
     async_save: Literal[True],
     lazy: bool | Callable[[str], bool] = ...,
+    after_commit: Callable[[], None] | None = ...,
 ) -> AsyncSave: ...
+
+
+@overload
+def save(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    comm: Communicator | None = ...,
+    *,
+    overwrite: bool = ...,
+    small_bytes: int = ...,
+    inner_bytes: int = ...,
+    allow_pickle: bool = ...,
+    async_save: bool,
+    lazy: bool | Callable[[str], bool] = ...,
+    after_commit: Callable[[], None] | None = ...,
+) -> SaveResult | AsyncSave: ...
 
 
 def save(
@@ -174,6 +195,8 @@ def save(
     allow_pickle: bool = False,
     async_save: bool = False,
     lazy: bool | Callable[[str], bool] = False,
+    after_commit: Callable[[], None] | None = None,
+    compression: Compression = None,
 ) -> SaveResult | AsyncSave:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
@@ -194,45 +217,29 @@ def save(
     caller must not change them before ``handle.wait_snapshot()`` returns (the training
     layer does this from an ``optimizer.step()`` hook). Every save, load and restore waits
     for the previous background save first, and raises its error if nobody waited.
+
+    ``after_commit`` is called on the coordinator once the checkpoint is committed and
+    before any rank returns (the training layer moves its ``latest`` pointer there); an
+    error it raises is raised on every rank, the checkpoint staying committed.
     """
-    return save_state(
-        state,
-        path,
-        comm,
-        overwrite=overwrite,
-        small_bytes=small_bytes,
-        inner_bytes=inner_bytes,
-        allow_pickle=allow_pickle,
-        async_save=async_save,
-        lazy=lazy,
-    )
-
-
-def save_state(
-    state: dict[str, Any],
-    path: str | os.PathLike[str],
-    comm: Communicator | None = None,
-    *,
-    overwrite: bool = False,
-    small_bytes: int = DEFAULT_SMALL_BYTES,
-    inner_bytes: int = DEFAULT_INNER_BYTES,
-    allow_pickle: bool = False,
-    async_save: bool = False,
-    lazy: bool | Callable[[str], bool] = False,
-    after_commit: Callable[[], None] | None = None,
-) -> SaveResult | AsyncSave:
-    """:func:`save`, plus ``after_commit``: called on the coordinator once the checkpoint is
-    committed and before any rank returns (the training layer moves its pointer there); an
-    error it raises is raised on every rank."""
     if lazy is not False and not async_save:
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
     background.finish_pending()
     comm = comm or auto()
-    options = _Options(Path(path).absolute(), overwrite, small_bytes, inner_bytes, after_commit)
+    options = _Options(
+        Path(path).absolute(),
+        overwrite,
+        small_bytes,
+        inner_bytes,
+        compression,
+        after_commit,
+        show_progress=not async_save,
+    )
     error: BaseException | None = None
     if not async_save:
         local: _Local | Failure
         try:
+            codecs.check(compression)
             leaves, values = _gather_leaves(state, allow_pickle)
             arrays = {
                 leaf.name: host_array(leaf.tensor, leaf.name)
@@ -250,6 +257,7 @@ def save_state(
     is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
     snap: snapshot.Snapshot | Failure
     try:
+        codecs.check(compression)
         leaves, values = _gather_leaves(state, allow_pickle)
         snap = snapshot.take(leaves, _POOL, is_lazy)
     except Exception as exc:
@@ -305,14 +313,7 @@ def _protocol(
             decision = first_failure(gathered)
             if decision is None:
                 try:
-                    decision, staging = _plan(
-                        gathered,
-                        final,
-                        opts.overwrite,
-                        comm.size,
-                        opts.small_bytes,
-                        opts.inner_bytes,
-                    )
+                    decision, staging = _plan(gathered, final, comm.size, opts)
                 except Exception as exc:
                     local_error, decision = exc, Failure.capture(exc, comm.rank)
         if isinstance(decision, SavePlan):
@@ -389,13 +390,9 @@ def _protocol(
 
 
 def _plan(
-    gathered: list[Any],
-    final: Path,
-    overwrite: bool,
-    world: int,
-    small_bytes: int,
-    inner_bytes: int,
+    gathered: list[Any], final: Path, world: int, opts: _Options
 ) -> tuple[SavePlan, Staging]:
+    overwrite = opts.overwrite
     if final.exists() and not overwrite:
         if index_mod.is_committed(final):
             raise CheckpointExists(
@@ -409,7 +406,13 @@ def _plan(
         raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not replacing it")
     collect_garbage(final.parent)
     token = uuid.uuid4().hex[:16]
-    plan = make_save_plan(gathered, token, small_bytes=small_bytes, inner_bytes=inner_bytes)
+    plan = make_save_plan(
+        gathered,
+        token,
+        small_bytes=opts.small_bytes,
+        inner_bytes=opts.inner_bytes,
+        compression=opts.compression,
+    )
     return plan, Staging(final, token, world)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from distckpt.comm import Communicator, auto
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
-from distckpt.engine.save import save_state
+from distckpt.engine.save import save as engine_save
 from distckpt.training.handlers import collect, plan_restore
 from distckpt.training.lazy import guard_optimizer_steps
 from distckpt.training.names import nest
@@ -159,7 +159,7 @@ class Checkpoint(Node):
             leaves[ALIASES] = aliases
         if lazy:
             guard_optimizer_steps(v.obj for v in walk(self) if v.kind == "optimizer")
-        return save_state(
+        return engine_save(
             nest(leaves),
             path,
             comm,

@@ -214,7 +214,7 @@ class RestoreSession:
             held = [name]
             if entry.get("kind") == "value":
                 with contextlib.suppress(CheckpointError):  # pickled, not allowed: one name
-                    held = expand(name, self._value(name))
+                    held = list(expand(name, self._value(name)))
             for n in held:
                 if n in self.used or n in used_groups:
                     continue
