@@ -58,8 +58,7 @@ from distckpt.planning.save_plan import (
     make_save_plan,
 )
 from distckpt.storage import index as index_mod
-from distckpt.storage import codecs, shard_io, zarr_meta
-from distckpt.storage.codecs import Compression
+from distckpt.storage import shard_io, zarr_meta
 from distckpt.storage.fsutil import fsync_dir, write_file
 from distckpt.storage.staging import Staging, collect_garbage
 from distckpt.values import encode
@@ -128,9 +127,7 @@ class _Options:
     overwrite: bool
     small_bytes: int
     inner_bytes: int
-    compression: Compression
     after_commit: Callable[[], None] | None = None
-    show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
 
 
 _POOL = BufferPool()
@@ -196,7 +193,6 @@ def save(
     async_save: bool = False,
     lazy: bool | Callable[[str], bool] = False,
     after_commit: Callable[[], None] | None = None,
-    compression: Compression = None,
 ) -> SaveResult | AsyncSave:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
@@ -226,20 +222,11 @@ def save(
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
     background.finish_pending()
     comm = comm or auto()
-    options = _Options(
-        Path(path).absolute(),
-        overwrite,
-        small_bytes,
-        inner_bytes,
-        compression,
-        after_commit,
-        show_progress=not async_save,
-    )
+    options = _Options(Path(path).absolute(), overwrite, small_bytes, inner_bytes, after_commit)
     error: BaseException | None = None
     if not async_save:
         local: _Local | Failure
         try:
-            codecs.check(compression)
             leaves, values = _gather_leaves(state, allow_pickle)
             arrays = {
                 leaf.name: host_array(leaf.tensor, leaf.name)
@@ -257,7 +244,6 @@ def save(
     is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
     snap: snapshot.Snapshot | Failure
     try:
-        codecs.check(compression)
         leaves, values = _gather_leaves(state, allow_pickle)
         snap = snapshot.take(leaves, _POOL, is_lazy)
     except Exception as exc:
@@ -313,7 +299,14 @@ def _protocol(
             decision = first_failure(gathered)
             if decision is None:
                 try:
-                    decision, staging = _plan(gathered, final, comm.size, opts)
+                    decision, staging = _plan(
+                        gathered,
+                        final,
+                        opts.overwrite,
+                        comm.size,
+                        opts.small_bytes,
+                        opts.inner_bytes,
+                    )
                 except Exception as exc:
                     local_error, decision = exc, Failure.capture(exc, comm.rank)
         if isinstance(decision, SavePlan):
@@ -390,9 +383,13 @@ def _protocol(
 
 
 def _plan(
-    gathered: list[Any], final: Path, world: int, opts: _Options
+    gathered: list[Any],
+    final: Path,
+    overwrite: bool,
+    world: int,
+    small_bytes: int,
+    inner_bytes: int,
 ) -> tuple[SavePlan, Staging]:
-    overwrite = opts.overwrite
     if final.exists() and not overwrite:
         if index_mod.is_committed(final):
             raise CheckpointExists(
@@ -406,13 +403,7 @@ def _plan(
         raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not replacing it")
     collect_garbage(final.parent)
     token = uuid.uuid4().hex[:16]
-    plan = make_save_plan(
-        gathered,
-        token,
-        small_bytes=opts.small_bytes,
-        inner_bytes=opts.inner_bytes,
-        compression=opts.compression,
-    )
+    plan = make_save_plan(gathered, token, small_bytes=small_bytes, inner_bytes=inner_bytes)
     return plan, Staging(final, token, world)
 
 
