@@ -38,8 +38,9 @@ from distckpt.training import (  # noqa: E402
     RNGState,
     SampleCursor,
     latest_checkpoint,
-    preemption,  # noqa: E402
+    preemption,
 )
+from distckpt.training.lazy import before_change, wait_for_snapshot  # noqa: E402
 from distckpt.training.preemption import EXIT_PREEMPTED, PreemptionHandler  # noqa: E402
 
 
@@ -59,6 +60,8 @@ def register_zarr_dtypes() -> None:
 
 
 __all__ = [
+    "before_change",
+    "wait_for_snapshot",
     "EXIT_PREEMPTED",
     "PreemptionHandler",
     "preemption",

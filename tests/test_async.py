@@ -278,3 +278,35 @@ def test_async_save_on_several_ranks(tmp_path: Path, launcher: str) -> None:
     check(proc)
     for rank in range(world):
         assert f"OK {rank}\n" in proc.stdout, proc.stdout
+
+
+def test_declared_in_place_change_waits_for_the_lazy_copy(tmp_path: Path) -> None:
+    model, opt = _model()
+    _train_step(model, opt, 1)
+    ckpt = distckpt.Checkpoint(model=model, optimizer=opt)
+    expected = _full_state(model, opt)
+    waited: list[bool] = []
+    real = background.snapshot_barrier
+
+    def spy() -> None:
+        waited.append(True)
+        real()
+
+    @distckpt.before_change
+    def clamp_weights() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.01, 0.01)  # in place, outside optimizer.step()
+
+    background.snapshot_barrier = spy  # type: ignore[assignment]
+    try:
+        handle = ckpt.save(tmp_path / "ckpt", lazy=True)
+        clamp_weights()
+    finally:
+        background.snapshot_barrier = real  # type: ignore[assignment]
+    assert waited, "the decorated function did not wait for the snapshot"
+    handle.wait()
+    model2, opt2 = _model()
+    _train_step(model2, opt2, 3)
+    distckpt.Checkpoint(model=model2, optimizer=opt2).restore(handle.path).assert_consumed()
+    _assert_same(_full_state(model2, opt2), expected)

@@ -8,9 +8,10 @@ optimizer waits for the copies still running (usually none: they finish long bef
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from distckpt.engine import background
 
@@ -27,3 +28,32 @@ def guard_optimizer_steps(optimizers: Iterable[Any]) -> None:
         if opt not in _guarded:
             opt.register_step_pre_hook(_wait_for_snapshot)
             _guarded.add(opt)
+
+
+def wait_for_snapshot() -> None:
+    """Block until a pending lazy save has copied what it reads lazily (at once if none).
+
+    Call it before changing parameters or optimizer state in place outside
+    ``optimizer.step()`` (an EMA update, a weight clamp, ``load_state_dict``), or decorate
+    such a function with :func:`before_change`.
+    """
+    background.snapshot_barrier()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def before_change(fn: F) -> F:
+    """Decorate a function that changes parameters or optimizer state in place, so that it
+    first waits for a pending lazy save's copies::
+
+        @distckpt.before_change
+        def update_ema(ema, model): ...
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        background.snapshot_barrier()
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
