@@ -11,6 +11,8 @@
 Exit status: 0 on success; 1 when ``verify`` finds a problem or ``diff`` a difference;
 2 on an error (bad input: not a checkpoint, an unreadable index, a missing file), which
 is reported as one line on stderr, ``distckpt CMD: error: ...``, never a traceback.
+On a terminal, ``verify`` and ``export`` show a progress line on stderr
+(``DISTCKPT_PROGRESS=0`` turns it off).
 The work is done in :mod:`distckpt.tools`; this module parses arguments and prints.
 """
 
@@ -23,6 +25,7 @@ import sys
 import time
 
 from distckpt.errors import CheckpointError
+from distckpt.progress import progress
 
 OK, NEGATIVE, ERROR = 0, 1, 2
 
@@ -74,9 +77,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from distckpt.tools.verify import verify
+    from distckpt.tools.catalog import open_catalog
+    from distckpt.tools.verify import stored_bytes, verify
 
-    report = verify(args.checkpoint)
+    total = stored_bytes(open_catalog(args.checkpoint))
+    with progress(f"verifying {args.checkpoint}", total, threshold=0) as bar:
+        report = verify(args.checkpoint, on_bytes=bar.update)
     for problem in report.problems:
         print(f"distckpt verify: {problem}", file=sys.stderr)
     if not report.ok:
@@ -90,15 +96,19 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from distckpt.tools.catalog import open_catalog
     from distckpt.tools.export import export
 
-    report = export(
-        args.checkpoint,
-        args.out,
-        max_slab_bytes=args.slab_mib * 1024 * 1024,
-        overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle,
-    )
+    total = sum(var.nbytes for var in open_catalog(args.checkpoint).tensors.values())
+    with progress(f"exporting {args.out}", total, threshold=0) as bar:
+        report = export(
+            args.checkpoint,
+            args.out,
+            max_slab_bytes=args.slab_mib * 1024 * 1024,
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+            on_bytes=bar.update,
+        )
     for skipped in report.skipped:
         print(f"distckpt export: skipped {skipped}", file=sys.stderr)
     print(

@@ -55,9 +55,14 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/none
 CredType=cred/none
+# A requeued job waits cred_expire seconds (default 120) before it may start again, and
+# slurmd refuses to relaunch it before then ("Job credential revoked").
+AuthInfo=cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+# Start a requeued job as soon as it is eligible (the defaults look every 30-60 s).
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmUser=root

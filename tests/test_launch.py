@@ -70,7 +70,7 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if _state(run_dir)["step"] >= step:
+            if json.loads((run_dir / "stub_progress.json").read_text())["step"] >= step:
                 return
         except (FileNotFoundError, json.JSONDecodeError):
             pass

@@ -12,10 +12,11 @@ from its checkpoint and finishes:
 * examples/train_sharded.py, once distckpt has its preemption support
   (``distckpt.preemption``), preempted like the first.
 
-A requeued job waits about two minutes for its begin time; the tests move that to now
-with ``scontrol update jobid=J starttime=now``. The cluster is skipped (with the reason)
-where SLURM is not installed, the tests do not run as root, or the daemons do not come
-up within 30 s.
+A requeued job waits for its begin time: ``cred_expire`` seconds, 120 by default and 5
+on this cluster (``scontrol update jobid=J starttime=now`` alone races with slurmd, which
+refuses to relaunch a job whose credential it revoked within that time). The cluster is
+skipped (with the reason) where SLURM is not installed, the tests do not run as root, or
+the daemons do not come up within 30 s.
 """
 
 from __future__ import annotations
@@ -83,20 +84,24 @@ def _wait_for(what: str, ready: Callable[[], bool], timeout: float, log: Path) -
 
 def _stub_step(tmp_path: Path) -> int:
     try:
-        return json.loads((tmp_path / "run" / "stub_state.json").read_text())["step"]
+        return json.loads((tmp_path / "run" / "stub_progress.json").read_text())["step"]
     except (FileNotFoundError, json.JSONDecodeError):
         return -1
 
 
 def _requeued_and_done(slurm: SlurmCluster, job_id: str, log: Path, timeout: float) -> str:
-    """Wait for the requeue, release the job now, wait for it to complete; the job log."""
+    """Wait for the requeue and for the job to run again and complete; the job log.
+
+    The cluster's ``cred_expire=5`` makes a requeued job eligible after about 5 s; moving
+    its start to now (``scontrol update jobid=J starttime=now``) is not enough, since
+    slurmd refuses to relaunch a job whose credential it revoked less than that ago.
+    """
     slurm.wait_job(
         job_id,
         lambda j: j.get("Restarts") == "1" and j.get("JobState") == "PENDING",
         timeout=20,
         what="requeued",
     )
-    slurm.check("scontrol", "update", f"jobid={job_id}", "starttime=now")
     job = slurm.wait_job(
         job_id,
         lambda j: j.get("JobState") not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"),
@@ -104,7 +109,9 @@ def _requeued_and_done(slurm: SlurmCluster, job_id: str, log: Path, timeout: flo
         what="finished after the requeue",
     )
     text = log.read_text()
-    assert job.get("JobState") == "COMPLETED" and job.get("ExitCode") == "0:0", f"{job}\n{text}"
+    assert job.get("JobState") == "COMPLETED" and job.get("ExitCode") == "0:0", (
+        f"{job}\n{text}\n{slurm.logs(60)}"
+    )
     assert job.get("Restarts") == "1", f"{job}\n{text}"
     assert "(restart count 0)" in text and "(restart count 1)" in text, text
     return text
@@ -117,7 +124,7 @@ def test_requeued_after_usr1_to_batch_shell(
     job_id, log = _submit(slurm, tmp_path, STUB, "--steps", "80", launcher=launcher)
     _wait_for("stub at step 5", lambda: _stub_step(tmp_path) >= 5, 30, log)
     slurm.check("scancel", "--signal=USR1", "--batch", job_id)
-    text = _requeued_and_done(slurm, job_id, log, timeout=30)
+    text = _requeued_and_done(slurm, job_id, log, timeout=60)
 
     state = json.loads((tmp_path / "run" / "stub_state.json").read_text())
     assert state["step"] == 80 and state["worlds"] == [2, 2], text
@@ -137,7 +144,7 @@ def test_requeued_by_scontrol(slurm: SlurmCluster, tmp_path: Path) -> None:
     job_id, log = _submit(slurm, tmp_path, STUB, "--steps", "80")
     _wait_for("stub at step 5", lambda: _stub_step(tmp_path) >= 5, 30, log)
     slurm.check("scontrol", "requeue", job_id)
-    text = _requeued_and_done(slurm, job_id, log, timeout=30)
+    text = _requeued_and_done(slurm, job_id, log, timeout=60)
 
     state = json.loads((tmp_path / "run" / "stub_state.json").read_text())
     assert state["step"] == 80 and state["worlds"] == [2, 2], text

@@ -435,3 +435,84 @@ def test_ordinary_dtypes_unaffected(tmp_path: Path, native: np.dtype[Any], expec
 def test_zarr_format_2_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="zarr format 3"):
         zarr.create_array(str(tmp_path / "a"), shape=(3,), dtype=ml_dtypes.bfloat16, zarr_format=2)
+
+
+# -- (c) compressed arrays, as distckpt writes them -------------------------------------------
+
+
+def write_compressed(
+    path: Path,
+    name: str,
+    data: np.ndarray,
+    shard: tuple[int, ...],
+    inner: tuple[int, ...],
+    choice: str,
+) -> None:
+    """An array written through distckpt's own shard writer, one file per shard, each
+    inner chunk compressed (edge shards: absent and zero-padded inner chunks)."""
+    from distckpt.storage import codecs, shard_io, zarr_meta
+
+    codec = codecs.make(choice, data.dtype.itemsize)
+    assert codec is not None
+    path.mkdir(parents=True)
+    meta = zarr_meta.array_meta(data.shape, name, shard, inner, compressor=codec.to_json())
+    (path / "zarr.json").write_bytes(zarr_meta.dumps(meta))
+    n_shards = [-(-s // c) for s, c in zip(data.shape, shard, strict=True)]
+    for idx in np.ndindex(*n_shards):
+        box = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, shard, strict=True))
+        part = np.ascontiguousarray(data[box])
+        shard_io.write_sharded(
+            str(path / zarr_meta.chunk_key(idx)), part, shard, inner, codec=codec, fsync=False
+        )
+
+
+@pytest.mark.parametrize("choice", ["zstd", "blosc-lz4"])
+@pytest.mark.parametrize("name", NAMES + ["float32", "int8", "bool", "complex128"])
+def test_compressed_distckpt_layout_reads_in_both(tmp_path: Path, name: str, choice: str) -> None:
+    shape = (37, 21)
+    data = _awkward_values(name, shape)
+    if name.startswith("complex"):
+        data = data + 1j * data[::-1]
+    data = data.astype(dd.numpy_dtype(name))
+    data[:8] = data[0]  # some runs, so compression has something to do
+    path = tmp_path / name
+    write_compressed(path, name, data, shard=(16, 16), inner=(4, 8), choice=choice)
+    codecs = json.loads((path / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
+    assert [c["name"] for c in codecs] == [
+        "bytes",
+        "zstd" if choice == "zstd" else "blosc",
+        "crc32c",
+    ]
+
+    back = zarr.open_array(str(path))[...]
+    assert back.dtype == dd.numpy_dtype(name)
+    assert back.tobytes() == data.tobytes()
+    got = ts_read(path)
+    assert got.dtype == dd.numpy_dtype(name)
+    assert got.tobytes() == data.tobytes()
+    # a region across shard and inner chunk borders
+    region = (slice(3, 30), slice(5, 19))
+    assert zarr.open_array(str(path))[region].tobytes() == data[region].tobytes()
+    assert ts_open(path)[region].read().result().tobytes() == data[region].tobytes()
+
+
+@pytest.mark.parametrize("choice", ["zstd", "blosc-lz4"])
+def test_compressed_checkpoint_array_reads_in_both(tmp_path: Path, choice: str) -> None:
+    import torch
+
+    import distckpt
+    from distckpt.comm import SingleComm
+
+    weight = torch.arange(300 * 70, dtype=torch.float32).reshape(300, 70) % 13
+    emb = (torch.arange(200 * 40) % 5).to(torch.bfloat16).reshape(200, 40)
+    state = {"net": {"weight": weight, "emb": emb}}
+    ckpt = tmp_path / "ck"
+    distckpt.save(state, ckpt, SingleComm(), small_bytes=0, inner_bytes=4096, compression=choice)
+    want = {
+        "net/weight": weight.numpy(),
+        "net/emb": emb.view(torch.int16).numpy().view(ml_dtypes.bfloat16),
+    }
+    for name, values in want.items():
+        for got in (zarr.open_array(str(ckpt / name))[...], ts_read(ckpt / name)):
+            assert got.dtype == values.dtype
+            assert got.tobytes() == values.tobytes(), name

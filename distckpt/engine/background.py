@@ -55,6 +55,7 @@ class AsyncSave:
         self._thread: threading.Thread | None = None
         self._callbacks: list[Callable[[BaseException | None], None]] = []
         self._settled = False
+        self._go = threading.Event()  # set by start() once the thread has started
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
@@ -101,6 +102,10 @@ class AsyncSave:
             fn(self._error)
 
     def _run(self, body: Callable[[AsyncSave], SaveResult]) -> None:
+        # Let start() return to the caller first: a new thread that ran the save at once
+        # would hold the GIL while ``Thread.start()`` waits for it, keeping the caller in
+        # save() for up to a switch interval (5 ms) or more.
+        self._go.wait()
         try:
             self._result = body(self)
         except BaseException as exc:  # delivered by wait() or the next call
@@ -123,9 +128,12 @@ def start(path: str, body: Callable[[AsyncSave], SaveResult]) -> AsyncSave:
         target=handle._run, args=(body,), name=f"distckpt-save {path}", daemon=False
     )
     handle._thread = thread
-    with _lock:
+    try:
+        thread.start()
+    finally:
+        handle._go.set()
+    with _lock:  # only a save that runs can be waited for
         _pending = handle
-    thread.start()
     return handle
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,10 @@ from distckpt.errors import (
 )
 from distckpt.items import Leaf, flatten
 from distckpt.planning.read_plan import plan_reads
+from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
-from distckpt.storage.shard_io import PieceReader
+from distckpt.storage.piece_reader import PieceReader
 from distckpt.values import decode
 
 log = logging.getLogger("distckpt")
@@ -44,7 +46,10 @@ log = logging.getLogger("distckpt")
 
 @dataclass
 class LoadResult:
-    """What one rank restored: matched names, names left over on either side, bytes read."""
+    """What one rank restored: matched names, names left over on either side, bytes read
+    (as stored: compressed, with shard indexes and checksums) and seconds per phase:
+    ``plan`` (read the index, match and check every leaf), ``read`` (read, verify and copy
+    into the targets) and ``total`` (both, and the final agreement between ranks)."""
 
     path: Path
     loaded: list[str] = field(default_factory=list)
@@ -85,10 +90,12 @@ def load(
     result.timings["total"] = time.perf_counter() - t0
     if comm.rank == 0:
         log.info(
-            "restored %s: %d variables in %.3fs",
+            "restored %s: %d variables, %d bytes read by rank 0 in %.3fs (%s)",
             result.path,
             len(result.loaded),
+            result.bytes_read,
             result.timings["total"],
+            ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
         )
     return result
 
@@ -101,6 +108,7 @@ def _load_local(
     strict: bool,
     allow_pickle: bool,
 ) -> None:
+    t0 = time.perf_counter()
     index = index_mod.read_index(result.path)
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
@@ -132,6 +140,9 @@ def _load_local(
             if world != saved_world:
                 moved.append(leaf.name)
         jobs.append((leaf, _check(leaf, entry)))
+        if entry.get("kind") == "tensor":  # an unknown codec fails before any read
+            for piece in entry["pieces"]:
+                index_mod.StoredPiece.from_json(piece, leaf.name)
     if moved and rank == 0:
         log.warning(
             "per-rank variables saved on %d ranks are restored on %d: rank r takes what rank "
@@ -141,20 +152,38 @@ def _load_local(
             saved_world,
             ", ".join(moved),
         )
-    for leaf, entry in jobs:
-        if entry["kind"] == "value":
-            _assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
-        elif leaf.tensor is None:  # a None placeholder or a per-rank value slot takes a tensor
-            shape = tuple(entry["shape"])
-            tensor = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
-            result.bytes_read += _read_tensor(
-                result.path, leaf.name, entry, Box.full(shape), tensor
-            )
-            _assign(leaf, tensor)
-        else:
-            assert leaf.box is not None
-            result.bytes_read += _read_tensor(result.path, leaf.name, entry, leaf.box, leaf.tensor)
-        result.loaded.append(leaf.name)
+    targets = [(leaf, entry, _target(leaf, entry)) for leaf, entry in jobs]
+    total = sum(
+        box.numel * dtypes.itemsize(entry["dtype"]) for _, entry, box in targets if box is not None
+    )
+    t_plan = time.perf_counter()
+    with progress(f"loading {result.path.name} (rank 0's share)", total, rank=rank) as bar:
+        for leaf, entry, box in targets:
+            if box is None:
+                _assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
+            elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
+                tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
+                result.bytes_read += _read_tensor(
+                    result.path, leaf.name, entry, box, tensor, bar.update
+                )
+                _assign(leaf, tensor)
+            else:
+                result.bytes_read += _read_tensor(
+                    result.path, leaf.name, entry, box, leaf.tensor, bar.update
+                )
+            result.loaded.append(leaf.name)
+    result.timings["plan"] = t_plan - t0
+    result.timings["read"] = time.perf_counter() - t_plan
+
+
+def _target(leaf: Leaf, entry: dict[str, Any]) -> Box | None:
+    """The box of the stored tensor that ``leaf`` takes; None for a value."""
+    if entry["kind"] == "value":
+        return None
+    if leaf.tensor is None:  # takes the whole stored tensor
+        return Box.full(tuple(entry["shape"]))
+    assert leaf.box is not None
+    return leaf.box
 
 
 def _per_rank_entry(
@@ -219,7 +248,12 @@ def _assign(leaf: Leaf, value: Any) -> None:
 
 
 def _read_tensor(
-    root: Path, name: str, entry: dict[str, Any], target: Box, tensor: torch.Tensor
+    root: Path,
+    name: str,
+    entry: dict[str, Any],
+    target: Box,
+    tensor: torch.Tensor,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> int:
     """Fill ``tensor`` (holding ``target`` of the global value) from the stored pieces."""
     if target.empty:
@@ -229,21 +263,30 @@ def _read_tensor(
     staged = out is None
     if out is None:
         out = np.empty(target.lengths, dtype=dtype)
-    total = read_region(root, name, entry, target, out)
+    total = read_region(root, name, entry, target, out, on_bytes)
     if staged:
         with torch.no_grad():
             tensor.copy_(tensor_from_numpy(out, tensor.dtype))
     return total
 
 
-def read_region(root: Path, name: str, entry: dict[str, Any], target: Box, out: np.ndarray) -> int:
+def read_region(
+    root: Path,
+    name: str,
+    entry: dict[str, Any],
+    target: Box,
+    out: np.ndarray,
+    on_bytes: Callable[[int], None] | None = None,
+) -> int:
     """Fill ``out`` (shaped like ``target``, of the stored dtype) with the box ``target`` of
     the stored tensor ``entry`` of the checkpoint at ``root``, verifying every checksum it
-    reads. Returns the bytes read. Memory: ``out`` plus one inner chunk."""
+    reads and decompressing compressed pieces. Returns the bytes read (as stored);
+    ``on_bytes(n)`` is told the bytes of ``out`` filled after each piece. Memory: ``out``
+    plus one inner chunk (two for a compressed piece)."""
     if target.empty:
         return 0
     dtype = dtypes.numpy_dtype(entry["dtype"])
-    pieces = [index_mod.StoredPiece.from_json(p) for p in entry["pieces"]]
+    pieces = [index_mod.StoredPiece.from_json(p, name) for p in entry["pieces"]]
     copies = list(plan_reads(target, pieces))
     if sum(c.dst.numel for c in copies) != target.numel:
         raise CorruptCheckpointError(
@@ -253,10 +296,12 @@ def read_region(root: Path, name: str, entry: dict[str, Any], target: Box, out: 
     total = 0
     for copy in copies:
         piece = copy.piece
-        reader = PieceReader(name, str(root / piece.file), dtype, piece.crc)
+        reader = PieceReader(name, str(root / piece.file), dtype, piece.crc, piece.codec)
         dst = out[copy.dst.slices()]
         if piece.inner is None:
             total += reader.read_plain(piece.block, copy.src, dst)
         else:
             total += reader.read_sharded(piece.block, piece.inner, copy.src, dst)
+        if on_bytes is not None:
+            on_bytes(dst.nbytes)
     return total

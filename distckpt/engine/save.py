@@ -57,8 +57,10 @@ from distckpt.planning.save_plan import (
     SavePlan,
     make_save_plan,
 )
+from distckpt.progress import progress
+from distckpt.storage import codecs, shard_io, zarr_meta
 from distckpt.storage import index as index_mod
-from distckpt.storage import shard_io, zarr_meta
+from distckpt.storage.codecs import Compression
 from distckpt.storage.fsutil import fsync_dir, write_file
 from distckpt.storage.staging import Staging, collect_garbage
 from distckpt.values import encode
@@ -127,7 +129,9 @@ class _Options:
     overwrite: bool
     small_bytes: int
     inner_bytes: int
+    compression: Compression
     after_commit: Callable[[], None] | None = None
+    show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
 
 
 _POOL = BufferPool()
@@ -146,6 +150,7 @@ def save(
     async_save: Literal[False] = ...,
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
+    compression: Compression = ...,
 ) -> SaveResult: ...
 
 
@@ -162,6 +167,7 @@ def save(
     async_save: Literal[True],
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
+    compression: Compression = ...,
 ) -> AsyncSave: ...
 
 
@@ -178,6 +184,7 @@ def save(
     async_save: bool,
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
+    compression: Compression = ...,
 ) -> SaveResult | AsyncSave: ...
 
 
@@ -193,6 +200,7 @@ def save(
     async_save: bool = False,
     lazy: bool | Callable[[str], bool] = False,
     after_commit: Callable[[], None] | None = None,
+    compression: Compression = None,
 ) -> SaveResult | AsyncSave:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
@@ -217,16 +225,36 @@ def save(
     ``after_commit`` is called on the coordinator once the checkpoint is committed and
     before any rank returns (the training layer moves its ``latest`` pointer there); an
     error it raises is raised on every rank, the checkpoint staying committed.
+
+    ``compression`` compresses the stored tensors: ``"zstd"`` or ``"blosc-lz4"`` for all
+    of them, or a mapping of name patterns (:mod:`fnmatch`, ``*`` also matches ``/``) to a
+    choice or None, where the first pattern that matches a name wins and a name none
+    matches is stored raw::
+
+        distckpt.save(state, path, compression={"optimizer/*": "zstd", "*": None})
+
+    Tensors of at most ``small_bytes`` (plain chunks) are always stored raw. The
+    coordinator's ``compression`` is the one used. Checksums cover the stored bytes,
+    compressed or not.
     """
     if lazy is not False and not async_save:
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
     background.finish_pending()
     comm = comm or auto()
-    options = _Options(Path(path).absolute(), overwrite, small_bytes, inner_bytes, after_commit)
+    options = _Options(
+        Path(path).absolute(),
+        overwrite,
+        small_bytes,
+        inner_bytes,
+        compression,
+        after_commit,
+        show_progress=not async_save,
+    )
     error: BaseException | None = None
     if not async_save:
         local: _Local | Failure
         try:
+            codecs.check(compression)
             leaves, values = _gather_leaves(state, allow_pickle)
             arrays = {
                 leaf.name: host_array(leaf.tensor, leaf.name)
@@ -244,6 +272,7 @@ def save(
     is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
     snap: snapshot.Snapshot | Failure
     try:
+        codecs.check(compression)
         leaves, values = _gather_leaves(state, allow_pickle)
         snap = snapshot.take(leaves, _POOL, is_lazy)
     except Exception as exc:
@@ -279,6 +308,7 @@ def _protocol(
     them (``error``, the local exception, is re-raised as itself on this rank)."""
     final = opts.final
     result = SaveResult(final)
+    stored_bytes = 0  # by every rank: known to the coordinator
     t0 = time.perf_counter()
 
     # 1-2. Describe, then plan on the coordinator.
@@ -299,14 +329,7 @@ def _protocol(
             decision = first_failure(gathered)
             if decision is None:
                 try:
-                    decision, staging = _plan(
-                        gathered,
-                        final,
-                        opts.overwrite,
-                        comm.size,
-                        opts.small_bytes,
-                        opts.inner_bytes,
-                    )
+                    decision, staging = _plan(gathered, final, comm.size, opts)
                 except Exception as exc:
                     local_error, decision = exc, Failure.capture(exc, comm.rank)
         if isinstance(decision, SavePlan):
@@ -327,7 +350,7 @@ def _protocol(
         t_exchange = time.perf_counter()
         if not isinstance(report, Failure):
             try:
-                report = _write(work, local, received, comm.rank, final, result)
+                report = _write(work, local, received, comm.rank, opts, result)
             except Exception as exc:
                 local_error, report = exc, Failure.capture(exc, comm.rank)
         reports = comm.gather(report, root=COORDINATOR)
@@ -339,6 +362,7 @@ def _protocol(
             assert reports is not None and staging is not None
             outcome = first_failure(reports)
             if outcome is None:
+                stored_bytes = sum(size for report in reports for size, _ in report.values())
                 try:
                     _commit(plan, reports, staging, final, opts.overwrite)
                     staging = None  # committed: nothing left to abort
@@ -372,9 +396,10 @@ def _protocol(
     }
     if comm.rank == COORDINATOR:
         log.info(
-            "saved %s: %d variables on %d ranks in %.3fs (%s)",
+            "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s)",
             final,
             len(plan.variables),
+            stored_bytes,
             comm.size,
             result.timings["total"],
             ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
@@ -382,14 +407,8 @@ def _protocol(
     return result
 
 
-def _plan(
-    gathered: list[Any],
-    final: Path,
-    overwrite: bool,
-    world: int,
-    small_bytes: int,
-    inner_bytes: int,
-) -> tuple[SavePlan, Staging]:
+def _plan(gathered: list[Any], final: Path, world: int, opts: _Options) -> tuple[SavePlan, Staging]:
+    overwrite = opts.overwrite
     if final.exists() and not overwrite:
         if index_mod.is_committed(final):
             raise CheckpointExists(
@@ -403,7 +422,13 @@ def _plan(
         raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not replacing it")
     collect_garbage(final.parent)
     token = uuid.uuid4().hex[:16]
-    plan = make_save_plan(gathered, token, small_bytes=small_bytes, inner_bytes=inner_bytes)
+    plan = make_save_plan(
+        gathered,
+        token,
+        small_bytes=opts.small_bytes,
+        inner_bytes=opts.inner_bytes,
+        compression=opts.compression,
+    )
     return plan, Staging(final, token, world)
 
 
@@ -450,35 +475,44 @@ def _write(
     local: _Local,
     received: dict[int, dict[int, bytes]],
     rank: int,
-    final: Path,
+    opts: _Options,
     result: SaveResult,
 ) -> dict[int, tuple[int, int]]:
-    """Write this rank's pieces into the staging directory; return {piece id: (size, crc)}."""
+    """Write this rank's pieces into the staging directory; return {piece id: (size, crc)}.
+
+    On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
+    when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
     from distckpt.storage.staging import staging_path
 
-    root = staging_path(final, work.token)
+    root = staging_path(opts.final, work.token)
     written: dict[int, tuple[int, int]] = {}
     dirs: set[Path] = set()
-    for piece in work.writes:
-        target = root / piece.file
-        if target.parent not in dirs:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            for parent in target.relative_to(root).parents:
-                dirs.add(root / parent)
-        if piece.meta_file is not None and piece.meta is not None:
-            write_file(root / piece.meta_file, zarr_meta.dumps(piece.meta))
+    total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
+    label = f"saving {opts.final.name} (rank 0's share)"
+    with progress(label, total if opts.show_progress else 0, rank=rank) as bar:
+        for piece in work.writes:
+            target = root / piece.file
+            if target.parent not in dirs:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                for parent in target.relative_to(root).parents:
+                    dirs.add(root / parent)
+            if piece.meta_file is not None and piece.meta is not None:
+                write_file(root / piece.meta_file, zarr_meta.dumps(piece.meta))
+                result.files_written += 1
+            data = _assemble(piece, local, received.get(piece.id, {}), rank)
+            if data.size == 0:
+                written[piece.id] = (0, 0)
+                continue
+            if piece.inner is None:
+                size, crc = shard_io.write_plain(str(target), data)
+            else:
+                size, crc = shard_io.write_sharded(
+                    str(target), data, piece.block, piece.inner, codec=piece.codec
+                )
+            written[piece.id] = (size, crc)
+            result.bytes_written += size
             result.files_written += 1
-        data = _assemble(piece, local, received.get(piece.id, {}), rank)
-        if data.size == 0:
-            written[piece.id] = (0, 0)
-            continue
-        if piece.inner is None:
-            size, crc = shard_io.write_plain(str(target), data)
-        else:
-            size, crc = shard_io.write_sharded(str(target), data, piece.block, piece.inner)
-        written[piece.id] = (size, crc)
-        result.bytes_written += size
-        result.files_written += 1
+            bar.update(data.nbytes)
     for d in sorted(dirs, key=lambda p: -len(p.parts)):
         fsync_dir(d)
     return written
@@ -507,7 +541,7 @@ def _commit(
     def stored(piece: Piece) -> dict[str, Any]:
         size, crc = written[piece.id]
         return index_mod.StoredPiece(
-            piece.file, piece.box, piece.block, piece.inner, crc, size
+            piece.file, piece.box, piece.block, piece.inner, crc, size, piece.codec
         ).to_json()
 
     variables: dict[str, Any] = {}
@@ -535,9 +569,12 @@ def _commit(
             variables[var.name] = _tensor_entry(
                 var.dtype, var.shape, var.path, var.layout, [stored(p) for p in var.pieces]
             )
+    compressed = any(p.codec is not None for var in plan.variables for p in var.pieces)
     index = {
         "format": index_mod.FORMAT,
-        "format_version": index_mod.FORMAT_VERSION,
+        "format_version": (
+            index_mod.FORMAT_VERSION if compressed else index_mod.FORMAT_VERSION_UNCOMPRESSED
+        ),
         "library_version": __version__,
         "created": time.time(),
         "world_size": plan.world_size,

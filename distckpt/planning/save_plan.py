@@ -15,6 +15,9 @@ Decisions, per variable:
 * **irregular partitions** become a group with one array per box (``p0``, ``p1``, ...);
 * **per-rank tensors** become a group with one array per rank (``r0``, ``r1``, ...).
 
+Each sharded piece of a variable is compressed as ``compression`` chooses for its name
+(:func:`distckpt.storage.codecs.choose`); plain chunks never are.
+
 Identical boxes on several ranks are replicas: exactly one of them writes. Writers are
 chosen greedily by bytes, largest first, so the work spreads over the ranks.
 """
@@ -33,7 +36,8 @@ from distckpt.errors import ValidationError
 from distckpt.naming import zarr_path
 from distckpt.planning.layout import find_overlap, inner_chunks, regular_grid
 from distckpt.slices import Box
-from distckpt.storage import zarr_meta
+from distckpt.storage import codecs, zarr_meta
+from distckpt.storage.codecs import Codec, Compression
 
 DEFAULT_SMALL_BYTES = 256 * 1024
 #: Inner chunk size: the unit of checksums and of reads. A resharded load reads the whole
@@ -75,6 +79,7 @@ class Piece:
     meta_file: str | None = None  # a zarr.json the writer writes along with the piece
     meta: dict[str, Any] | None = None
     rank: int | None = None  # for per-rank pieces: whose data
+    codec: Codec | None = None  # compresses each inner chunk (sharded pieces only)
 
 
 @dataclass
@@ -149,6 +154,7 @@ def make_save_plan(
     *,
     small_bytes: int = DEFAULT_SMALL_BYTES,
     inner_bytes: int = DEFAULT_INNER_BYTES,
+    compression: Compression = None,
 ) -> SavePlan:
     """Validate the descriptions of every rank and plan the writes (coordinator only).
 
@@ -161,6 +167,7 @@ def make_save_plan(
         for d in descs:
             by_name[d.name].append((rank, d))
 
+    codecs.check(compression)
     errors: list[str] = []
     for name, held in by_name.items():
         errors.extend(_validate(name, held))
@@ -176,6 +183,7 @@ def make_save_plan(
         held = by_name[name]
         first = held[0][1]
         var = VarPlan(name=name, kind=first.kind, path=zarr_path(name))
+        choice = codecs.choose(compression, name)
         if first.kind == "value":
             var.value = first.value
         elif first.kind == "per_rank":
@@ -195,6 +203,7 @@ def make_save_plan(
                     ((rank, Box.full(d.shape)),),
                     small_bytes,
                     inner_bytes,
+                    choice,
                 )
                 var.pieces.append(dataclasses.replace(piece, rank=rank))
                 balancer.load[rank] += _nbytes(d)
@@ -209,6 +218,7 @@ def make_save_plan(
                 small_writers,
                 small_bytes=small_bytes,
                 inner_bytes=inner_bytes,
+                choice=choice,
             )
         variables.append(var)
     variables.sort(key=lambda v: v.name)
@@ -311,6 +321,7 @@ def _plan_tensor(
     *,
     small_bytes: int,
     inner_bytes: int,
+    choice: str | None,
 ) -> int:
     assert var.dtype is not None and var.shape is not None
     shape, dtype = var.shape, var.dtype
@@ -348,7 +359,8 @@ def _plan_tensor(
     if grid is not None:
         var.layout = "regular"
         inner = inner_chunks(grid, itemsize, inner_bytes)
-        meta = zarr_meta.array_meta(shape, dtype, grid, inner)
+        codec = codecs.make(choice, itemsize)
+        meta = _meta(shape, dtype, grid, inner, codec)
         # Biggest boxes first for the balance; the first piece's writer writes zarr.json.
         for i, box in enumerate(sorted(boxes, key=lambda b: (-b.numel, b))):
             writer = balancer.pick(owners[box], box.numel * itemsize)
@@ -366,6 +378,7 @@ def _plan_tensor(
                     sources=((writer, box),),
                     meta_file=f"{var.path}/{zarr_meta.ZARR_JSON}" if i == 0 else None,
                     meta=meta if i == 0 else None,
+                    codec=codec,
                 )
             )
             next_id += 1
@@ -384,6 +397,7 @@ def _plan_tensor(
                 ((writer, box),),
                 small_bytes,
                 inner_bytes,
+                choice,
                 box=box,
             )
         )
@@ -401,6 +415,7 @@ def _single_block_piece(
     sources: tuple[tuple[int, Box], ...],
     small_bytes: int,
     inner_bytes: int,
+    choice: str | None,
     box: Box | None = None,
 ) -> Piece:
     """A piece that is a whole array of its own (one box of an irregular partition, or
@@ -409,6 +424,7 @@ def _single_block_piece(
     block = tuple(max(1, n) for n in shape)
     small = math.prod(shape) * itemsize <= small_bytes or not shape
     inner = None if small else inner_chunks(block, itemsize, inner_bytes)
+    codec = None if small else codecs.make(choice, itemsize)
     return Piece(
         id=piece_id,
         var=name,
@@ -420,8 +436,20 @@ def _single_block_piece(
         writer=writer,
         sources=sources,
         meta_file=f"{path}/{zarr_meta.ZARR_JSON}",
-        meta=zarr_meta.array_meta(shape, dtype, block, inner),
+        meta=_meta(shape, dtype, block, inner, codec),
+        codec=codec,
     )
+
+
+def _meta(
+    shape: Sequence[int],
+    dtype: str,
+    chunks: Sequence[int],
+    inner: Sequence[int] | None,
+    codec: Codec | None,
+) -> dict[str, Any]:
+    compressor = None if codec is None else codec.to_json()
+    return zarr_meta.array_meta(shape, dtype, chunks, inner, compressor=compressor)
 
 
 def _groups(variables: list[VarPlan]) -> list[str]:

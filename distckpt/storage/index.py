@@ -11,7 +11,8 @@ Layout of ``<checkpoint>/zarr.json``::
                                "path": "net/l1.weight", "layout": "regular",
                                "pieces": [{"file": "net/l1.weight/c.0.0",
                                            "box": [[0, 0], [4, 4]], "block": [4, 4],
-                                           "inner": [4, 4], "crc": 123, "size": 88}]},
+                                           "inner": [4, 4], "crc": 123, "size": 88,
+                                           "codec": {"name": "zstd", ...}}]},
              "step": {"kind": "value", "value": 10},
              "rng": {"kind": "per_rank", "ranks": {"0": {<tensor entry>} | {"value": ...}}}}}}}
 
@@ -20,6 +21,13 @@ is written last, into the staging directory, before the rename. Nothing else in 
 directory is trusted unless the index names it. ``crc`` is the piece's data checksum:
 the crc32c of a shard's checksum table, or of a plain chunk's bytes
 (see :mod:`distckpt.storage.shard_io`).
+
+``codec``, present only on a compressed piece, is the zarr v3 JSON of the codec that
+compressed each of its inner chunks (:mod:`distckpt.storage.codecs`); the checksum table
+and the crc32c after each inner chunk are then of the compressed bytes, as stored.
+A checkpoint with a compressed piece has ``format_version`` 2, so a distckpt that
+predates compression refuses it clearly instead of misreading it; one without any stays
+at version 1, readable by every distckpt.
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ from typing import Any
 
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from distckpt.slices import Box
-from distckpt.storage import zarr_meta
+from distckpt.storage import codecs, zarr_meta
 
 FORMAT = "distckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The version of a checkpoint with no compressed piece (format 1 had no compression).
+FORMAT_VERSION_UNCOMPRESSED = 1
 ATTRIBUTE = "distckpt"
 
 
@@ -47,9 +57,10 @@ class StoredPiece:
     inner: tuple[int, ...] | None
     crc: int
     size: int
+    codec: codecs.Codec | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "file": self.file,
             "box": self.box.to_json(),
             "block": list(self.block),
@@ -57,10 +68,16 @@ class StoredPiece:
             "crc": self.crc,
             "size": self.size,
         }
+        if self.codec is not None:
+            doc["codec"] = self.codec.to_json()
+        return doc
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StoredPiece:
+    def from_json(cls, data: dict[str, Any], variable: str) -> StoredPiece:
+        """A piece as the index records it; ``variable`` names it in errors (an unknown
+        codec raises :class:`~distckpt.errors.UnsupportedFormatError`)."""
         inner = data.get("inner")
+        codec = data.get("codec")
         return cls(
             file=data["file"],
             box=Box.from_json(data["box"]),
@@ -68,6 +85,7 @@ class StoredPiece:
             inner=None if inner is None else tuple(inner),
             crc=int(data["crc"]),
             size=int(data["size"]),
+            codec=None if codec is None else codecs.from_json(codec, variable),
         )
 
 

@@ -31,18 +31,24 @@ def array_meta(
     chunk_shape: Sequence[int],
     inner: Sequence[int] | None,
     attributes: dict[str, Any] | None = None,
+    compressor: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """An array's metadata: ``inner`` None for plain chunks, else the sharding codec's
-    inner chunk shape (``chunk_shape`` is then the shard shape)."""
+    inner chunk shape (``chunk_shape`` is then the shard shape). ``compressor``, the JSON
+    of a :mod:`distckpt.storage.codecs` codec, compresses each inner chunk before its
+    crc32c: inner codecs ``[bytes, compressor, crc32c]``."""
     if inner is None:
+        if compressor is not None:
+            raise ValueError("plain chunks are stored uncompressed")
         codecs: list[dict[str, Any]] = [_BYTES, _CRC]
     else:
+        inner_codecs = [_BYTES, _CRC] if compressor is None else [_BYTES, compressor, _CRC]
         codecs = [
             {
                 "name": "sharding_indexed",
                 "configuration": {
                     "chunk_shape": list(inner),
-                    "codecs": [_BYTES, _CRC],
+                    "codecs": inner_codecs,
                     "index_codecs": [_BYTES, _CRC],
                     "index_location": "end",
                 },

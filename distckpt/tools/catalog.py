@@ -94,7 +94,7 @@ def _add(name: str, entry: Any, tensors: dict[str, TensorVar], values: dict[str,
     try:
         dtype = str(entry["dtype"])
         shape = tuple(int(n) for n in entry["shape"])
-        pieces = tuple(StoredPiece.from_json(p) for p in entry["pieces"])
+        pieces = tuple(StoredPiece.from_json(p, name) for p in entry["pieces"])
         dtypes.numpy_dtype(dtype)
     except UnsupportedValueError as exc:
         raise CorruptCheckpointError(f"variable {name!r}: {exc}") from None

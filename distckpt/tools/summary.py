@@ -13,8 +13,9 @@ from distckpt.storage import index as index_mod
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``{"world_size", "created", "bytes", "variables": [row, ...]}``: a row per stored
-    name, tensors with dtype, shape, layout, bytes and their stored boxes (``slices``);
-    ``bytes`` totals the tensors (per-rank ones not included)."""
+    name, tensors with dtype, shape, layout, bytes and their stored boxes (``slices``),
+    compressed ones also with ``codecs`` and ``stored_bytes``; ``bytes`` totals the
+    tensors (per-rank ones not included)."""
     index = index_mod.read_index(path)
     rows: list[dict[str, Any]] = []
     for name, entry in sorted(index["variables"].items()):
@@ -33,7 +34,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     if entry.get("kind") != "tensor":
         return {"name": name, "kind": entry.get("kind")}
-    return {
+    row = {
         "name": name,
         "kind": "tensor",
         "dtype": entry["dtype"],
@@ -42,6 +43,11 @@ def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
         "bytes": math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"]),
         "slices": [p["box"] for p in entry["pieces"]],
     }
+    compressed = sorted({p["codec"]["name"] for p in entry["pieces"] if "codec" in p})
+    if compressed:  # as stored: the codecs and the bytes of the files
+        row["codecs"] = compressed
+        row["stored_bytes"] = sum(int(p["size"]) for p in entry["pieces"])
+    return row
 
 
 def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> list[str]:
@@ -53,9 +59,14 @@ def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> lis
     ]
     for row in rows:
         if row["kind"] == "tensor":
+            stored = (
+                f" ({'/'.join(row['codecs'])}: {row['stored_bytes']} stored)"
+                if "codecs" in row
+                else ""
+            )
             lines.append(
                 f"  {row['name']}  {row['dtype']}{row['shape']}  {row['layout']}, "
-                f"{len(row['slices'])} slice(s), {row['bytes']} bytes"
+                f"{len(row['slices'])} slice(s), {row['bytes']} bytes{stored}"
             )
         else:
             lines.append(f"  {row['name']}  ({row['kind']})")

@@ -6,9 +6,10 @@ For every tensor (per-rank ones included) it checks, in order:
    and together cover it exactly once; each piece's block holds its box, and its inner
    chunks divide the block;
 2. each piece's file: present, of the size the index records, and every byte of it read
-   back through the same code a restore uses (:mod:`distckpt.storage.shard_io`): the
+   back through the same code a restore uses (:mod:`distckpt.storage.piece_reader`): the
    piece's crc32c in the index, the shard's checksum table and index, and the crc32c of
-   every inner chunk (of the whole chunk, for a plain piece).
+   every inner chunk (of the whole chunk, for a plain piece); a compressed inner chunk
+   is also decompressed, and must give exactly one inner chunk of bytes.
 
 Problems are collected, not raised, so one run reports every damaged piece; each names
 the variable and the file. Memory: one inner chunk (or one plain chunk) at a time.
@@ -25,7 +26,7 @@ import numpy as np
 from distckpt.errors import CheckpointError, UnsupportedValueError
 from distckpt.planning.layout import find_overlap
 from distckpt.slices import Box
-from distckpt.storage.shard_io import PieceReader
+from distckpt.storage.piece_reader import PieceReader
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.values import decode
 
@@ -66,10 +67,16 @@ def coverage_problems(name: str, shape: tuple[int, ...], boxes: list[Box]) -> li
     return []
 
 
+def stored_bytes(catalog: Catalog) -> int:
+    """The bytes :func:`verify` reads: every piece's file, as the index records its size."""
+    return sum(p.size for var in catalog.tensors.values() for p in var.pieces)
+
+
 def verify(
     path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
 ) -> VerifyReport:
-    """Check every byte of the checkpoint at ``path``; ``on_bytes(n)`` reports progress.
+    """Check every byte of the checkpoint at ``path``; ``on_bytes(n)`` reports progress
+    (the bytes read so far add up to the pieces' file sizes, :func:`stored_bytes`).
 
     Raises :class:`~distckpt.errors.CheckpointError` only when the index itself cannot
     be read; damage to the data is reported in the result::
@@ -133,7 +140,7 @@ def _verify_tensor(
                 f"variable {var.name!r}: file is {size} bytes, the index says {piece.size} ({file})"
             )
             continue
-        reader = PieceReader(var.name, str(file), var.numpy_dtype, piece.crc)
+        reader = PieceReader(var.name, str(file), var.numpy_dtype, piece.crc, piece.codec)
         try:
             if piece.inner is None:
                 out = np.empty(piece.box.lengths, dtype=var.numpy_dtype)

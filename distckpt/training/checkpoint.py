@@ -21,6 +21,7 @@ from distckpt.comm import Communicator, auto
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.save import save as engine_save
+from distckpt.storage.codecs import Compression
 from distckpt.training.handlers import collect, plan_restore
 from distckpt.training.lazy import guard_optimizer_steps
 from distckpt.training.names import nest
@@ -128,6 +129,7 @@ class Checkpoint(Node):
         allow_pickle: bool = False,
         async_save: bool = False,
         lazy: bool = False,
+        compression: Compression = None,
     ) -> Any:
         """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
 
@@ -136,9 +138,10 @@ class Checkpoint(Node):
         :class:`~distckpt.errors.CheckpointExists` if a checkpoint is already committed
         there. Objects that are neither tensors nor typed Python values are refused unless
         ``allow_pickle=True`` (then stored pickled, and :meth:`restore` needs
-        ``allow_pickle=True`` to read them). See :meth:`save` for ``async_save`` and ``lazy``.
+        ``allow_pickle=True`` to read them). See :meth:`save` for ``async_save``, ``lazy``
+        and ``compression``.
         """
-        handle = self._write(path, comm, allow_pickle, async_save, lazy, None)
+        handle = self._write(path, comm, allow_pickle, async_save, lazy, None, compression)
         return handle if async_save else os.fspath(path)
 
     def _write(
@@ -149,6 +152,7 @@ class Checkpoint(Node):
         async_save: bool,
         lazy: bool,
         after_commit: Callable[[], None] | None,
+        compression: Compression = None,
     ) -> Any:
         comm = comm or auto()
         self._warn_unresolved()
@@ -167,6 +171,7 @@ class Checkpoint(Node):
             async_save=async_save or lazy,
             lazy=stable.__contains__ if lazy else False,
             after_commit=after_commit,
+            compression=compression,
         )
 
     def save(
@@ -177,6 +182,7 @@ class Checkpoint(Node):
         allow_pickle: bool = False,
         async_save: bool = False,
         lazy: bool = False,
+        compression: Compression = None,
     ) -> Any:
         """Save as ``{file_prefix}-{N}`` and make it its directory's latest. Collective.
 
@@ -197,6 +203,10 @@ class Checkpoint(Node):
         counters and other state are copied before ``save`` returns. Change parameters in
         place yourself between a lazy save and the next step only after :meth:`sync` (or
         ``handle.wait_snapshot()``).
+
+        ``compression`` (``"zstd"``, ``"blosc-lz4"`` or a mapping of name patterns, such
+        as ``{"optimizer/*": "zstd"}``) compresses the stored tensors, as in
+        :func:`distckpt.save`.
         """
         comm = comm or auto()
         counter = self._save_counter + 1
@@ -211,7 +221,9 @@ class Checkpoint(Node):
             advance_pointer(path)
 
         try:
-            handle = self._write(path, comm, allow_pickle, async_save, lazy, move_pointer)
+            handle = self._write(
+                path, comm, allow_pickle, async_save, lazy, move_pointer, compression
+            )
         except BaseException as exc:
             undo(exc)
             raise

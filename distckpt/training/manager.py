@@ -58,7 +58,9 @@ from typing import Any
 from distckpt.comm import Communicator, auto, raise_if_any_failed
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
+from distckpt.storage import codecs
 from distckpt.storage import index as index_mod
+from distckpt.storage.codecs import Compression
 from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
 from distckpt.storage.staging import OWNER_FILE, collect_garbage, trash_path
 from distckpt.training.checkpoint import Checkpoint
@@ -98,6 +100,9 @@ class CheckpointManager:
     ``directory`` None: rank 0 creates a temporary directory and logs it.
     ``allow_pickle`` is passed to every save and restore (see
     :meth:`~distckpt.training.Checkpoint.save`: only for checkpoints you trust).
+    ``compression`` (``"zstd"``, ``"blosc-lz4"`` or name patterns such as
+    ``{"optimizer/*": "zstd"}``, see :func:`distckpt.save`) applies to every save the
+    manager makes, a preemption's final save included.
     ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
     ``time.time``) is read on rank 0 only. Collective.
     """
@@ -117,7 +122,9 @@ class CheckpointManager:
         clock: Callable[[], float] = time.time,
         lock_stale_seconds: float = STALE_SECONDS,
         allow_pickle: bool = False,
+        compression: Compression = None,
     ) -> None:
+        codecs.check(compression)
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
         if checkpoint_interval is not None:
@@ -143,6 +150,7 @@ class CheckpointManager:
         self._closed = False
         self._pending: AsyncSave | None = None
         self._allow_pickle = allow_pickle
+        self._compression = compression
 
         comm = self._comm
         if directory is None:
@@ -382,7 +390,7 @@ class CheckpointManager:
 
         try:
             handle = checkpoint._write(
-                path, comm, self._allow_pickle, async_save, lazy, after_commit
+                path, comm, self._allow_pickle, async_save, lazy, after_commit, self._compression
             )
         except BaseException as exc:
             settle(exc)

@@ -45,6 +45,8 @@ from distckpt.comm.auto import launched_by_mpi, launched_by_torchrun
 from distckpt.dtypes import SUPPORTED
 
 INNER_BYTES = 64 * 1024  # the big tensor's shards get several inner chunks
+#: Compressed variables (every restore reshards them): the others are stored raw.
+COMPRESSION = {"big": "zstd", "irr/*": "blosc-lz4", "*": None}
 
 # ---------------------------------------------------------------------------------------
 # Deterministic values
@@ -572,10 +574,15 @@ def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
         inner, block = piece["inner"], piece["block"]
         if inner is None or not inner[0] < block[0]:
             c.fail(f"{path} big", f"a shard without several inner chunks: {piece}")
+    codecs = {p.get("codec", {}).get("name") for p in variables["big"]["pieces"]}
+    c.value(f"{path} big codecs", codecs, {"zstd"})
+    codecs = {p.get("codec", {}).get("name") for p in variables["dt/even"]["pieces"]}
+    c.value(f"{path} dt/even codecs", codecs, {None})
     flat = variables["irr/flat"]
     c.value(f"{path} irr/flat layout", flat["layout"], "regular" if n_saved == 1 else "boxes")
     if n_saved == 2:  # its second box (300 KB) is above small_bytes: inner chunks
         c.value(f"{path} irr/flat p1 inner", flat["pieces"][1]["inner"] is not None, True)
+        c.value(f"{path} irr/flat p1 codec", flat["pieces"][1]["codec"]["name"], "blosc")
 
 
 def do_save(root: Path) -> Checker:
@@ -588,7 +595,7 @@ def do_save(root: Path) -> Checker:
     c.run("building the state", lambda: state.update(build_save_state(world, rank, mesh1, mesh2)))
 
     def save() -> None:
-        result = distckpt.save(state, path, comm, inner_bytes=INNER_BYTES)
+        result = distckpt.save(state, path, comm, inner_bytes=INNER_BYTES, compression=COMPRESSION)
         c.value("SaveResult.path", result.path, path.absolute())
 
     if not c.failures:

@@ -2,8 +2,9 @@
 
 Plain Python (no torch, no MPI library), so the launch scripts can be tested in a
 second. Every rank "trains" ``--steps`` steps of ``--step-time`` seconds each; rank 0
-(``PMI_RANK`` under mpiexec, ``RANK`` under torchrun, else 0) keeps the state in
-``<dir>/stub_state.json`` and resumes from it::
+(``PMI_RANK`` under mpiexec, ``RANK`` under torchrun, else 0) saves the state in
+``<dir>/stub_state.json`` when it stops (preempted or done), every rank resumes from it,
+and rank 0 reports each step in ``<dir>/stub_progress.json`` as it goes::
 
     {"step": 7, "worlds": [4, 2], "restart_counts": ["0", "1"]}
 
@@ -36,6 +37,8 @@ from typing import Any
 
 EXIT_PREEMPTED = 75
 STATE = "stub_state.json"
+#: Rank 0's step while it runs, for tests that wait for a step; never read by the stub.
+PROGRESS = "stub_progress.json"
 
 
 def _rank_world() -> tuple[int, int]:
@@ -94,7 +97,9 @@ def main() -> None:
             sys.exit(3)
         if stop or (args.preempt_after is not None and done >= args.preempt_after):
             reason = stop[0] if stop else "SIGTERM"
-            if rank == 0:
+            if rank == 0:  # the "final checkpoint": resume from here
+                state["step"] = step
+                _write_json(state_file, state)
                 marker = os.environ.get("DISTCKPT_PREEMPTED_FILE")
                 if marker:
                     Path(marker).parent.mkdir(parents=True, exist_ok=True)
@@ -103,13 +108,19 @@ def main() -> None:
                         {"step": step, "checkpoint": str(state_file), "signal": reason},
                     )
             _say(f"rank {rank}/{world} preempted at step {step} by {reason}")
+            # The ranks of a real job leave together after their collective final save;
+            # these do not talk, so give the others time to reach their step boundary
+            # before mpiexec, seeing this rank end, kills them.
+            time.sleep(10 * args.step_time)
             sys.exit(EXIT_PREEMPTED)
         time.sleep(args.step_time)
         step += 1
         done += 1
         if rank == 0:
-            state["step"] = step
-            _write_json(state_file, state)
+            _write_json(run_dir / PROGRESS, {"step": step})
+    if rank == 0:
+        state["step"] = step
+        _write_json(state_file, state)
     _say(f"rank {rank}/{world} done at step {step}")
 
 
