@@ -24,7 +24,6 @@ A failure anywhere leaves every committed checkpoint, including one at ``path``,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -38,13 +37,14 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from distckpt import __version__, dtypes
+from distckpt import dtypes
 from distckpt.comm import Communicator, auto
 from distckpt.comm.base import background as background_comm
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import background, snapshot
 from distckpt.engine.arrays import host_array
 from distckpt.engine.background import AsyncSave
+from distckpt.engine.commit import commit
 from distckpt.engine.snapshot import BufferPool
 from distckpt.errors import CheckpointExists
 from distckpt.items import Leaf, flatten
@@ -364,7 +364,7 @@ def _protocol(
             if outcome is None:
                 stored_bytes = sum(size for report in reports for size, _ in report.values())
                 try:
-                    _commit(plan, reports, staging, final, opts.overwrite)
+                    commit(plan, reports, staging, final, opts.overwrite)
                     staging = None  # committed: nothing left to abort
                 except Exception as exc:
                     local_error, outcome = exc, Failure.capture(exc, comm.rank)
@@ -516,83 +516,3 @@ def _write(
     for d in sorted(dirs, key=lambda p: -len(p.parts)):
         fsync_dir(d)
     return written
-
-
-def _tensor_entry(
-    dtype: str, shape: tuple[int, ...], path: str, layout: str, pieces: list[dict[str, Any]]
-) -> dict[str, Any]:
-    return {
-        "kind": "tensor",
-        "dtype": dtype,
-        "shape": list(shape),
-        "path": path,
-        "layout": layout,
-        "pieces": pieces,
-    }
-
-
-def _commit(
-    plan: SavePlan, reports: list[Any], staging: Staging, final: Path, overwrite: bool
-) -> None:
-    written: dict[int, tuple[int, int]] = {}
-    for report in reports:
-        written.update(report)
-
-    def stored(piece: Piece) -> dict[str, Any]:
-        size, crc = written[piece.id]
-        return index_mod.StoredPiece(
-            piece.file, piece.box, piece.block, piece.inner, crc, size, piece.codec
-        ).to_json()
-
-    variables: dict[str, Any] = {}
-    for var in plan.variables:
-        if var.kind == "value":
-            variables[var.name] = {"kind": "value", "value": var.value}
-        elif var.kind == "per_rank":
-            ranks: dict[str, Any] = {
-                str(r): {"kind": "value", "value": v} for r, v in var.per_rank_values.items()
-            }
-            for piece in var.pieces:
-                assert piece.meta is not None and piece.rank is not None
-                shape = tuple(piece.meta["shape"])
-                layout = "small" if piece.inner is None else "regular"
-                ranks[str(piece.rank)] = _tensor_entry(
-                    piece.meta["data_type"],
-                    shape,
-                    piece.file.rsplit("/", 1)[0],
-                    layout,
-                    [stored(piece)],
-                )
-            variables[var.name] = {"kind": "per_rank", "ranks": ranks}
-        else:
-            assert var.dtype is not None and var.shape is not None and var.layout is not None
-            variables[var.name] = _tensor_entry(
-                var.dtype, var.shape, var.path, var.layout, [stored(p) for p in var.pieces]
-            )
-    compressed = any(p.codec is not None for var in plan.variables for p in var.pieces)
-    index = {
-        "format": index_mod.FORMAT,
-        "format_version": (
-            index_mod.FORMAT_VERSION if compressed else index_mod.FORMAT_VERSION_UNCOMPRESSED
-        ),
-        "library_version": __version__,
-        "created": time.time(),
-        "world_size": plan.world_size,
-        "variables": variables,
-    }
-    root = staging.path
-    for group in plan.groups:
-        if group == "":
-            continue
-        (root / group).mkdir(parents=True, exist_ok=True)
-        write_file(root / group / zarr_meta.ZARR_JSON, zarr_meta.dumps(zarr_meta.group_meta()))
-    for group in sorted(plan.groups, key=lambda g: -g.count("/")):
-        if group:
-            fsync_dir(root / group)
-    doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
-    write_file(
-        root / zarr_meta.ZARR_JSON, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    )
-    if final.exists() and not overwrite and index_mod.is_committed(final):
-        raise CheckpointExists(f"{final} was committed by another save while this one ran")
-    staging.commit(overwrite=overwrite)

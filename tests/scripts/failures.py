@@ -51,6 +51,7 @@ import torch
 
 import distckpt
 from distckpt.comm import Communicator, auto
+from distckpt.engine import commit as commit_mod
 from distckpt.engine import save as save_mod
 from distckpt.errors import (
     CheckpointExists,
@@ -171,6 +172,7 @@ class Spy:
         shard_io.write_sharded = write_sharded
         shard_io.write_plain = write_plain
         save_mod.write_file = write_file
+        commit_mod.write_file = write_file
         save_mod.Staging = CountingStaging  # type: ignore[misc]
 
     def reset(self) -> None:
