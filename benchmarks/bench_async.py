@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -831,7 +830,6 @@ def main(argv: list[str] | None = None) -> None:
         doc = json.loads(Path(args.report).read_text())
         print_report(summarize(doc["events"]))
         return
-    import torch
 
     lock = be.exclusive(args.lock) if args.lock else None
     t0 = time.time()
@@ -848,25 +846,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(drv.events)
     print_report(summary)
     if args.json:
-        doc = {
-            "argv": sys.argv,
-            "args": {k: v for k, v in vars(args).items() if k != "worker"},
-            "env": {
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "machine": platform.machine(),
-                "fs": be.fs_type(Path(args.dir).absolute().parent),
-            },
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "wall_s": time.time() - t0,
-            "summary": summary,
-            "events": drv.events,
-            "memory": drv.mem,
-            "distckpt_snapshot": drv.snapshot,
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-        print(f"\nwrote {args.json}")
+        be.write_results(args, be.fs_type(Path(args.dir).absolute().parent), t0, summary, drv)
     shutil.rmtree(drv.logdir, ignore_errors=True)
     if lock is not None:
         lock.close()

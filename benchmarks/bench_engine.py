@@ -1019,6 +1019,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_results(args: argparse.Namespace, fs: Any, t0: float, summary: Any, drv: Any) -> None:
+    """Write ``args.json``: the command, the machine, the summary and every event."""
+    import torch
+
+    doc = {
+        "argv": sys.argv,
+        "args": {k: v for k, v in vars(args).items() if k != "worker"},
+        "env": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "fs": fs,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_s": time.time() - t0,
+        "summary": summary,
+        "events": drv.events,
+        "memory": drv.mem,
+        "distckpt_snapshot": drv.snapshot,
+    }
+    Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {args.json}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
@@ -1029,7 +1054,6 @@ def main(argv: list[str] | None = None) -> None:
         saved = argparse.Namespace(**{**vars(args), **doc["args"]})
         print_report(summarize(saved, doc["events"]))
         return
-    import torch
 
     lock = exclusive(args.lock) if args.lock else None
     t0 = time.time()
@@ -1050,24 +1074,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(args, drv.events)
     print_report(summary)
     if args.json:
-        doc = {
-            "argv": sys.argv,
-            "args": {k: v for k, v in vars(args).items() if k != "worker"},
-            "env": {
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "machine": platform.machine(),
-                "fs": {d: fs_type(Path(d).parent) for d in args.dir},
-            },
-            "wall_s": time.time() - t0,
-            "summary": summary,
-            "events": drv.events,
-            "memory": drv.mem,
-            "distckpt_snapshot": drv.snapshot,
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-        print(f"\nwrote {args.json}")
+        fs = {d: fs_type(Path(d).parent) for d in args.dir}
+        write_results(args, fs, t0, summary, drv)
     shutil.rmtree(drv.logdir, ignore_errors=True)
     if lock is not None:
         lock.close()

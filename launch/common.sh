@@ -11,6 +11,12 @@
 
 readonly EXIT_PREEMPTED=75
 
+# The defaults every launch script shares (each documents them in its header).
+LAUNCH_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
+RUN_DIR="${RUN_DIR:-run}"
+TRAIN_SCRIPT="${TRAIN_SCRIPT:-$(dirname -- "$LAUNCH_DIR")/examples/train_sharded.py}"
+PYTHON="${PYTHON:-python3}"
+
 log() {
     printf '%s [%s] %s\n' "$(date '+%F %T')" "${LOG_TAG:-${0##*/}}" "$*" >&2
 }

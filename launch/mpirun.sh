@@ -26,9 +26,6 @@ HERE="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/common.sh"
 
 NPROCS="${NPROCS:-${SLURM_NTASKS:-2}}"
-RUN_DIR="${RUN_DIR:-run}"
-TRAIN_SCRIPT="${TRAIN_SCRIPT:-$(dirname -- "$HERE")/examples/train_sharded.py}"
-PYTHON="${PYTHON:-python3}"
 MPIEXEC="${MPIEXEC:-mpiexec}"
 read -r -a mpiexec_args <<<"${MPIEXEC_ARGS:-}"
 

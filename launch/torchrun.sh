@@ -35,9 +35,6 @@ HERE="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/common.sh"
 
 NPROCS="${NPROCS:-2}"
-RUN_DIR="${RUN_DIR:-run}"
-TRAIN_SCRIPT="${TRAIN_SCRIPT:-$(dirname -- "$HERE")/examples/train_sharded.py}"
-PYTHON="${PYTHON:-python3}"
 read -r -a torchrun_args <<<"${TORCHRUN_ARGS:-}"
 NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
 
