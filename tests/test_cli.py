@@ -589,3 +589,23 @@ def test_python_m_distckpt(golden: Path) -> None:
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("distckpt export: error: variable 'bias'")
+
+
+def test_ls_tells_a_running_save_from_an_abandoned_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import socket
+
+    run_dir = tmp_path / "run"
+    live = run_dir / ".ckpt-2.staging-aa"
+    dead = run_dir / ".ckpt-1.staging-bb"
+    for path, pid in ((live, os.getpid()), (dead, 2**22 + 12345)):
+        path.mkdir(parents=True)
+        owner = {"host": socket.gethostname(), "pid": pid, "started": 5.0}
+        (path / OWNER_FILE).write_text(json.dumps(owner))
+    code, out, _ = run(capsys, "ls", run_dir, "--json")
+    notes = {e["name"]: e["note"] for e in json.loads(out)["checkpoints"]}
+    assert code == 0
+    assert notes[live.name] == "a save of ckpt-2 in progress"
+    assert notes[dead.name].startswith("leftover of a save of ckpt-1"), notes

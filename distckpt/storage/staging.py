@@ -103,7 +103,9 @@ class Staging:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _owner_alive(path: Path, stale_seconds: float) -> bool:
+def owner_alive(path: Path, stale_seconds: float = STALE_SECONDS) -> bool:
+    """Whether the save that owns staging directory ``path`` still runs (its heartbeat is
+    fresh and, on this host, its process exists)."""
     owner = path / OWNER_FILE
     try:
         age = time.time() - owner.stat().st_mtime
@@ -146,7 +148,7 @@ def collect_garbage(
         if not match or not entry.is_dir(follow_symlinks=False):
             continue
         path = Path(entry.path)
-        if match["what"] == "staging" and _owner_alive(path, stale_seconds):
+        if match["what"] == "staging" and owner_alive(path, stale_seconds):
             continue
         final = path.parent / match["name"]
         if not final.exists() and _complete(path):

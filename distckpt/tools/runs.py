@@ -19,7 +19,7 @@ from typing import Any
 
 from distckpt.errors import CheckpointError, CheckpointNotFoundError
 from distckpt.storage import index as index_mod
-from distckpt.storage.staging import OWNER_FILE, leftovers
+from distckpt.storage.staging import OWNER_FILE, leftovers, owner_alive
 from distckpt.training.pointer import read_pointer
 
 _STEP = re.compile(r"(?:^|[-_.])(\d+)$")  # ckpt-10, step_10, 10
@@ -110,7 +110,10 @@ def _leftover(path: Path) -> Entry:
     match = _LEFTOVER.match(path.name)
     target = match["name"] if match else path.name
     entry = Entry(path.name, UNCOMMITTED, step=_step_from_name(target), bytes=_disk_bytes(path))
-    entry.note = f"leftover of a save of {target}"
+    if ".staging-" in path.name and owner_alive(path):
+        entry.note = f"a save of {target} in progress"
+    else:
+        entry.note = f"leftover of a save of {target} (distckpt gc removes it)"
     try:  # when the save started, else when the directory last changed
         started = json.loads((path / OWNER_FILE).read_bytes())["started"]
         entry.created = float(started)
