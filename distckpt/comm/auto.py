@@ -60,8 +60,10 @@ def auto(timeout: float | None = None) -> Communicator:
     1. An initialized ``torch.distributed`` default group: :class:`TorchComm` over it.
     2. torchrun's variables (``TORCHELASTIC_RUN_ID``, or all of ``RANK``, ``WORLD_SIZE``,
        ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): initializes torch.distributed
-       with gloo from ``env://`` and returns :class:`TorchComm` over it. (Initialize the
-       group yourself first to use NCCL for your training; distckpt still talks gloo.)
+       with gloo from ``env://`` and returns :class:`TorchComm` over it; at exit, unless the
+       program destroyed it, every rank waits for the others (30 s at most) and destroys
+       it. (Initialize the group yourself first to use NCCL for your training; distckpt
+       still talks gloo.)
     3. An MPI launcher's variables (``PMI_RANK``, ``PMI_SIZE``, ``PMIX_RANK``,
        ``OMPI_COMM_WORLD_SIZE``, ``MPI_LOCALNRANKS``, ``HYDRA_*``): :class:`MPIComm` over
        ``COMM_WORLD``.
