@@ -12,7 +12,9 @@ raise :class:`~distckpt.errors.CommTimeoutError` after ``timeout`` seconds.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -87,6 +89,30 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
     return side, seconds
 
 
+#: Every TorchComm alive, so that their groups can be let go of at exit.
+_LIVE: weakref.WeakSet[TorchComm] = weakref.WeakSet()
+
+
+def _release_groups() -> None:
+    """At exit, drop every reference distckpt holds to a process group.
+
+    A gloo group still referenced when the interpreter finalizes is destroyed with it, and
+    its threads can then abort the process ("terminate called without an active
+    exception"). Registered when this module is imported, so it runs after the exit
+    handlers registered later (the program's, and :func:`~distckpt.comm.auto`'s teardown),
+    which destroy the groups first.
+    """
+    _SIDE_GROUPS.clear()
+    _BACKGROUND.clear()
+    for comm in list(_LIVE):
+        comm._pg = None
+        comm.group = None
+        comm._broken = "this communicator was released at interpreter exit"
+
+
+atexit.register(_release_groups)
+
+
 class TorchComm:
     """A :class:`~distckpt.comm.base.Communicator` over a ``torch.distributed`` group.
 
@@ -125,6 +151,7 @@ class TorchComm:
         self.size: int = dist.get_world_size(self.group)
         self._pg, self.timeout = _metadata_group(self.group, timeout)
         self._broken: str | None = None
+        _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"TorchComm(rank={self.rank}, size={self.size}, timeout={self.timeout})"
