@@ -55,3 +55,19 @@ wait_for() {
         return "$rc"
     done
 }
+
+# supervise NAME PID: pass SIGTERM and SIGUSR1 on (through the caller's `forward SIG`),
+# wait for the launcher PID, then exit with 75 if the job was preempted, else with its
+# exit code.
+supervise() {
+    local name=$1 pid=$2 rc=0
+    trap 'forward TERM' TERM
+    trap 'forward USR1' USR1
+    wait_for "$pid" || rc=$?
+    if is_preempted "$rc"; then
+        log "preempted ($name exited with $rc); exiting with $EXIT_PREEMPTED"
+        exit "$EXIT_PREEMPTED"
+    fi
+    log "$name exited with $rc"
+    exit "$rc"
+}

@@ -40,14 +40,4 @@ forward() {
 log "$MPIEXEC -n $NPROCS ${mpiexec_args[*]} $PYTHON $TRAIN_SCRIPT --dir $RUN_DIR $*"
 "$MPIEXEC" -n "$NPROCS" "${mpiexec_args[@]}" "$PYTHON" "$TRAIN_SCRIPT" --dir "$RUN_DIR" "$@" &
 launcher_pid=$!
-trap 'forward TERM' TERM
-trap 'forward USR1' USR1
-
-rc=0
-wait_for "$launcher_pid" || rc=$?
-if is_preempted "$rc"; then
-    log "preempted (mpiexec exited with $rc); exiting with $EXIT_PREEMPTED"
-    exit "$EXIT_PREEMPTED"
-fi
-log "mpiexec exited with $rc"
-exit "$rc"
+supervise mpiexec "$launcher_pid"

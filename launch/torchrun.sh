@@ -64,14 +64,4 @@ cmd=("$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$NP
 log "${cmd[*]}"
 "${cmd[@]}" &
 launcher_pid=$!
-trap 'forward TERM' TERM
-trap 'forward USR1' USR1
-
-rc=0
-wait_for "$launcher_pid" || rc=$?
-if is_preempted "$rc"; then
-    log "preempted (torchrun exited with $rc); exiting with $EXIT_PREEMPTED"
-    exit "$EXIT_PREEMPTED"
-fi
-log "torchrun exited with $rc"
-exit "$rc"
+supervise torchrun "$launcher_pid"
