@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -430,46 +429,7 @@ class Driver:
 
     def launch(self, cmd_head: list[str], spec: dict[str, Any], label: str, env_extra) -> Any:
         busy = self.wait_idle()
-        fd, result = tempfile.mkstemp(prefix="res-", suffix=".json", dir=self.logdir)
-        os.close(fd)
-        spec = {**spec, "result": result}
-        spec_file = Path(result).with_suffix(".spec.json")
-        spec_file.write_text(json.dumps(spec))
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        }
-        env["PYTHONUNBUFFERED"] = "1"
-        for k, v in env_extra.items():
-            if v is None:
-                env.pop(k, None)
-            else:
-                env[k] = v
-        first = (
-            self.snapshot["path"] if self.snapshot else str(Path(__file__).resolve().parent.parent)
-        )
-        env["PYTHONPATH"] = os.pathsep.join(
-            [first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-        )
-        cmd = [*cmd_head, str(Path(__file__).resolve()), "--worker", str(spec_file)]
-        log = self.logdir / f"{label}.log"
-        t = time.perf_counter()
-        with open(log, "w") as fh:
-            proc = subprocess.run(
-                cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=self.args.launch_timeout
-            )
-        wall = time.perf_counter() - t
-        if proc.returncode != 0:
-            sys.stderr.write(Path(log).read_text()[-6000:])
-            raise SystemExit(f"launch {label} failed (rc {proc.returncode}); log {log}")
-        out = json.loads(Path(result).read_text())
-        if self.snapshot and not out["distckpt_file"].startswith(self.snapshot["path"]):
-            raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
-        m = be.meminfo()
-        self.mem.append({"after": label, **m})
-        if m["MemAvailable"] < 3.0:
-            raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
+        out, wall, m = be.launch_worker(self, cmd_head, Path(__file__), spec, label, env_extra)
         print(
             f"  {label}: {wall:.1f}s; verified {out.get('verified')}; other CPU before {busy:.0%}; "
             f"avail {m['MemAvailable']:.1f} GiB",

@@ -546,6 +546,59 @@ def fs_type(path: Path) -> str:
     return kind
 
 
+def launch_worker(
+    drv: Any,
+    cmd_head: list[str],
+    script: Path,
+    spec: dict[str, Any],
+    label: str,
+    env_extra: dict[str, str | None],
+) -> tuple[dict[str, Any], float, dict[str, float]]:
+    """Run ``cmd_head script --worker SPEC`` for driver ``drv``: the spec (with a result file
+    added) in ``drv.logdir``, launcher variables scrubbed, ``env_extra`` applied (None
+    removes), the library snapshot first on ``PYTHONPATH``. Stops the run on a failed launch,
+    workers that imported another distckpt, or low memory. Returns (the workers' result,
+    wall seconds of the launch, meminfo after it)."""
+    fd, result = tempfile.mkstemp(prefix="res-", suffix=".json", dir=drv.logdir)
+    os.close(fd)
+    spec_file = Path(result).with_suffix(".spec.json")
+    spec_file.write_text(json.dumps({**spec, "result": result}))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    for k, v in env_extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    first = drv.snapshot["path"] if drv.snapshot else str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    cmd = [*cmd_head, str(script.resolve()), "--worker", str(spec_file)]
+    log = drv.logdir / f"{label}.log"
+    t = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.run(
+            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=drv.args.launch_timeout
+        )
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        sys.stderr.write(Path(log).read_text()[-6000:])
+        raise SystemExit(f"launch {label} failed (rc {proc.returncode}); log {log}")
+    out = json.loads(Path(result).read_text())
+    if drv.snapshot and not out["distckpt_file"].startswith(drv.snapshot["path"]):
+        raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
+    m = meminfo()
+    drv.mem.append({"after": label, **m})
+    if m["MemAvailable"] < 3.0:
+        raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
+    return out, wall, m
+
+
 def orders_for(rounds: int) -> list[list[str]]:
     """A different order each round: the 6 permutations, interleaved so that each contender
     goes first, second and third equally often every 3 rounds."""
@@ -613,52 +666,17 @@ class Driver:
 
     def launch(self, nproc: int, spec: dict[str, Any], label: str) -> dict[str, Any]:
         busy = self.wait_idle()
-        fd, result = tempfile.mkstemp(prefix="res-", suffix=".json", dir=self.logdir)
-        os.close(fd)
-        spec = {**spec, "result": result}
-        spec_file = Path(result).with_suffix(".spec.json")
-        spec_file.write_text(json.dumps(spec))
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        }
-        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-        first = (
-            self.snapshot["path"] if self.snapshot else str(Path(__file__).resolve().parent.parent)
-        )
-        env["PYTHONPATH"] = os.pathsep.join(
-            [first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-        )
-        cmd = [
+        cmd_head = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
-            str(Path(__file__).resolve()),
-            "--worker",
-            str(spec_file),
         ]
-        log = self.logdir / f"{label}.log"
-        t = time.perf_counter()
-        with open(log, "w") as fh:
-            proc = subprocess.run(
-                cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=self.args.launch_timeout
-            )
-        wall = time.perf_counter() - t
-        if proc.returncode != 0:
-            sys.stderr.write(Path(log).read_text()[-6000:])
-            raise SystemExit(f"launch {label} failed (rc {proc.returncode}); log {log}")
-        out = json.loads(Path(result).read_text())
+        threads = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        out, wall, m = launch_worker(self, cmd_head, Path(__file__), spec, label, threads)
         for e in out["events"]:
             e["busy_before_launch"] = busy
-        if self.snapshot and not out["distckpt_file"].startswith(self.snapshot["path"]):
-            raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
-        m = meminfo()
-        self.mem.append({"after": label, **m})
-        if m["MemAvailable"] < 3.0:
-            raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
         print(
             f"  {label}: {wall:.1f}s launch; "
             + ", ".join(f"{e['op']} {e['who']} {e['span']:.3f}s" for e in out["events"])
