@@ -203,8 +203,7 @@ def test_manager_failed_async_save_is_raised_and_counter_restored(
         def full(*args: object, **kwargs: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(shard_io, "write_plain", full)
-        monkeypatch.setattr(shard_io, "write_sharded", full)
+        monkeypatch.setattr(shard_io, "create", full)
         manager.save(async_save=True)
         with pytest.raises(OSError, match="No space left"):
             manager.sync()

@@ -569,7 +569,7 @@ def _enospc(*_args: Any, **_kw: Any) -> Any:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("where", ["write_sharded", "second-writev", "write_plain"])
+@pytest.mark.parametrize("where", ["create", "second-pwritev", "write_plain"])
 def test_full_disk_keeps_committed_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
@@ -585,21 +585,21 @@ def test_full_disk_keeps_committed_checkpoints(
     save1(old, tmp_path / "ck", **kw)
     save1(other, tmp_path / "other", **kw)
     before = snapshot(tmp_path)
-    if where == "second-writev":
-        real = os.writev
+    if where == "second-pwritev":
+        real = os.pwritev
         calls = []
 
-        def writev(fd: int, buffers: Any) -> int:
+        def pwritev(fd: int, buffers: Any, offset: int) -> int:
             calls.append(fd)
-            if len(calls) >= 2:  # the first piece is on disk, the second one fails
+            if len(calls) >= 2:  # the first write is on disk, the second one fails
                 _enospc()
-            return real(fd, buffers)
+            return real(fd, buffers, offset)
 
-        monkeypatch.setattr(os, "writev", writev)
+        monkeypatch.setattr(os, "pwritev", pwritev)
     else:
         monkeypatch.setattr(shard_io, where, _enospc)
     for path, overwrite in ((tmp_path / "ck", True), (tmp_path / "new", False)):
-        if where == "second-writev":
+        if where == "second-pwritev":
             calls.clear()
         with pytest.raises(OSError) as ei:
             save1(new, path, overwrite=overwrite, **kw)

@@ -6,8 +6,9 @@ verifying every checksum on the way (:mod:`distckpt.planning.read_plan`). Ranks 
 talk to each other to read; one collective at the end makes every rank raise if any
 rank failed, so a job never continues half-restored on some ranks.
 
-If a read fails (a corrupted chunk), targets already filled keep their new values and the
-rest keep their old ones; the error names the variable and the file.
+Each rank reads with its I/O workers (:mod:`distckpt.transfer.reader`). If a read fails
+(a corrupted chunk), the targets may be partly filled with new values; the error names
+the variable and the file.
 """
 
 from __future__ import annotations
@@ -26,19 +27,17 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto, raise_if_any_failed
 from distckpt.engine import background
-from distckpt.engine.arrays import tensor_from_numpy, writable_view
 from distckpt.errors import (
-    CorruptCheckpointError,
     MissingVariablesError,
     ShapeMismatchError,
     UnsupportedValueError,
 )
 from distckpt.items import Leaf, flatten
-from distckpt.planning.read_plan import plan_reads
 from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
-from distckpt.storage.piece_reader import PieceReader
+from distckpt.transfer import workers as transfer_workers
+from distckpt.transfer.reader import ReadTarget, read_targets
 from distckpt.values import decode
 
 log = logging.getLogger("distckpt")
@@ -66,6 +65,7 @@ def load(
     *,
     strict: bool = True,
     allow_pickle: bool = False,
+    io_workers: int | None = None,
 ) -> LoadResult:
     """Fill ``state`` in place from the checkpoint at ``path``; every rank calls it.
 
@@ -76,6 +76,10 @@ def load(
     them all; ``strict=False`` restores what matches and reports the rest in the result.
     A value saved pickled is unpickled only with ``allow_pickle=True``: unpickling runs code
     from the checkpoint, so pass it only for checkpoints you trust.
+
+    Each rank reads with ``io_workers`` threads (default: the cores this rank may use,
+    see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS`` overrides it). GPU
+    targets are filled through pinned staging slabs (:mod:`distckpt.transfer.slabs`).
     """
     background.finish_pending()  # also raises the error of a save nobody waited for
     comm = comm or auto()
@@ -83,7 +87,8 @@ def load(
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
-        _load_local(state, result, comm.rank, comm.size, strict, allow_pickle)
+        workers = transfer_workers.resolve(io_workers, comm)
+        _load_local(state, result, comm.rank, comm.size, strict, allow_pickle, workers)
     except Exception as exc:
         error = exc
     raise_if_any_failed(comm, error)
@@ -107,6 +112,7 @@ def _load_local(
     world: int,
     strict: bool,
     allow_pickle: bool,
+    workers: int,
 ) -> None:
     t0 = time.perf_counter()
     index = index_mod.read_index(result.path)
@@ -157,21 +163,22 @@ def _load_local(
         box.numel * dtypes.itemsize(entry["dtype"]) for _, entry, box in targets if box is not None
     )
     t_plan = time.perf_counter()
+    reads: list[ReadTarget] = []
+    fresh: list[tuple[Leaf, torch.Tensor]] = []
+    for leaf, entry, box in targets:
+        if box is None:
+            _assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
+        elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
+            tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
+            reads.append(ReadTarget(leaf.name, entry, box, tensor))
+            fresh.append((leaf, tensor))
+        else:
+            reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor))
+        result.loaded.append(leaf.name)
     with progress(f"loading {result.path.name} (rank 0's share)", total, rank=rank) as bar:
-        for leaf, entry, box in targets:
-            if box is None:
-                _assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
-            elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
-                tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
-                result.bytes_read += _read_tensor(
-                    result.path, leaf.name, entry, box, tensor, bar.update
-                )
-                _assign(leaf, tensor)
-            else:
-                result.bytes_read += _read_tensor(
-                    result.path, leaf.name, entry, box, leaf.tensor, bar.update
-                )
-            result.loaded.append(leaf.name)
+        result.bytes_read = read_targets(result.path, reads, workers=workers, on_bytes=bar.update)
+    for leaf, tensor in fresh:
+        _assign(leaf, tensor)
     result.timings["plan"] = t_plan - t0
     result.timings["read"] = time.perf_counter() - t_plan
 
@@ -247,29 +254,6 @@ def _assign(leaf: Leaf, value: Any) -> None:
         )
 
 
-def _read_tensor(
-    root: Path,
-    name: str,
-    entry: dict[str, Any],
-    target: Box,
-    tensor: torch.Tensor,
-    on_bytes: Callable[[int], None] | None = None,
-) -> int:
-    """Fill ``tensor`` (holding ``target`` of the global value) from the stored pieces."""
-    if target.empty:
-        return 0
-    dtype = dtypes.numpy_dtype(entry["dtype"])
-    out = writable_view(tensor)
-    staged = out is None
-    if out is None:
-        out = np.empty(target.lengths, dtype=dtype)
-    total = read_region(root, name, entry, target, out, on_bytes)
-    if staged:
-        with torch.no_grad():
-            tensor.copy_(tensor_from_numpy(out, tensor.dtype))
-    return total
-
-
 def read_region(
     root: Path,
     name: str,
@@ -277,31 +261,14 @@ def read_region(
     target: Box,
     out: np.ndarray,
     on_bytes: Callable[[int], None] | None = None,
+    *,
+    io_workers: int | None = None,
 ) -> int:
     """Fill ``out`` (shaped like ``target``, of the stored dtype) with the box ``target`` of
     the stored tensor ``entry`` of the checkpoint at ``root``, verifying every checksum it
     reads and decompressing compressed pieces. Returns the bytes read (as stored);
-    ``on_bytes(n)`` is told the bytes of ``out`` filled after each piece. Memory: ``out``
-    plus one inner chunk (two for a compressed piece)."""
-    if target.empty:
-        return 0
-    dtype = dtypes.numpy_dtype(entry["dtype"])
-    pieces = [index_mod.StoredPiece.from_json(p, name) for p in entry["pieces"]]
-    copies = list(plan_reads(target, pieces))
-    if sum(c.dst.numel for c in copies) != target.numel:
-        raise CorruptCheckpointError(
-            f"variable {name!r}: the stored pieces do not cover slice {target} "
-            f"of shape {entry['shape']}"
-        )
-    total = 0
-    for copy in copies:
-        piece = copy.piece
-        reader = PieceReader(name, str(root / piece.file), dtype, piece.crc, piece.codec)
-        dst = out[copy.dst.slices()]
-        if piece.inner is None:
-            total += reader.read_plain(piece.block, copy.src, dst)
-        else:
-            total += reader.read_sharded(piece.block, piece.inner, copy.src, dst)
-        if on_bytes is not None:
-            on_bytes(dst.nbytes)
-    return total
+    ``on_bytes(n)`` is told the bytes of ``out`` filled as they are. Memory: ``out`` plus
+    an inner chunk or two per I/O worker."""
+    workers = transfer_workers.resolve(io_workers)
+    read = ReadTarget(name, entry, target, out=out)
+    return read_targets(root, [read], workers=workers, on_bytes=on_bytes)

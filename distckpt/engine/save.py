@@ -42,7 +42,6 @@ from distckpt.comm import Communicator, auto
 from distckpt.comm.base import background as background_comm
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import background, snapshot
-from distckpt.engine.arrays import host_array
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.commit import commit
 from distckpt.engine.snapshot import BufferPool
@@ -61,8 +60,11 @@ from distckpt.progress import progress
 from distckpt.storage import codecs, shard_io, zarr_meta
 from distckpt.storage import index as index_mod
 from distckpt.storage.codecs import Compression
-from distckpt.storage.fsutil import fsync_dir, write_file
+from distckpt.storage.fsutil import fsync_dir
 from distckpt.storage.staging import Staging, collect_garbage
+from distckpt.transfer import workers as transfer_workers
+from distckpt.transfer.sources import HostData, StagedData, source_for
+from distckpt.transfer.writer import PieceJob, write_pieces
 from distckpt.values import encode
 
 log = logging.getLogger("distckpt")
@@ -82,10 +84,10 @@ class SaveResult:
 
 @dataclass
 class _Local:
-    """This rank's leaves, their host arrays keyed by name, and its encoded values."""
+    """This rank's leaves, where to read each tensor (by name), and its encoded values."""
 
     leaves: list[Leaf]
-    arrays: dict[str, np.ndarray]
+    sources: dict[str, HostData | StagedData]
     values: dict[str, Any]
 
 
@@ -107,8 +109,7 @@ def _describe(local: _Local) -> list[Desc]:
             kind = "value" if leaf.kind == "value" else "per_rank"
             descs.append(Desc(leaf.name, kind, value=local.values[leaf.name]))
             continue
-        arr = local.arrays[leaf.name]
-        checksum = shard_io.crc32c(shard_io.as_bytes(arr)) if leaf.replicated else None
+        checksum = local.sources[leaf.name].crc() if leaf.replicated else None
         descs.append(
             Desc(
                 leaf.name,
@@ -130,6 +131,7 @@ class _Options:
     small_bytes: int
     inner_bytes: int
     compression: Compression
+    io_workers: int
     after_commit: Callable[[], None] | None = None
     show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
 
@@ -151,6 +153,7 @@ def save(
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
     compression: Compression = ...,
+    io_workers: int | None = ...,
 ) -> SaveResult: ...
 
 
@@ -168,6 +171,7 @@ def save(
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
     compression: Compression = ...,
+    io_workers: int | None = ...,
 ) -> AsyncSave: ...
 
 
@@ -185,6 +189,7 @@ def save(
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
     compression: Compression = ...,
+    io_workers: int | None = ...,
 ) -> SaveResult | AsyncSave: ...
 
 
@@ -201,6 +206,7 @@ def save(
     lazy: bool | Callable[[str], bool] = False,
     after_commit: Callable[[], None] | None = None,
     compression: Compression = None,
+    io_workers: int | None = None,
 ) -> SaveResult | AsyncSave:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
@@ -236,6 +242,11 @@ def save(
     Tensors of at most ``small_bytes`` (plain chunks) are always stored raw. The
     coordinator's ``compression`` is the one used. Checksums cover the stored bytes,
     compressed or not.
+
+    Each rank writes with ``io_workers`` threads (default: the cores this rank may use,
+    see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS`` overrides it). A
+    blocking save copies GPU tensors to host memory a slab at a time through a bounded
+    pool of pinned staging slabs (:mod:`distckpt.transfer.slabs`), never whole.
     """
     if lazy is not False and not async_save:
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
@@ -247,6 +258,7 @@ def save(
         small_bytes,
         inner_bytes,
         compression,
+        transfer_workers.resolve(io_workers, comm),
         after_commit,
         show_progress=not async_save,
     )
@@ -256,12 +268,12 @@ def save(
         try:
             codecs.check(compression)
             leaves, values = _gather_leaves(state, allow_pickle)
-            arrays = {
-                leaf.name: host_array(leaf.tensor, leaf.name)
+            sources = {
+                leaf.name: source_for(leaf.tensor, leaf.name)
                 for leaf in leaves
                 if leaf.tensor is not None
             }
-            local = _Local(leaves, arrays, values)
+            local = _Local(leaves, sources, values)
         except Exception as exc:
             local, error = Failure.capture(exc, comm.rank), exc
         return _protocol(comm, local, options, error=error)
@@ -288,7 +300,10 @@ def save(
         else:
             try:
                 snapshot.finish(snap)
-                local = _Local(snap.leaves, snap.arrays, values)
+                sources: dict[str, HostData | StagedData] = {
+                    name: HostData(array) for name, array in snap.arrays.items()
+                }
+                local = _Local(snap.leaves, sources, values)
             except Exception as exc:
                 local = Failure.capture(exc, rank)
         handle._snapshot.set()
@@ -444,7 +459,8 @@ def _exchange(
     failure: Failure | None = None
     try:
         for piece_id, k, writer, var in work.sends:
-            outgoing[writer][(piece_id, k)] = shard_io.as_bytes(local.arrays[var]).tobytes()
+            data = local.sources[var].host()
+            outgoing[writer][(piece_id, k)] = shard_io.as_bytes(data).tobytes()
     except Exception as exc:
         failure, outgoing = Failure.capture(exc, comm.rank), defaultdict(dict)
     received: dict[int, dict[int, bytes]] = defaultdict(dict)
@@ -457,17 +473,19 @@ def _exchange(
     return received, failure
 
 
-def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int) -> np.ndarray:
+def _assemble(
+    piece: Piece, local: _Local, received: dict[int, bytes], rank: int
+) -> HostData | StagedData:
     if len(piece.sources) == 1 and piece.sources[0][0] == rank and piece.sources[0][1] == piece.box:
-        return local.arrays[piece.var]
+        return local.sources[piece.var]
     out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(piece.dtype))
     for k, (src_rank, box) in enumerate(piece.sources):
         region = out[box.relative_to(piece.box).slices()]
         if src_rank == rank:
-            region[...] = local.arrays[piece.var]
+            region[...] = local.sources[piece.var].host()
         else:
             region[...] = np.frombuffer(received[k], dtype=out.dtype).reshape(box.lengths)
-    return out
+    return HostData(out)
 
 
 def _write(
@@ -478,41 +496,33 @@ def _write(
     opts: _Options,
     result: SaveResult,
 ) -> dict[int, tuple[int, int]]:
-    """Write this rank's pieces into the staging directory; return {piece id: (size, crc)}.
+    """Write this rank's pieces into the staging directory with its I/O workers; return
+    {piece id: (size, crc)}.
 
     On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
     when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
     from distckpt.storage.staging import staging_path
 
     root = staging_path(opts.final, work.token)
-    written: dict[int, tuple[int, int]] = {}
+    jobs: list[PieceJob] = []
+    files: list[tuple[str, bytes]] = []
     dirs: set[Path] = set()
+    for piece in work.writes:
+        target = root / piece.file
+        if target.parent not in dirs:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            for parent in target.relative_to(root).parents:
+                dirs.add(root / parent)
+        if piece.meta_file is not None and piece.meta is not None:
+            files.append((str(root / piece.meta_file), zarr_meta.dumps(piece.meta)))
+        data = _assemble(piece, local, received.get(piece.id, {}), rank)
+        jobs.append(PieceJob(piece.id, str(target), data, piece.block, piece.inner, piece.codec))
     total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
     label = f"saving {opts.final.name} (rank 0's share)"
     with progress(label, total if opts.show_progress else 0, rank=rank) as bar:
-        for piece in work.writes:
-            target = root / piece.file
-            if target.parent not in dirs:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                for parent in target.relative_to(root).parents:
-                    dirs.add(root / parent)
-            if piece.meta_file is not None and piece.meta is not None:
-                write_file(root / piece.meta_file, zarr_meta.dumps(piece.meta))
-                result.files_written += 1
-            data = _assemble(piece, local, received.get(piece.id, {}), rank)
-            if data.size == 0:
-                written[piece.id] = (0, 0)
-                continue
-            if piece.inner is None:
-                size, crc = shard_io.write_plain(str(target), data)
-            else:
-                size, crc = shard_io.write_sharded(
-                    str(target), data, piece.block, piece.inner, codec=piece.codec
-                )
-            written[piece.id] = (size, crc)
-            result.bytes_written += size
-            result.files_written += 1
-            bar.update(data.nbytes)
+        written = write_pieces(jobs, files, workers=opts.io_workers, on_bytes=bar.update)
+    result.bytes_written += sum(size for size, _ in written.values())
+    result.files_written += len(files) + sum(1 for size, _ in written.values() if size)
     for d in sorted(dirs, key=lambda p: -len(p.parts)):
         fsync_dir(d)
     return written

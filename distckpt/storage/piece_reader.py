@@ -12,7 +12,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import crc32c as _crc
 import numpy as np
@@ -54,7 +56,6 @@ class PieceReader:
         self.dtype = dtype
         self.expected_crc = expected_crc
         self.codec = codec
-        self._stored = np.empty(0, dtype=np.uint8)  # one compressed inner chunk
 
     def _corrupt(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"variable {self.variable!r}: {what} ({self.path})")
@@ -110,9 +111,7 @@ class PieceReader:
         """Read one compressed inner chunk (``length`` bytes with its crc32c), verify the
         crc32c of its stored bytes, and decompress it into ``out`` (flat uint8)."""
         assert self.codec is not None
-        if self._stored.nbytes < length:
-            self._stored = np.empty(length, dtype=np.uint8)
-        stored = self._stored[:length]
+        stored = scratch(length, 1)
         if os.preadv(fd, [stored.data], offset) != length:
             raise self._corrupt(f"inner chunk {coord} is truncated")
         crc = int.from_bytes(stored[-4:].tobytes(), "little")
@@ -177,7 +176,7 @@ class PieceReader:
             if on_bytes is not None:
                 on_bytes(total)
             end = nchunks * 4
-            scratch = np.empty(chunk_bytes, dtype=np.uint8)
+            buf = scratch(chunk_bytes, 0)
             for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
                 chunk_box = Box(
                     tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
@@ -190,9 +189,9 @@ class PieceReader:
                 if not self._chunk_fits(offset, length, chunk_bytes, size - index_len):
                     raise self._corrupt(f"inner chunk {coord} has the wrong size")
                 if self.codec is None:
-                    self._read_verified(fd, offset, [scratch], table[linear], coord)
+                    self._read_verified(fd, offset, [buf], table[linear], coord)
                 else:
-                    self._read_compressed(fd, offset, length, table[linear], coord, scratch)
+                    self._read_compressed(fd, offset, length, table[linear], coord, buf)
                 end = max(end, offset + length)
                 total += length
                 if on_bytes is not None:
@@ -203,64 +202,114 @@ class PieceReader:
         finally:
             os.close(fd)
 
+    def chunk_reads(
+        self, block: Sequence[int], inner: Sequence[int], src: Box
+    ) -> list[tuple[tuple[int, ...], int, Box, Box]]:
+        """The inner chunks that ``src`` (block coordinates) meets: (coord, position in
+        the shard index, chunk box, the part of ``src`` in it), in C order."""
+        grid = inner_grid(block, inner)
+        first = tuple(o // i for o, i in zip(src.offsets, inner, strict=True))
+        last = tuple(
+            (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)
+        )
+        found = []
+        for coord in itertools.product(*(range(a, b + 1) for a, b in zip(first, last))):
+            chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
+            part = chunk_box.intersect(src) if chunk_box.ndim else chunk_box
+            if part is None:
+                continue
+            linear = int(np.ravel_multi_index(coord, grid)) if grid else 0
+            found.append((coord, linear, chunk_box, part))
+        return found
+
+    def header(self, fd: int, block: Sequence[int], inner: Sequence[int]) -> ShardHeader:
+        """The verified checksum table and shard index of an open shard."""
+        nchunks = math.prod(inner_grid(block, inner))
+        size, table, index = self._read_header(fd, nchunks)
+        return ShardHeader(size, table, index, nchunks * 16 + 4 + nchunks * 4)
+
+    def read_chunk(
+        self,
+        fd: int,
+        header: ShardHeader,
+        inner: Sequence[int],
+        chunk: tuple[tuple[int, ...], int, Box, Box],
+        src: Box,
+        out: np.ndarray,
+    ) -> int:
+        """Copy the part of ``src`` in one inner chunk (from :meth:`chunk_reads`) into
+        ``out`` (shaped like ``src``), verifying the chunk. Returns bytes read."""
+        coord, linear, chunk_box, part = chunk
+        chunk_bytes = math.prod(inner) * self.dtype.itemsize
+        offset, length = (int(v) for v in header.index[linear])
+        if not self._chunk_fits(offset, length, chunk_bytes, header.size):
+            raise self._corrupt(f"inner chunk {coord} is missing or has the wrong size")
+        dst = out[part.relative_to(src).slices()]
+        rows = _row_run(part, chunk_box)
+        expected = header.table[linear]
+        if self.codec is not None:
+            # A compressed chunk is decompressed whole: straight into the destination
+            # when it needs all of it, else into scratch.
+            direct = part == chunk_box and dst.flags.c_contiguous
+            whole = as_bytes(dst) if direct else scratch(chunk_bytes, 0)
+            self._read_compressed(fd, offset, length, expected, coord, whole)
+            if not direct:
+                view = whole.view(self.dtype).reshape(tuple(inner))
+                dst[...] = view[part.relative_to(chunk_box).slices()]
+        elif rows is not None and dst.flags.c_contiguous:
+            # The needed rows go straight into the destination; the chunk's other rows
+            # (read only to verify its checksum) into scratch: no copy.
+            row_bytes = chunk_bytes // inner[0] if inner else chunk_bytes
+            before, after = rows[0] * row_bytes, chunk_bytes - rows[1] * row_bytes
+            spare = scratch(before + after, 0)
+            segments = [spare[:before], as_bytes(dst), spare[before : before + after]]
+            self._read_verified(fd, offset, segments, expected, coord)
+        else:
+            whole = scratch(chunk_bytes, 0)
+            self._read_verified(fd, offset, [whole], expected, coord)
+            view = whole.view(self.dtype).reshape(tuple(inner))
+            dst[...] = view[part.relative_to(chunk_box).slices()]
+        return length
+
     def read_sharded(
         self, block: Sequence[int], inner: Sequence[int], src: Box, out: np.ndarray
     ) -> int:
         """Copy ``src`` (in block coordinates) of a shard into ``out``, reading only the inner
-        chunks that intersect it. Returns bytes read."""
-        grid = inner_grid(block, inner)
-        nchunks = math.prod(grid)
-        chunk_bytes = math.prod(inner) * self.dtype.itemsize
+        chunks that intersect it, on the calling thread. Returns bytes read."""
         fd = self._open()
         try:
-            size, table, index = self._read_header(fd, nchunks)
-            total = nchunks * 16 + 4 + nchunks * 4
-            first = tuple(o // i for o, i in zip(src.offsets, inner, strict=True))
-            last = tuple(
-                (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)
-            )
-            scratch = np.empty(0, dtype=np.uint8)
-            for coord in itertools.product(*(range(a, b + 1) for a, b in zip(first, last))):
-                chunk_box = Box(
-                    tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
-                )
-                part = chunk_box.intersect(src)
-                if part is None:
-                    continue
-                linear = int(np.ravel_multi_index(coord, grid)) if grid else 0
-                offset, length = (int(v) for v in index[linear])
-                if not self._chunk_fits(offset, length, chunk_bytes, size):
-                    raise self._corrupt(f"inner chunk {coord} is missing or has the wrong size")
-                dst = out[part.relative_to(src).slices()]
-                rows = _row_run(part, chunk_box)
-                if self.codec is not None:
-                    # A compressed chunk is decompressed whole: straight into the
-                    # destination when it needs all of it, else into scratch.
-                    direct = part == chunk_box and dst.flags.c_contiguous
-                    if not direct and scratch.nbytes < chunk_bytes:
-                        scratch = np.empty(chunk_bytes, dtype=np.uint8)
-                    whole = as_bytes(dst) if direct else scratch[:chunk_bytes]
-                    self._read_compressed(fd, offset, length, table[linear], coord, whole)
-                    if not direct:
-                        chunk = whole.view(self.dtype).reshape(tuple(inner))
-                        dst[...] = chunk[part.relative_to(chunk_box).slices()]
-                elif rows is not None and dst.flags.c_contiguous:
-                    # The needed rows go straight into the destination; the chunk's other
-                    # rows (read only to verify its checksum) into scratch: no copy.
-                    row_bytes = chunk_bytes // inner[0] if inner else chunk_bytes
-                    before, after = rows[0] * row_bytes, chunk_bytes - rows[1] * row_bytes
-                    if scratch.nbytes < before + after:
-                        scratch = np.empty(before + after, dtype=np.uint8)
-                    segments = [scratch[:before], as_bytes(dst), scratch[before : before + after]]
-                    self._read_verified(fd, offset, segments, table[linear], coord)
-                else:
-                    if scratch.nbytes < chunk_bytes:
-                        scratch = np.empty(chunk_bytes, dtype=np.uint8)
-                    whole = scratch[:chunk_bytes]
-                    self._read_verified(fd, offset, [whole], table[linear], coord)
-                    chunk = whole.view(self.dtype).reshape(tuple(inner))
-                    dst[...] = chunk[part.relative_to(chunk_box).slices()]
-                total += length
+            header = self.header(fd, block, inner)
+            total = header.nbytes
+            for chunk in self.chunk_reads(block, inner, src):
+                total += self.read_chunk(fd, header, inner, chunk, src, out)
             return total
         finally:
             os.close(fd)
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A shard's size, checksum table and index (offset, length per inner chunk), verified;
+    ``nbytes``: the bytes read for them."""
+
+    size: int
+    table: np.ndarray
+    index: np.ndarray
+    nbytes: int
+
+
+_local = threading.local()
+
+
+def scratch(nbytes: int, slot: int) -> np.ndarray:
+    """A flat uint8 buffer of ``nbytes`` owned by this thread (``slot`` 0 or 1: two may be
+    in use at once). Reused by the next call; buffers over 64 MiB are not kept."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
+    if buffers[slot].nbytes >= nbytes:
+        return buffers[slot][:nbytes]
+    fresh = np.empty(nbytes, dtype=np.uint8)
+    if nbytes <= 64 << 20:
+        buffers[slot] = fresh
+    return fresh

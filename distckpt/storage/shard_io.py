@@ -18,8 +18,11 @@ A sharded piece may be **compressed** (:mod:`distckpt.storage.codecs`): each inn
 is then stored as its compressed bytes followed by the crc32c *of those compressed
 bytes* (codecs ``bytes`` + ``zstd``/``blosc`` + ``crc32c``), the shard index records each
 chunk's own length, and the checksum table holds the same crc32c values. Inner chunks are
-compressed independently (several at a time, on a few threads) and a reader decompresses
-only the chunks it needs, each into a buffer of one inner chunk.
+compressed independently and a reader decompresses only the chunks it needs, each into a
+buffer of one inner chunk.
+
+Inner chunks are written independently too (:class:`ShardFile`): a save's I/O workers
+write ranges of them at once, each at its own offset.
 
 The checkpoint index records one crc32c per piece: of the checksum table for a shard, of
 the data for a plain chunk. Both depend on the data, so a file swapped for another of the
@@ -33,9 +36,9 @@ import itertools
 import math
 import os
 import struct
-from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import crc32c as _crc
 import numpy as np
@@ -48,16 +51,15 @@ _IOV_MAX = 1024
 #: Bytes read per system call when reading an inner chunk: small enough that the checksum
 #: of each step runs on data still in the CPU cache.
 STEP = 1 << 20
-#: Threads that compress inner chunks of one shard; each holds at most two chunks.
-_COMPRESS_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 
 def _view(data: np.ndarray | bytes | bytearray | memoryview) -> memoryview:
     return data.data if isinstance(data, np.ndarray) else memoryview(data)
 
 
-def crc32c(data: np.ndarray | bytes | bytearray | memoryview) -> int:
-    return int(_crc.crc32c(_view(data)))
+def crc32c(data: np.ndarray | bytes | bytearray | memoryview, value: int = 0) -> int:
+    """The crc32c of ``data``, continuing from ``value`` (the crc32c of what came before)."""
+    return int(_crc.crc32c(_view(data), value))
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
@@ -69,66 +71,176 @@ def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:
     return tuple(b // i for b, i in zip(block, inner, strict=True))
 
 
-def _write_all(fd: int, buffers: list[np.ndarray | bytes]) -> int:
-    total = 0
-    for start in range(0, len(buffers), _IOV_MAX):
-        batch: list[memoryview] = [_view(b) for b in buffers[start : start + _IOV_MAX]]
-        want = sum(b.nbytes for b in batch)
-        done = os.writev(fd, batch)
-        total += done
-        if done < want:  # rare (signals, some network file systems): finish byte by byte
-            flat = memoryview(b"".join(bytes(b) for b in batch))[done:]
-            while flat:
-                n = os.write(fd, flat)
-                flat = flat[n:]
-                total += n
-    return total
-
-
-def _open_new(path: str) -> int:
+def create(path: str) -> int:
+    """Create (or truncate) one data file of a piece; every piece file is made here."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
-def _present_chunks(
-    data: np.ndarray, block: Sequence[int], inner: Sequence[int]
-) -> Iterator[tuple[int, np.ndarray]]:
-    """(C-order position, flat uint8 bytes) of every inner chunk that meets ``data``; edge
-    chunks padded with zeros."""
+def _pwrite_all(fd: int, buffers: Sequence[np.ndarray | bytes], offset: int) -> int:
+    """Write ``buffers`` back to back at ``offset`` (``pwritev``; short writes finished)."""
+    views = [_view(b).cast("B") for b in buffers]
+    total = 0
+    for start in range(0, len(views), _IOV_MAX):
+        batch = views[start : start + _IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        done = os.pwritev(fd, batch, offset)
+        if done < want:  # rare (signals, some network file systems): finish the rest
+            rest = memoryview(b"".join(bytes(v) for v in batch))[done:]
+            while rest:
+                n = os.pwrite(fd, rest, offset + done)
+                rest, done = rest[n:], done + n
+        offset += want
+        total += want
+    return total
+
+
+@dataclass(frozen=True)
+class ChunkPart:
+    """One inner chunk of a shard that holds data, and where that data comes from.
+
+    ``box`` is the chunk and ``part`` the data it holds, both in block coordinates (the
+    piece's data starts at the block's origin); they differ only at the edge of the array,
+    where the rest of the chunk is zeros. ``start`` is the byte offset of ``part`` in the
+    data's C order when ``part`` is one contiguous run of it (always, for the inner chunks
+    distckpt plans), else None.
+    """
+
+    linear: int  # position in the shard index (C order over the inner grid)
+    box: Box
+    part: Box
+    start: int | None
+    nbytes: int  # bytes of ``part``
+
+    @property
+    def whole(self) -> bool:
+        return self.part == self.box
+
+    @property
+    def end(self) -> int | None:
+        return None if self.start is None else self.start + self.nbytes
+
+
+def chunk_parts(
+    data_shape: Sequence[int], block: Sequence[int], inner: Sequence[int], itemsize: int
+) -> list[ChunkPart]:
+    """The inner chunks of a shard that meet data of ``data_shape``, in C order.
+
+    Together their parts cover the data exactly once; for inner chunks that split only
+    leading dimensions (:func:`distckpt.planning.layout.inner_chunks`) the parts are
+    consecutive runs of the data's bytes, in order.
+    """
+    data_shape = tuple(data_shape)
     grid = inner_grid(block, inner)
-    data_box = Box.full(data.shape)
-    for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
-        chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
-        part = chunk_box.intersect(data_box)
+    data_box = Box.full(data_shape)
+    present = [range(-(-n // i)) for n, i in zip(data_shape, inner, strict=True)]
+    parts: list[ChunkPart] = []
+    for coord in itertools.product(*present):
+        box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
+        part = box.intersect(data_box) if box.ndim else box
         if part is None:
             continue
-        if part == chunk_box:
-            chunk = np.ascontiguousarray(data[chunk_box.slices()])
+        linear = int(np.ravel_multi_index(coord, grid)) if grid else 0
+        parts.append(
+            ChunkPart(
+                linear, box, part, _run_start(part, data_shape, itemsize), part.numel * itemsize
+            )
+        )
+    return parts
+
+
+def _run_start(part: Box, data_shape: tuple[int, ...], itemsize: int) -> int | None:
+    """Byte offset of ``part`` in C-ordered data of ``data_shape`` if it is one run."""
+    if part.ndim == 0:
+        return 0
+    first = next((d for d, n in enumerate(part.lengths) if n > 1), part.ndim - 1)
+    for d in range(first + 1, part.ndim):
+        if part.offsets[d] != 0 or part.lengths[d] != data_shape[d]:
+            return None
+    return int(np.ravel_multi_index(part.offsets, data_shape)) * itemsize
+
+
+def stored_chunk(data: np.ndarray, chunk: ChunkPart, scratch: np.ndarray) -> np.ndarray:
+    """The stored (raw, C-ordered) bytes of ``chunk``, given ``data``, its part's values.
+
+    A whole chunk whose data is contiguous is returned without a copy; otherwise the
+    chunk is assembled in ``scratch`` (flat uint8, at least one chunk), zeros around the
+    part."""
+    if chunk.whole and data.flags.c_contiguous:
+        return as_bytes(data)
+    shape = chunk.box.lengths
+    nbytes = math.prod(shape) * data.dtype.itemsize
+    out = scratch[:nbytes]
+    if not chunk.whole:
+        out.fill(0)
+    out.view(data.dtype).reshape(shape)[chunk.part.relative_to(chunk.box).slices()] = data
+    return out
+
+
+class ShardFile:
+    """One shard file, written an inner chunk at a time, by several threads at once.
+
+    Raw chunks have fixed offsets (after the checksum table, in C order), so they can be
+    written in any order. A compressed chunk's offset is reserved when its compressed size
+    is known, so chunks land in the order they finish (the shard index records every
+    offset; zarr readers follow it). :meth:`finish` writes the shard index at the end and
+    the checksum table at the start, fsyncs and closes.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        block: Sequence[int],
+        inner: Sequence[int],
+        parts: Sequence[ChunkPart],
+        itemsize: int,
+        codec: Codec | None = None,
+    ) -> None:
+        self.path = path
+        self.codec = codec
+        self.chunk_bytes = math.prod(inner) * itemsize
+        nchunks = math.prod(inner_grid(block, inner))
+        self.index = np.full((nchunks, 2), EMPTY, dtype="<u8")
+        self.table = np.zeros(nchunks, dtype="<u4")
+        self._slot = {p.linear: k for k, p in enumerate(parts)}
+        self._end = self.table.nbytes + (0 if codec else len(parts) * (self.chunk_bytes + 4))
+        self._lock = threading.Lock()
+        self.finished = False
+        self.fd = create(path)
+
+    def write(self, linear: int, raw: np.ndarray) -> int:
+        """Write inner chunk ``linear`` (its raw bytes, flat uint8); return bytes stored."""
+        if self.codec is None:
+            crc = crc32c(raw)
+            stored: np.ndarray | bytes = raw
+            offset = self.table.nbytes + self._slot[linear] * (self.chunk_bytes + 4)
         else:
-            chunk = np.zeros(tuple(inner), dtype=data.dtype)
-            chunk[part.relative_to(chunk_box).slices()] = data[part.slices()]
-        yield linear, as_bytes(chunk)
+            stored = self.codec.encode(raw)
+            crc = crc32c(stored)
+            with self._lock:
+                offset, self._end = self._end, self._end + len(stored) + 4
+        length = _pwrite_all(self.fd, [stored, struct.pack("<I", crc)], offset)
+        self.table[linear] = crc
+        self.index[linear] = (offset, length)
+        return length
 
+    def finish(self, fsync: bool = True) -> tuple[int, int]:
+        """Write the shard index and the checksum table, fsync, close; (size, table crc)."""
+        try:
+            index_bytes = self.index.tobytes()
+            tail = [index_bytes, struct.pack("<I", crc32c(index_bytes))]
+            size = self._end + _pwrite_all(self.fd, tail, self._end)
+            _pwrite_all(self.fd, [self.table], 0)
+            if fsync:
+                os.fsync(self.fd)
+        finally:
+            self.close()
+        self.finished = True
+        return size, crc32c(self.table)
 
-def _compressed(
-    chunks: Iterator[tuple[int, np.ndarray]], codec: Codec
-) -> Iterator[tuple[int, bytes, int]]:
-    """(position, compressed bytes, their crc32c) of each chunk, in order. Compresses up to
-    ``2 * _COMPRESS_THREADS`` chunks at a time (the codecs release the GIL)."""
-
-    def encode(raw: np.ndarray) -> tuple[bytes, int]:
-        stored = codec.encode(raw)
-        return stored, crc32c(stored)
-
-    with ThreadPoolExecutor(_COMPRESS_THREADS, thread_name_prefix="distckpt-compress") as pool:
-        pending: deque[tuple[int, Future[tuple[bytes, int]]]] = deque()
-        for linear, raw in chunks:
-            pending.append((linear, pool.submit(encode, raw)))
-            if len(pending) >= 2 * _COMPRESS_THREADS:
-                first, future = pending.popleft()
-                yield first, *future.result()
-        while pending:
-            first, future = pending.popleft()
-            yield first, *future.result()
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 def write_sharded(
@@ -141,60 +253,31 @@ def write_sharded(
     fsync: bool = True,
 ) -> tuple[int, int]:
     """Write ``data`` (the piece's box, origin at the block's origin) as one shard file,
-    each inner chunk compressed by ``codec`` if given.
+    each inner chunk compressed by ``codec`` if given, on the calling thread (a save
+    writes with several: :mod:`distckpt.transfer.writer`).
 
     ``data.shape`` may be smaller than ``block`` at the edge of the array: inner chunks
     that lie wholly outside ``data`` are marked absent, partly outside ones are padded with
     zeros. Returns (file size, crc32c of the checksum table).
     """
-    grid = inner_grid(block, inner)
-    index = np.full((math.prod(grid), 2), EMPTY, dtype="<u8")
-    table = np.zeros(math.prod(grid), dtype="<u4")
-    fd = _open_new(path)
+    parts = chunk_parts(data.shape, block, inner, data.dtype.itemsize)
+    shard = ShardFile(path, block, inner, parts, data.dtype.itemsize, codec)
     try:
-        offset = os.lseek(fd, table.nbytes, os.SEEK_SET)  # the table is written last
-        chunks = _present_chunks(data, block, inner)
-        if codec is None:
-            for linear, raw in chunks:
-                table[linear] = _stream_out(fd, raw)
-                _write_all(fd, [struct.pack("<I", table[linear])])
-                index[linear] = (offset, raw.nbytes + 4)
-                offset += raw.nbytes + 4
-        else:
-            for linear, stored, crc in _compressed(chunks, codec):
-                table[linear] = crc
-                _write_all(fd, [stored, struct.pack("<I", crc)])
-                index[linear] = (offset, len(stored) + 4)
-                offset += len(stored) + 4
-        index_bytes = index.tobytes()
-        size = offset + _write_all(fd, [index_bytes, struct.pack("<I", crc32c(index_bytes))])
-        if os.pwrite(fd, table.data, 0) != table.nbytes:
-            raise OSError(f"short write of the checksum table of {path}")
-        if fsync:
-            os.fsync(fd)
+        scratch = np.empty(shard.chunk_bytes, dtype=np.uint8)
+        for chunk in parts:
+            shard.write(chunk.linear, stored_chunk(data[chunk.part.slices()], chunk, scratch))
+        return shard.finish(fsync)
     finally:
-        os.close(fd)
-    return size, crc32c(table)
-
-
-def _stream_out(fd: int, raw: np.ndarray) -> int:
-    """Write ``raw`` in steps of :data:`STEP` bytes, checksumming each step just before
-    writing it (while it is in the CPU cache); return the crc32c of all of it."""
-    crc = 0
-    for start in range(0, raw.nbytes, STEP):
-        step = raw[start : start + STEP]
-        crc = _crc.crc32c(step.data, crc)
-        _write_all(fd, [step])
-    return crc
+        shard.close()
 
 
 def write_plain(path: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
     """Write ``data`` as one plain chunk (bytes, then crc32c). Returns (size, crc)."""
     raw = as_bytes(np.ascontiguousarray(data))
     crc = crc32c(raw)
-    fd = _open_new(path)
+    fd = create(path)
     try:
-        size = _write_all(fd, [raw, struct.pack("<I", crc)])
+        size = _pwrite_all(fd, [raw, struct.pack("<I", crc)], 0)
         if fsync:
             os.fsync(fd)
     finally:

@@ -11,7 +11,7 @@ good checkpoint ``DIR/prev`` (version 1) is saved. Then:
   store, an unsupported dtype on one rank, and a save onto ``prev`` without overwrite:
   every rank must raise the same error, no rank may write a byte, no staging directory
   may be created;
-* errors in the write phase on one rank (a custom exception, ENOSPC from ``os.writev``,
+* errors in the write phase on one rank (a custom exception, ENOSPC from ``os.pwritev``,
   on rank 1, on the last rank, on the coordinator), replacing ``prev`` or writing a new
   checkpoint: every rank raises it with ``.rank`` the failing rank, ``prev`` still holds
   version 1, nothing else is left behind;
@@ -63,6 +63,7 @@ from distckpt.errors import (
 )
 from distckpt.storage import shard_io
 from distckpt.storage.staging import leftovers
+from distckpt.transfer import writer as writer_mod
 
 # w: 4 inner chunks of 2 rows per shard
 KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}
@@ -144,21 +145,13 @@ class Spy:
     def __init__(self) -> None:
         self.writes: list[str] = []
         self.stagings = 0
-        real_sharded, real_plain, real_file = (
-            shard_io.write_sharded,
-            shard_io.write_plain,
-            save_mod.write_file,
-        )
+        real_create, real_file = shard_io.create, writer_mod.write_file
         real_staging = save_mod.Staging
         spy = self
 
-        def write_sharded(path: str, *a: Any, **kw: Any) -> Any:
+        def create(path: str) -> int:
             spy.writes.append(path)
-            return real_sharded(path, *a, **kw)
-
-        def write_plain(path: str, *a: Any, **kw: Any) -> Any:
-            spy.writes.append(path)
-            return real_plain(path, *a, **kw)
+            return real_create(path)
 
         def write_file(path: Any, *a: Any, **kw: Any) -> Any:
             spy.writes.append(str(path))
@@ -169,9 +162,8 @@ class Spy:
                 spy.stagings += 1
                 super().__init__(*a, **kw)
 
-        shard_io.write_sharded = write_sharded
-        shard_io.write_plain = write_plain
-        save_mod.write_file = write_file
+        shard_io.create = create
+        writer_mod.write_file = write_file
         commit_mod.write_file = write_file
         save_mod.Staging = CountingStaging  # type: ignore[misc]
 
@@ -431,7 +423,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
 
     run.case(
         "write-raise-rank1",
-        failing_write(1, shard_io, "write_sharded", raise_on_fire, prev, True),
+        failing_write(1, shard_io, "create", raise_on_fire, prev, True),
         DiskOnFire,
         1,
         ("on fire",),
@@ -439,7 +431,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     )
     run.case(
         "write-enospc-last",
-        failing_write(last, os, "writev", raise_enospc, prev, True),
+        failing_write(last, os, "pwritev", raise_enospc, prev, True),
         OSError,
         last,
         ("No space left",),
@@ -448,7 +440,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     )
     run.case(
         "write-raise-rank0",
-        failing_write(0, shard_io, "write_sharded", raise_on_fire, prev, True),
+        failing_write(0, shard_io, "create", raise_on_fire, prev, True),
         DiskOnFire,
         0,
         ("on fire",),
@@ -456,7 +448,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     )
     run.case(
         "write-fresh-rank1",
-        failing_write(1, shard_io, "write_sharded", raise_on_fire, fresh, False),
+        failing_write(1, shard_io, "create", raise_on_fire, fresh, False),
         DiskOnFire,
         1,
         ("on fire",),
@@ -608,15 +600,19 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
     markers = directory / "markers"
     markers.mkdir(exist_ok=True)
     comm.barrier()
-    real = shard_io.write_sharded
+    real = shard_io.create
 
-    def wrote(path: str, *a: Any, **kw: Any) -> Any:
-        out = real(path, *a, **kw)
+    def wrote(path: str) -> Any:
+        out = real(path)
+        if "/w/" not in path:  # only the shards of the big tensor count
+            return out
         (markers / f"wrote-{rank}").write_text(path)
         emit(f"WROTE {rank} {path}")
         return out
 
-    def killer(path: str, *a: Any, **kw: Any) -> Any:
+    def killer(path: str) -> Any:
+        if "/w/" not in path:
+            return real(path)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if all((markers / f"wrote-{r}").exists() for r in range(last)):
@@ -626,7 +622,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
         emit(f"KILLING {rank} {path}")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    shard_io.write_sharded = killer if rank == last else wrote
+    shard_io.create = killer if rank == last else wrote
     target = directory / "prev" if overwrite else directory / "target"
     start = time.monotonic()
     try:

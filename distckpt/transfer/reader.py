@@ -1,0 +1,318 @@
+"""Reading one rank's targets of a load with its I/O workers.
+
+Two passes over the stored pieces a rank needs (:func:`~distckpt.planning.read_plan.plan_reads`):
+first the header of every shard it will read (checksum table and shard index, verified),
+then the inner chunks, in tasks of at most :data:`TASK_BYTES`, all on the workers.
+
+A target in host memory that can be written in place (a C-contiguous CPU tensor) is read
+straight into. Any other target (a GPU tensor; a non-contiguous or conjugate view) is
+read a band at a time into a staging slab (:mod:`distckpt.transfer.slabs`), and the
+worker that completes a band copies it into the target (asynchronously on a side stream
+for a GPU) while the next bands are read; a slab is reused once its copies are done.
+Host memory stays within the slab pool whatever the state's size.
+
+If a read fails (a corrupted chunk), the remaining reads are skipped, the running ones
+awaited, and the error raised: targets may then be partly filled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distckpt import dtypes
+from distckpt.engine.arrays import writable_view
+from distckpt.errors import CorruptCheckpointError
+from distckpt.planning.read_plan import Copy, plan_reads
+from distckpt.slices import Box
+from distckpt.storage.index import StoredPiece
+from distckpt.storage.piece_reader import PieceReader, ShardHeader
+from distckpt.transfer import slabs
+from distckpt.transfer.sources import copy_context, follow_current, record_event
+from distckpt.transfer.workers import TaskGroup
+
+#: Bytes of inner chunks one task reads.
+TASK_BYTES = 8 << 20
+
+
+@dataclass
+class ReadTarget:
+    """Fill ``tensor`` (or ``out``, a NumPy array shaped like ``box``, of the stored dtype)
+    with the box ``box`` of the stored tensor ``entry`` (its index entry) named ``name``."""
+
+    name: str
+    entry: dict[str, Any]
+    box: Box
+    tensor: torch.Tensor | None = None
+    out: np.ndarray | None = None
+    pieces: list[StoredPiece] = field(default_factory=list)
+
+
+class _Tally:
+    """Bytes read from storage, added from the workers."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.total += n
+
+
+def read_targets(
+    root: Path,
+    targets: Sequence[ReadTarget],
+    *,
+    workers: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> int:
+    """Fill every target, verifying every checksum read; returns the bytes read from
+    storage (as stored). ``on_bytes(n)`` counts the target bytes filled."""
+    jobs = []
+    for t in targets:
+        if t.box.empty:
+            continue
+        t.pieces = [StoredPiece.from_json(p, t.name) for p in t.entry["pieces"]]
+        copies = list(plan_reads(t.box, t.pieces))
+        if sum(c.dst.numel for c in copies) != t.box.numel:
+            raise CorruptCheckpointError(
+                f"variable {t.name!r}: the stored pieces do not cover slice {t.box} "
+                f"of shape {t.entry['shape']}"
+            )
+        jobs.append((t, copies))
+    tally = _Tally()
+    headers = _read_headers(root, jobs, workers, tally)
+    group = TaskGroup(workers, on_bytes)
+    error: BaseException | None = None
+    used: set[slabs.SlabPool] = set()
+    try:
+        for t, copies in jobs:  # in place first: those never wait for a slab
+            out = t.out if t.out is not None else writable_view(_tensor(t))
+            if out is not None:
+                for copy in copies:
+                    _submit_copy(group, root, t, copy, out, headers, tally)
+        for t, _ in jobs:
+            if t.out is None and writable_view(_tensor(t)) is None:
+                used.add(_submit_staged(group, root, t, headers, tally))
+    except BaseException as exc:
+        error = exc
+        group.cancelled.set()
+    try:
+        group.wait()
+    except BaseException as exc:
+        error = error or exc
+    for pool in used:
+        pool.drain()  # every copy into a target is complete
+    if error is not None:
+        raise error
+    return tally.total
+
+
+def _tensor(t: ReadTarget) -> torch.Tensor:
+    assert t.tensor is not None
+    return t.tensor
+
+
+def _reader(root: Path, t: ReadTarget, piece: StoredPiece) -> PieceReader:
+    dtype = dtypes.numpy_dtype(t.entry["dtype"])
+    return PieceReader(t.name, str(root / piece.file), dtype, piece.crc, piece.codec)
+
+
+def _read_headers(
+    root: Path,
+    jobs: list[tuple[ReadTarget, list[Copy[StoredPiece]]]],
+    workers: int,
+    tally: _Tally,
+) -> dict[str, ShardHeader]:
+    """The verified header of every shard the copies read, read in parallel."""
+    headers: dict[str, ShardHeader] = {}
+
+    def read(reader: PieceReader, block: tuple[int, ...], inner: tuple[int, ...]) -> None:
+        fd = reader._open()
+        try:
+            header = reader.header(fd, block, inner)
+        finally:
+            os.close(fd)
+        headers[reader.path] = header
+        tally.add(header.nbytes)
+
+    group = TaskGroup(workers)
+    seen: set[str] = set()
+    for t, copies in jobs:
+        for copy in copies:
+            piece = copy.piece
+            if piece.inner is None or piece.file in seen:
+                continue
+            seen.add(piece.file)
+            group.submit(read, _reader(root, t, piece), piece.block, piece.inner)
+    group.wait()
+    return headers
+
+
+def _submit_copy(
+    group: TaskGroup,
+    root: Path,
+    t: ReadTarget,
+    copy: Copy[StoredPiece],
+    out: np.ndarray,
+    headers: dict[str, ShardHeader],
+    tally: _Tally,
+    release: Callable[[], None] | None = None,
+) -> int:
+    """Submit the reads of one copy into ``out`` (the target's array, or a band's);
+    returns the number of tasks (each calls ``release`` once, read or skipped)."""
+    piece = copy.piece
+    reader = _reader(root, t, piece)
+    dst = out[copy.dst.slices()]
+    if piece.inner is None:
+        group.submit(_read_plain, reader, piece.block, copy.src, dst, tally, release=release)
+        return 1
+    inner = piece.inner
+    chunks = reader.chunk_reads(piece.block, inner, copy.src)
+    per_task = max(1, TASK_BYTES // max(1, math.prod(inner) * reader.dtype.itemsize))
+    tasks = 0
+    for start in range(0, len(chunks), per_task):
+        group.submit(
+            _read_chunks,
+            reader,
+            headers[reader.path],
+            inner,
+            chunks[start : start + per_task],
+            copy.src,
+            dst,
+            tally,
+            release=release,
+        )
+        tasks += 1
+    return tasks
+
+
+def _read_plain(
+    reader: PieceReader, block: tuple[int, ...], src: Box, dst: np.ndarray, tally: _Tally
+) -> int:
+    tally.add(reader.read_plain(block, src, dst))
+    return int(dst.nbytes)
+
+
+def _read_chunks(
+    reader: PieceReader,
+    header: ShardHeader,
+    inner: tuple[int, ...],
+    chunks: list[tuple[tuple[int, ...], int, Box, Box]],
+    src: Box,
+    dst: np.ndarray,
+    tally: _Tally,
+) -> int:
+    fd = reader._open()
+    try:
+        read = sum(reader.read_chunk(fd, header, inner, c, src, dst) for c in chunks)
+    finally:
+        os.close(fd)
+    tally.add(read)
+    return sum(c[3].numel for c in chunks) * reader.dtype.itemsize
+
+
+def bands(shape: Sequence[int], itemsize: int, limit: int) -> Iterator[Box]:
+    """Boxes covering an array of ``shape`` in C order, each one contiguous run of at most
+    ``limit`` bytes (or one element, if larger)."""
+    shape = tuple(shape)
+    if not shape:
+        yield Box((), ())
+        return
+    d = 0
+    while d < len(shape) - 1 and math.prod(shape[d + 1 :]) * itemsize > limit:
+        d += 1
+    row = math.prod(shape[d + 1 :]) * itemsize
+    step = max(1, limit // max(row, 1))
+    for lead in itertools.product(*(range(n) for n in shape[:d])):
+        for start in range(0, shape[d], step):
+            yield Box(
+                (*lead, start, *([0] * (len(shape) - d - 1))),
+                ((1,) * d + (min(step, shape[d] - start),) + shape[d + 1 :]),
+            )
+
+
+def _submit_staged(
+    group: TaskGroup,
+    root: Path,
+    t: ReadTarget,
+    headers: dict[str, ShardHeader],
+    tally: _Tally,
+) -> slabs.SlabPool:
+    """Read a target that cannot be written in place, band by band through the slabs."""
+    tensor = _tensor(t)
+    dtype = dtypes.numpy_dtype(t.entry["dtype"])
+    pool = slabs.pool(pinned=tensor.device.type == "cuda")
+    # The copies run on the workers, onto a side stream that must first see the work
+    # queued on this (the caller's) current stream, such as the target's initialisation.
+    follow_current(tensor.device)
+    for band in bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
+        group.check()
+        nbytes = band.numel * dtype.itemsize
+        region = pool.take(nbytes)
+        staged = region.array[:nbytes].view(dtype).reshape(band.lengths)
+        offsets = tuple(o + b for o, b in zip(t.box.offsets, band.offsets, strict=True))
+        where = Box(offsets, band.lengths)
+        copies = list(plan_reads(where, t.pieces))
+        landing = _Landing(group, region, tensor, band)
+        count = 0
+        try:
+            for copy in copies:
+                count += _submit_copy(group, root, t, copy, staged, headers, tally, landing.done)
+        finally:
+            landing.expect(count)
+    return pool
+
+
+class _Landing:
+    """Copies a band from its slab region into the target once all its reads are done
+    (each task calls :meth:`done`, read or skipped), then releases the region; after a
+    failure it only releases it."""
+
+    def __init__(
+        self, group: TaskGroup, region: slabs.Region, tensor: torch.Tensor, band: Box
+    ) -> None:
+        self._group = group
+        self._region = region
+        self._tensor = tensor
+        self._band = band
+        self._lock = threading.Lock()
+        self._done = 0
+        self._expected: int | None = None
+
+    def done(self) -> None:
+        with self._lock:
+            self._done += 1
+            final = self._expected is not None and self._done == self._expected
+        if final:
+            self._land()
+
+    def expect(self, n: int) -> None:
+        """Every task of the band is submitted: there are ``n`` (0: land now)."""
+        with self._lock:
+            self._expected = n
+            final = self._done == n
+        if final:
+            self._land()
+
+    def _land(self) -> None:
+        fence = None
+        try:
+            if not self._group.cancelled.is_set():
+                tensor, band = self._tensor, self._band
+                source = self._region.typed(0, tensor.dtype, band.lengths)
+                with copy_context(tensor.device, wait=False), torch.no_grad():
+                    tensor[band.slices()].copy_(source, non_blocking=tensor.device.type == "cuda")
+                    fence = record_event(tensor.device)
+        finally:
+            self._region.release(fence)

@@ -1,0 +1,157 @@
+"""Where a save reads a rank's tensor from: in place, or through the staging slabs.
+
+* :class:`HostData`: a C-contiguous tensor in host memory (or a snapshot's copy of one),
+  read in place by the workers: no copy at all.
+* :class:`StagedData`: a tensor on a GPU, or a host tensor that cannot be read in place
+  (a non-contiguous view, a conjugate or negative view). Its inner chunks are copied
+  into staging slabs (:mod:`distckpt.transfer.slabs`) a slab at a time, for GPU tensors
+  asynchronously on a side stream, while the workers write the slabs copied before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from distckpt import dtypes
+from distckpt.engine.arrays import numpy_view
+from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
+from distckpt.transfer import slabs
+from distckpt.transfer.slabs import Region
+
+_streams: dict[torch.device, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def side_stream(device: torch.device) -> Any:
+    """The CUDA stream distckpt copies on for ``device`` (one per device, kept)."""
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def copy_context(device: torch.device, wait: bool = True) -> Any:
+    """Enter it around device copies: the side stream, which first (``wait``) waits for
+    the work already queued on this thread's current stream, so the copies see, or land
+    after, every pending kernel; a no-op on the CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if wait:
+        follow_current(device)
+    return torch.cuda.stream(side_stream(device))
+
+
+def follow_current(device: torch.device) -> None:
+    """Make ``device``'s side stream wait for the work queued so far on this thread's
+    current stream (no-op on the CPU)."""
+    if device.type == "cuda":
+        side_stream(device).wait_stream(torch.cuda.current_stream(device))
+
+
+def record_event(device: torch.device) -> Any:
+    """An event after the copies queued so far on ``device``'s side stream (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(side_stream(device))
+    return event
+
+
+class HostData:
+    """A C-contiguous host array, read in place."""
+
+    staged = False
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.shape: tuple[int, ...] = tuple(array.shape)
+        self.dtype = array.dtype
+
+    def host(self) -> np.ndarray:
+        return self.array
+
+    def crc(self) -> int:
+        return crc32c(as_bytes(self.array))
+
+
+class StagedData:
+    """A tensor read through staging slabs (see the module doc)."""
+
+    staged = True
+
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+        self.tensor = tensor.detach()
+        self.name = name
+        self.shape = tuple(self.tensor.shape)
+        self.dtype = dtypes.numpy_dtype(dtypes.zarr_name(self.tensor.dtype, name))
+        self.device = self.tensor.device
+        plain = self.tensor.is_contiguous() and not (self.tensor.is_conj() or self.tensor.is_neg())
+        # Its bytes in C order, when one flat copy of them is right.
+        self.flat = self.tensor.reshape(-1).view(torch.uint8) if plain else None
+
+    def host(self) -> np.ndarray:
+        """A whole host copy (small tensors only: those gathered to a writer)."""
+        t = self.tensor.resolve_conj().resolve_neg().to("cpu").contiguous()
+        return numpy_view(t, self.name)
+
+    def fill(self, region: Region, parts: Sequence[ChunkPart]) -> Any:
+        """Copy the data of ``parts`` (consecutive chunks) into ``region``, back to back;
+        returns the event after which the region holds them (None: it does now)."""
+        cuda = self.device.type == "cuda"
+        with copy_context(self.device):
+            runs = self.flat is not None and all(
+                p.start is not None and (k == 0 or p.start == parts[k - 1].end)
+                for k, p in enumerate(parts)
+            )
+            if runs:
+                first, end = parts[0].start, parts[-1].end
+                assert self.flat is not None and first is not None and end is not None
+                region.tensor[: end - first].copy_(self.flat[first:end], non_blocking=cuda)
+            else:
+                offset = 0
+                for p in parts:
+                    dst = region.typed(offset, self.tensor.dtype, p.part.lengths)
+                    dst.copy_(self.tensor[p.part.slices()], non_blocking=cuda)
+                    offset += p.nbytes
+            return record_event(self.device)
+
+    def crc(self) -> int:
+        """crc32c of the tensor's bytes in C order, streamed through the slabs."""
+        if self.flat is None:
+            return crc32c(as_bytes(self.host()))
+        pool = slabs.pool(pinned=self.device.type == "cuda")
+        step = pool.slab_bytes
+        total = int(self.flat.numel())
+        crc = 0
+        pending: tuple[Region, Any, int] | None = None
+        for start in [*range(0, total, step), total]:
+            issued = None
+            if start < total:  # copy the next step while the previous is checksummed
+                n = min(step, total - start)
+                region = pool.take(n)
+                with copy_context(self.device):
+                    region.tensor.copy_(self.flat[start : start + n], non_blocking=True)
+                    issued = (region, record_event(self.device), n)
+            if pending is not None:
+                done, event, n = pending
+                if event is not None:
+                    event.synchronize()
+                crc = crc32c(done.array[:n], crc)
+                done.release()
+            pending = issued
+        return crc
+
+
+def source_for(tensor: torch.Tensor, name: str) -> HostData | StagedData:
+    """How a save reads ``tensor``: in place when it is C-contiguous in host memory."""
+    t = tensor.detach()
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return HostData(numpy_view(t, name))
+    return StagedData(t, name)

@@ -1,0 +1,189 @@
+"""A rank's I/O workers: how many, and the threads that run their tasks.
+
+Every save and load splits its bytes into tasks (a range of inner chunks of one shard, a
+small file) and runs them on a pool of threads. Threads, not processes: checksums
+(crc32c), the codecs (zstd, blosc), copies and file I/O all release the GIL, and threads
+read the tensors' memory (and the pinned staging slabs) in place, where processes would
+need every byte copied to them first.
+
+The default count is the cores this rank may use: its CPU affinity, shared with the other
+ranks of its node when they overlap, ``min(affinity, cpus // local_ranks)``, at least 1
+and at most :data:`MAX_DEFAULT`. Local ranks come from the launcher's variables
+(``LOCAL_WORLD_SIZE`` from torchrun, ``OMPI_COMM_WORLD_LOCAL_SIZE``, ``MPI_LOCALNRANKS``,
+``SLURM_NTASKS_PER_NODE``) or else from the communicator (ranks that share this host
+name). ``$DISTCKPT_IO_WORKERS`` overrides the default; the ``io_workers`` keyword of
+``save`` and ``load`` overrides both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+log = logging.getLogger("distckpt")
+
+ENV = "DISTCKPT_IO_WORKERS"
+#: The default never exceeds this many workers per rank.
+MAX_DEFAULT = 32
+LOCAL_SIZE_VARS = (
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "SLURM_NTASKS_PER_NODE",
+)
+
+T = TypeVar("T")
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def local_ranks_from_env() -> int | None:
+    """Ranks on this node as the launcher tells them, or None when it does not."""
+    for name in LOCAL_SIZE_VARS:
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+    return None
+
+
+def local_ranks(comm: Any = None) -> int:
+    """Ranks of this job on this node: the launcher's variables, else (collective on
+    ``comm``, once per communicator) the ranks sharing this host name, else 1."""
+    found = local_ranks_from_env()
+    if found is not None or comm is None or getattr(comm, "size", 1) == 1:
+        return found or 1
+    cached = getattr(comm, "_distckpt_local_ranks", None)
+    if cached is None:
+        hosts = comm.allgather(socket.gethostname())
+        cached = max(1, hosts.count(socket.gethostname()))
+        with contextlib.suppress(AttributeError):  # with __slots__: ask again next time
+            comm._distckpt_local_ranks = cached
+    return int(cached)
+
+
+def default_io_workers(local: int | None = None) -> int:
+    """The worker count a rank uses when nothing says otherwise (see the module doc)."""
+    raw = os.environ.get(ENV, "").strip()
+    if raw:
+        return _parse(raw, ENV)
+    local = local if local is not None else (local_ranks_from_env() or 1)
+    cpus = os.cpu_count() or 1
+    return max(1, min(_affinity(), cpus // max(1, local), MAX_DEFAULT))
+
+
+def _parse(raw: object, what: str) -> int:
+    try:
+        n = int(str(raw))
+    except ValueError:
+        raise ValueError(f"{what}={raw!r} is not a number of I/O workers") from None
+    if n < 1:
+        raise ValueError(f"{what} must be at least 1, got {n}")
+    return n
+
+
+def resolve(io_workers: int | None, comm: Any = None) -> int:
+    """``io_workers`` if given, else ``$DISTCKPT_IO_WORKERS``, else the default for this
+    rank (which may ask ``comm`` how many ranks share the node: call it on every rank)."""
+    if io_workers is not None:
+        return _parse(io_workers, "io_workers")
+    if os.environ.get(ENV, "").strip():
+        return default_io_workers()
+    return default_io_workers(local_ranks(comm))
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def pool(workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` I/O threads (kept for the next save or load)."""
+    with _pools_lock:
+        found = _pools.get(workers)
+        if found is None:
+            for other in _pools.values():  # one size at a time: release the others
+                other.shutdown(wait=False)
+            _pools.clear()
+            found = ThreadPoolExecutor(workers, thread_name_prefix="distckpt-io")
+            _pools[workers] = found
+        return found
+
+
+class TaskGroup:
+    """Tasks of one save or load on the I/O pool; :meth:`wait` raises the first failure.
+
+    After a task fails, tasks that have not started yet are skipped (``cancelled`` is
+    set), so a failing save stops quickly; :meth:`wait` still waits for the ones running,
+    so no task touches a file or a buffer once the group is done. ``on_bytes(n)`` (a
+    progress hook) is called with each finished task's return value, under a lock.
+    """
+
+    def __init__(self, workers: int, on_bytes: Callable[[int], None] | None = None) -> None:
+        self.workers = workers
+        self._pool = pool(workers)
+        self._futures: list[Future[Any]] = []
+        self._lock = threading.Lock()
+        self._on_bytes = on_bytes
+        self.cancelled = threading.Event()
+        self.total = 0
+
+    def submit(
+        self,
+        fn: Callable[..., int | None],
+        *args: Any,
+        release: Callable[[], None] | None = None,
+    ) -> Future[Any]:
+        """Run ``fn(*args)`` on a worker; ``release()`` runs after it, or instead of it
+        when the task is skipped, in every case (it frees what the task held)."""
+        future = self._pool.submit(self._run, fn, args, release)
+        self._futures.append(future)
+        return future
+
+    def _run(
+        self,
+        fn: Callable[..., int | None],
+        args: tuple[Any, ...],
+        release: Callable[[], None] | None,
+    ) -> int | None:
+        try:
+            if self.cancelled.is_set():
+                return None
+            n = fn(*args)
+        except BaseException:
+            self.cancelled.set()
+            raise
+        finally:
+            if release is not None:
+                release()
+        if n:
+            with self._lock:
+                self.total += n
+                if self._on_bytes is not None:
+                    self._on_bytes(n)
+        return n
+
+    def check(self) -> None:
+        """Raise now if a task has already failed (waiting for the running ones first)."""
+        if self.cancelled.is_set():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for every task; raise the first failure in submission order."""
+        error: BaseException | None = None
+        for future in self._futures:
+            exc = future.exception()
+            if exc is not None and error is None:
+                error = exc
+        self._futures.clear()
+        if error is not None:
+            raise error

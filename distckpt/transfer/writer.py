@@ -1,0 +1,210 @@
+"""Writing one rank's share of a save with its I/O workers.
+
+The calling thread only plans and feeds: it cuts every shard into runs of consecutive
+inner chunks (at most :data:`TASK_BYTES` each) and hands them to the workers
+(:class:`~distckpt.transfer.workers.TaskGroup`), which checksum, compress if asked, and
+write each chunk at its offset in the shard file. The worker that writes a shard's last
+run writes its index and checksum table and fsyncs it, so fsyncs overlap too.
+
+Data in host memory is read in place. Staged data (GPU tensors; host views that cannot be
+read in place) is copied into a region of a staging slab first, on the calling thread,
+asynchronously for GPU tensors: while the workers write the runs already staged, the
+next runs are being copied, and when every slab is busy the calling thread waits for the
+oldest to be written. Host memory stays within the slab pool whatever the state's size.
+
+Small files (plain chunks, ``zarr.json`` of arrays) are tasks of their own. On a failure
+the remaining tasks are skipped, the running ones awaited and every file closed before
+the error is raised; the staging directory is then removed by the save.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distckpt.storage import shard_io
+from distckpt.storage.codecs import Codec
+from distckpt.storage.fsutil import write_file
+from distckpt.storage.piece_reader import scratch
+from distckpt.storage.shard_io import ChunkPart, ShardFile, stored_chunk
+from distckpt.transfer import slabs
+from distckpt.transfer.sources import HostData, StagedData
+from distckpt.transfer.workers import TaskGroup
+
+#: Bytes of inner chunks one task writes (and one staging copy moves).
+TASK_BYTES = 8 << 20
+
+
+@dataclass
+class PieceJob:
+    """One piece file to write: ``data`` holds the piece's box (origin at its block's)."""
+
+    id: int
+    path: str
+    data: HostData | StagedData
+    block: tuple[int, ...]
+    inner: tuple[int, ...] | None  # None: one plain chunk
+    codec: Codec | None = None
+
+
+def write_pieces(
+    jobs: Sequence[PieceJob],
+    files: Sequence[tuple[str, bytes]] = (),
+    *,
+    workers: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Write every piece of ``jobs`` and the small ``files`` (path, bytes), each fsynced.
+
+    Returns {piece id: (file size, crc)} (see :mod:`distckpt.storage.shard_io`);
+    ``on_bytes(n)`` counts the pieces' data bytes as they are written (from the workers,
+    one call at a time).
+    """
+    group = TaskGroup(workers, on_bytes)
+    results: dict[int, tuple[int, int]] = {}
+    shards: list[ShardFile] = []
+    error: BaseException | None = None
+    try:
+        for path, data in files:
+            group.submit(_write_small_file, path, data)
+        # Everything read in place first: it never waits for a slab.
+        ordered = sorted(jobs, key=lambda j: j.data.staged)
+        for job in ordered:
+            group.check()
+            if any(n == 0 for n in job.data.shape):
+                results[job.id] = (0, 0)
+            elif job.inner is None:
+                group.submit(_write_plain, job, results)
+            else:
+                _submit_shard(group, job, results, shards)
+    except BaseException as exc:
+        error = exc
+        group.cancelled.set()
+    try:
+        group.wait()
+    except BaseException as exc:
+        error = error or exc
+    for shard in shards:
+        shard.close()  # those not finished (a failure): finished ones are closed
+    if error is not None:
+        raise error
+    return results
+
+
+def _write_small_file(path: str, data: bytes) -> int:
+    write_file(path, data)
+    return 0
+
+
+def _write_plain(job: PieceJob, results: dict[int, tuple[int, int]]) -> int:
+    data = job.data.host()
+    results[job.id] = shard_io.write_plain(job.path, data)
+    return int(data.nbytes)
+
+
+def _runs(parts: Sequence[ChunkPart], limit: int) -> list[list[ChunkPart]]:
+    """Consecutive chunks grouped into runs of at most ``limit`` bytes (one at least)."""
+    runs: list[list[ChunkPart]] = []
+    size = limit
+    for part in parts:
+        if size + part.nbytes > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(part)
+        size += part.nbytes
+    return runs
+
+
+class _Countdown:
+    """Calls ``last()`` when ``done()`` has been called ``n`` times."""
+
+    def __init__(self, n: int, last: Callable[[], None]) -> None:
+        self._left = n
+        self._last = last
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            final = self._left == 0
+        if final:
+            self._last()
+
+
+def _submit_shard(
+    group: TaskGroup,
+    job: PieceJob,
+    results: dict[int, tuple[int, int]],
+    shards: list[ShardFile],
+) -> None:
+    assert job.inner is not None
+    data = job.data
+    itemsize = data.dtype.itemsize
+    parts = shard_io.chunk_parts(data.shape, job.block, job.inner, itemsize)
+    shard = ShardFile(job.path, job.block, job.inner, parts, itemsize, job.codec)
+    shards.append(shard)
+
+    def finish() -> None:
+        results[job.id] = shard.finish()
+
+    if isinstance(data, HostData):
+        runs = _runs(parts, TASK_BYTES)
+        countdown = _Countdown(len(runs), finish)
+        for run in runs:
+            group.submit(_write_run, shard, run, data.array, countdown)
+        return
+    pool = slabs.pool(pinned=data.device.type == "cuda")
+    runs = _runs(parts, min(TASK_BYTES, pool.slab_bytes))
+    countdown = _Countdown(len(runs), finish)
+    for run in runs:
+        region = pool.take(sum(p.nbytes for p in run))
+        try:
+            group.check()
+            event = data.fill(region, run)
+        except BaseException:
+            region.release()
+            raise
+        group.submit(
+            _write_staged_run,
+            shard,
+            run,
+            region,
+            event,
+            data.dtype,
+            countdown,
+            release=region.release,
+        )
+
+
+def _write_run(
+    shard: ShardFile, run: list[ChunkPart], data: np.ndarray, countdown: _Countdown
+) -> int:
+    buf = scratch(shard.chunk_bytes, 0)
+    for part in run:
+        shard.write(part.linear, stored_chunk(data[part.part.slices()], part, buf))
+    countdown.done()
+    return sum(p.nbytes for p in run)
+
+
+def _write_staged_run(
+    shard: ShardFile,
+    run: list[ChunkPart],
+    region: slabs.Region,
+    event: Any,
+    dtype: np.dtype,
+    countdown: _Countdown,
+) -> int:
+    if event is not None:
+        event.synchronize()
+    buf = scratch(shard.chunk_bytes, 0)
+    offset = 0
+    for part in run:
+        values = region.array[offset : offset + part.nbytes].view(dtype).reshape(part.part.lengths)
+        shard.write(part.linear, stored_chunk(values, part, buf))
+        offset += part.nbytes
+    countdown.done()
+    return offset
