@@ -16,7 +16,7 @@ from distckpt import comm  # noqa: E402
 from distckpt.engine.background import AsyncSave  # noqa: E402
 from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
 from distckpt.engine.load import LoadResult, load  # noqa: E402
-from distckpt.engine.save import SaveResult, save  # noqa: E402
+from distckpt.engine.save import SaveResult, prepare_async, save  # noqa: E402
 from distckpt.errors import (  # noqa: E402
     CheckpointError,
     CheckpointExists,
@@ -42,6 +42,7 @@ from distckpt.training import (  # noqa: E402
 )
 from distckpt.training.lazy import before_change, wait_for_snapshot  # noqa: E402
 from distckpt.training.preemption import EXIT_PREEMPTED, PreemptionHandler  # noqa: E402
+from distckpt.transfer import default_io_workers, prepare_staging, set_staging  # noqa: E402
 
 
 def register_zarr_dtypes() -> None:
@@ -89,9 +90,13 @@ __all__ = [
     "ValidationError",
     "Variable",
     "comm",
+    "default_io_workers",
     "latest_checkpoint",
     "list_variables",
     "load",
+    "prepare_async",
+    "prepare_staging",
     "register_zarr_dtypes",
     "save",
+    "set_staging",
 ]

@@ -15,8 +15,9 @@ Everything here is pure arithmetic: no I/O, no communication.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import EllipsisType
 
@@ -176,3 +177,23 @@ def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
     size = -(-length // parts) if parts else 0
     start = min(size * index, length)
     return start, max(0, min(size, length - start))
+
+
+def c_order_bands(shape: Sequence[int], itemsize: int, limit: int) -> Iterator[Box]:
+    """Boxes covering an array of ``shape`` in C order, each one contiguous run of at most
+    ``limit`` bytes (or one element, if larger)."""
+    shape = tuple(shape)
+    if not shape:
+        yield Box((), ())
+        return
+    d = 0
+    while d < len(shape) - 1 and math.prod(shape[d + 1 :]) * itemsize > limit:
+        d += 1
+    row = math.prod(shape[d + 1 :]) * itemsize
+    step = max(1, limit // max(row, 1))
+    for lead in itertools.product(*(range(n) for n in shape[:d])):
+        for start in range(0, shape[d], step):
+            yield Box(
+                (*lead, start, *([0] * (len(shape) - d - 1))),
+                ((1,) * d + (min(step, shape[d] - start),) + shape[d + 1 :]),
+            )

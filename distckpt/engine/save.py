@@ -316,6 +316,19 @@ def save(
     return handle
 
 
+def prepare_async(state: dict[str, Any]) -> int:
+    """Allocate the host buffers that background saves of ``state`` copy into, now,
+    rather than in the first ``save(..., async_save=True)`` (which then returns as fast as
+    the later ones); returns their bytes. Local (no communication). Buffers are pinned for
+    GPU tensors. Call it once the state exists whole (an optimizer's state appears at its
+    first step); tensors added later get their buffers at the first save that has them::
+
+        distckpt.prepare_async({"model": model.state_dict(), "optim": opt.state_dict()})
+    """
+    leaves = flatten(state, allow_pickle=True)  # only the tensors matter here
+    return snapshot.prepare(leaves, _POOL)
+
+
 def _protocol(
     comm: Communicator, local: _Local | Failure, opts: _Options, error: BaseException | None
 ) -> SaveResult:

@@ -33,8 +33,9 @@ class BufferPool:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The buffer for ``name``, shaped and typed as ``like`` (pinned for a GPU tensor)."""
+    def take(self, name: str, like: torch.Tensor, *, touch: bool = False) -> torch.Tensor:
+        """The buffer for ``name``, shaped and typed as ``like`` (pinned for a GPU tensor);
+        a new one is written to once (its pages made resident) if ``touch``."""
         pinned = like.device.type == "cuda"
         buf = self._buffers.get(name)
         if (
@@ -45,6 +46,8 @@ class BufferPool:
         ):
             self._buffers.pop(name, None)  # free the old one before allocating
             buf = torch.empty(tuple(like.shape), dtype=like.dtype, pin_memory=pinned)
+            if touch:
+                buf.reshape(-1).view(torch.uint8).zero_()
             self._buffers[name] = buf
         return buf
 
@@ -70,6 +73,17 @@ class Snapshot:
     pending: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     ready: Any = None  # a CUDA event after which the lazy sources may be read
     nbytes: int = 0
+
+
+def prepare(leaves: list[Leaf], pool: BufferPool) -> int:
+    """Allocate (and touch) the buffers a snapshot of ``leaves`` needs, ahead of the first
+    background save; returns their bytes. Buffers already there are kept."""
+    total = 0
+    for leaf in leaves:
+        if leaf.tensor is not None:
+            buf = pool.take(leaf.name, leaf.tensor.detach(), touch=True)
+            total += buf.numel() * buf.element_size()
+    return total
 
 
 def take(leaves: list[Leaf], pool: BufferPool, lazy: Callable[[str], bool]) -> Snapshot:

@@ -20,6 +20,7 @@ from typing import Any
 from distckpt.comm import Communicator, auto
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
+from distckpt.engine.save import prepare_async as engine_prepare_async
 from distckpt.engine.save import save as engine_save
 from distckpt.storage.codecs import Compression
 from distckpt.training.handlers import collect, plan_restore
@@ -130,6 +131,7 @@ class Checkpoint(Node):
         async_save: bool = False,
         lazy: bool = False,
         compression: Compression = None,
+        io_workers: int | None = None,
     ) -> Any:
         """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
 
@@ -138,10 +140,12 @@ class Checkpoint(Node):
         :class:`~distckpt.errors.CheckpointExists` if a checkpoint is already committed
         there. Objects that are neither tensors nor typed Python values are refused unless
         ``allow_pickle=True`` (then stored pickled, and :meth:`restore` needs
-        ``allow_pickle=True`` to read them). See :meth:`save` for ``async_save``, ``lazy``
-        and ``compression``.
+        ``allow_pickle=True`` to read them). See :meth:`save` for ``async_save``, ``lazy``,
+        ``compression`` and ``io_workers``.
         """
-        handle = self._write(path, comm, allow_pickle, async_save, lazy, None, compression)
+        handle = self._write(
+            path, comm, allow_pickle, async_save, lazy, None, compression, io_workers
+        )
         return handle if async_save else os.fspath(path)
 
     def _write(
@@ -153,18 +157,16 @@ class Checkpoint(Node):
         lazy: bool,
         after_commit: Callable[[], None] | None,
         compression: Compression = None,
+        io_workers: int | None = None,
     ) -> Any:
         comm = comm or auto()
         self._warn_unresolved()
         stable: set[str] = set()
-        leaves, aliases = collect(self, allow_pickle=allow_pickle, stable=stable)
-        leaves[SAVE_COUNTER] = self._save_counter
-        if aliases:
-            leaves[ALIASES] = aliases
+        state = self._state(allow_pickle, stable)
         if lazy:
             guard_optimizer_steps(v.obj for v in walk(self) if v.kind == "optimizer")
         return engine_save(
-            nest(leaves),
+            state,
             path,
             comm,
             allow_pickle=allow_pickle,
@@ -172,7 +174,22 @@ class Checkpoint(Node):
             lazy=stable.__contains__ if lazy else False,
             after_commit=after_commit,
             compression=compression,
+            io_workers=io_workers,
         )
+
+    def _state(self, allow_pickle: bool, stable: set[str] | None = None) -> dict[str, Any]:
+        """The graph as the nested state the engine saves."""
+        leaves, aliases = collect(self, allow_pickle=allow_pickle, stable=stable)
+        leaves[SAVE_COUNTER] = self._save_counter
+        if aliases:
+            leaves[ALIASES] = aliases
+        return nest(leaves)
+
+    def prepare_async(self) -> int:
+        """Allocate the host buffers of background saves now (see
+        :func:`distckpt.prepare_async`); returns their bytes. Local. Call it after the
+        first optimizer step, once the optimizer's state exists."""
+        return engine_prepare_async(self._state(allow_pickle=True))
 
     def save(
         self,
@@ -183,6 +200,7 @@ class Checkpoint(Node):
         async_save: bool = False,
         lazy: bool = False,
         compression: Compression = None,
+        io_workers: int | None = None,
     ) -> Any:
         """Save as ``{file_prefix}-{N}`` and make it its directory's latest. Collective.
 
@@ -206,7 +224,8 @@ class Checkpoint(Node):
 
         ``compression`` (``"zstd"``, ``"blosc-lz4"`` or a mapping of name patterns, such
         as ``{"optimizer/*": "zstd"}``) compresses the stored tensors, as in
-        :func:`distckpt.save`.
+        :func:`distckpt.save`. ``io_workers`` is each rank's number of I/O threads, as
+        there.
         """
         comm = comm or auto()
         counter = self._save_counter + 1
@@ -222,7 +241,7 @@ class Checkpoint(Node):
 
         try:
             handle = self._write(
-                path, comm, allow_pickle, async_save, lazy, move_pointer, compression
+                path, comm, allow_pickle, async_save, lazy, move_pointer, compression, io_workers
             )
         except BaseException as exc:
             undo(exc)
@@ -244,6 +263,7 @@ class Checkpoint(Node):
         comm: Communicator | None = None,
         *,
         allow_pickle: bool = False,
+        io_workers: int | None = None,
     ) -> CheckpointLoadStatus | InitializationOnlyStatus:
         """Fill the graph from the checkpoint at ``path``; collective.
 
@@ -258,7 +278,8 @@ class Checkpoint(Node):
         A tensor whose shape or dtype differs from the checkpoint raises
         :class:`~distckpt.errors.ShapeMismatchError` naming the variable and both shapes.
         A value saved pickled is refused unless ``allow_pickle=True`` (unpickling runs code
-        from the checkpoint: only for checkpoints you trust).
+        from the checkpoint: only for checkpoints you trust). ``io_workers`` is each rank's
+        number of I/O threads (see :func:`distckpt.load`).
         """
         self._warn_unresolved()
         background.finish_pending()
@@ -269,7 +290,7 @@ class Checkpoint(Node):
             self._session.deactivate()
         if self._finalizer is not None:
             self._finalizer.detach()
-        session = RestoreSession(path, comm, self, allow_pickle=allow_pickle)
+        session = RestoreSession(path, comm, self, allow_pickle=allow_pickle, io_workers=io_workers)
         self._session = session
         plan = Plan([Slot(SAVE_COUNTER, None, self._set_counter)])
         try:

@@ -102,7 +102,10 @@ class CheckpointManager:
     :meth:`~distckpt.training.Checkpoint.save`: only for checkpoints you trust).
     ``compression`` (``"zstd"``, ``"blosc-lz4"`` or name patterns such as
     ``{"optimizer/*": "zstd"}``, see :func:`distckpt.save`) applies to every save the
-    manager makes, a preemption's final save included.
+    manager makes, a preemption's final save included; ``io_workers`` (each rank's I/O
+    threads, see :func:`distckpt.save`) to every save and restore.
+    ``prepare_async=True`` allocates the host buffers of background saves now, for the
+    state that exists (see :meth:`prepare_async`).
     ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
     ``time.time``) is read on rank 0 only. Collective.
     """
@@ -123,6 +126,8 @@ class CheckpointManager:
         lock_stale_seconds: float = STALE_SECONDS,
         allow_pickle: bool = False,
         compression: Compression = None,
+        io_workers: int | None = None,
+        prepare_async: bool = False,
     ) -> None:
         codecs.check(compression)
         if max_to_keep is not None and max_to_keep < 1:
@@ -151,6 +156,7 @@ class CheckpointManager:
         self._pending: AsyncSave | None = None
         self._allow_pickle = allow_pickle
         self._compression = compression
+        self._io_workers = io_workers
 
         comm = self._comm
         if directory is None:
@@ -177,6 +183,16 @@ class CheckpointManager:
         if self._lock is not None:  # a manager dropped without close() frees its directory
             weakref.finalize(self, self._lock.release)
         self._set_state(comm.broadcast(state))
+        if prepare_async:
+            self.prepare_async()
+
+    def prepare_async(self) -> int:
+        """Allocate the host buffers that background saves copy into, now (pinned for GPU
+        tensors), so the first ``save(async_save=True)`` returns as fast as the later
+        ones; returns their bytes. Local. Tensors that do not exist yet (an optimizer's
+        state before its first step) get theirs at the first save that has them: call
+        this again after the first step to allocate those too."""
+        return self._checkpoint.prepare_async()
 
     # ------------------------------------------------------------ properties
 
@@ -390,7 +406,14 @@ class CheckpointManager:
 
         try:
             handle = checkpoint._write(
-                path, comm, self._allow_pickle, async_save, lazy, after_commit, self._compression
+                path,
+                comm,
+                self._allow_pickle,
+                async_save,
+                lazy,
+                after_commit,
+                self._compression,
+                self._io_workers,
             )
         except BaseException as exc:
             settle(exc)
@@ -463,7 +486,9 @@ class CheckpointManager:
         path = self.latest_checkpoint
         if path is None:
             return None
-        self._checkpoint.restore(path, self._comm, allow_pickle=self._allow_pickle)
+        self._checkpoint.restore(
+            path, self._comm, allow_pickle=self._allow_pickle, io_workers=self._io_workers
+        )
         if self._step_counter is not None:
             self._last_step = _step_value(self._step_counter)
         return path

@@ -60,9 +60,11 @@ class RestoreSession:
         root: Any,
         *,
         allow_pickle: bool = False,
+        io_workers: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.allow_pickle = allow_pickle
+        self.io_workers = io_workers
         self.comm = comm
         self._root = weakref.ref(root)
         variables = dict(read_index(path)["variables"])
@@ -154,7 +156,12 @@ class RestoreSession:
         for batch in rounds:
             if batch:
                 load(
-                    nest(batch), self.path, self.comm, strict=False, allow_pickle=self.allow_pickle
+                    nest(batch),
+                    self.path,
+                    self.comm,
+                    strict=False,
+                    allow_pickle=self.allow_pickle,
+                    io_workers=self.io_workers,
                 )
         try:
             for slot, holder in ready:

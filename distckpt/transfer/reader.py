@@ -17,11 +17,10 @@ awaited, and the error raised: targets may then be partly filled.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from distckpt import dtypes
 from distckpt.engine.arrays import writable_view
 from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.read_plan import Copy, plan_reads
-from distckpt.slices import Box
+from distckpt.slices import Box, c_order_bands
 from distckpt.storage.index import StoredPiece
 from distckpt.storage.piece_reader import PieceReader, ShardHeader
 from distckpt.transfer import slabs
@@ -222,26 +221,6 @@ def _read_chunks(
     return sum(c[3].numel for c in chunks) * reader.dtype.itemsize
 
 
-def bands(shape: Sequence[int], itemsize: int, limit: int) -> Iterator[Box]:
-    """Boxes covering an array of ``shape`` in C order, each one contiguous run of at most
-    ``limit`` bytes (or one element, if larger)."""
-    shape = tuple(shape)
-    if not shape:
-        yield Box((), ())
-        return
-    d = 0
-    while d < len(shape) - 1 and math.prod(shape[d + 1 :]) * itemsize > limit:
-        d += 1
-    row = math.prod(shape[d + 1 :]) * itemsize
-    step = max(1, limit // max(row, 1))
-    for lead in itertools.product(*(range(n) for n in shape[:d])):
-        for start in range(0, shape[d], step):
-            yield Box(
-                (*lead, start, *([0] * (len(shape) - d - 1))),
-                ((1,) * d + (min(step, shape[d] - start),) + shape[d + 1 :]),
-            )
-
-
 def _submit_staged(
     group: TaskGroup,
     root: Path,
@@ -256,7 +235,7 @@ def _submit_staged(
     # The copies run on the workers, onto a side stream that must first see the work
     # queued on this (the caller's) current stream, such as the target's initialisation.
     follow_current(tensor.device)
-    for band in bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
+    for band in c_order_bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
         group.check()
         nbytes = band.numel * dtype.itemsize
         region = pool.take(nbytes)

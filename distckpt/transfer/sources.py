@@ -20,6 +20,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.engine.arrays import numpy_view
+from distckpt.slices import c_order_bands
 from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.transfer import slabs
 from distckpt.transfer.slabs import Region
@@ -123,27 +124,25 @@ class StagedData:
             return record_event(self.device)
 
     def crc(self) -> int:
-        """crc32c of the tensor's bytes in C order, streamed through the slabs."""
-        if self.flat is None:
-            return crc32c(as_bytes(self.host()))
+        """crc32c of the tensor's bytes in C order, streamed through the slabs (the next
+        band is copied while the previous one is checksummed)."""
         pool = slabs.pool(pinned=self.device.type == "cuda")
-        step = pool.slab_bytes
-        total = int(self.flat.numel())
+        itemsize = self.dtype.itemsize
         crc = 0
-        pending: tuple[Region, Any, int] | None = None
-        for start in [*range(0, total, step), total]:
+        pending: tuple[Region, Any] | None = None
+        for band in [*c_order_bands(self.shape, itemsize, pool.slab_bytes), None]:
             issued = None
-            if start < total:  # copy the next step while the previous is checksummed
-                n = min(step, total - start)
-                region = pool.take(n)
+            if band is not None and not band.empty:
+                region = pool.take(band.numel * itemsize)
                 with copy_context(self.device):
-                    region.tensor.copy_(self.flat[start : start + n], non_blocking=True)
-                    issued = (region, record_event(self.device), n)
+                    dst = region.typed(0, self.tensor.dtype, band.lengths)
+                    dst.copy_(self.tensor[band.slices()], non_blocking=True)
+                    issued = (region, record_event(self.device))
             if pending is not None:
-                done, event, n = pending
+                done, event = pending
                 if event is not None:
                     event.synchronize()
-                crc = crc32c(done.array[:n], crc)
+                crc = crc32c(done.array, crc)
                 done.release()
             pending = issued
         return crc

@@ -1,0 +1,406 @@
+"""A rank's data path, in one process: I/O workers, staging slabs, the parallel writer and
+reader.
+
+CPU tensors that cannot be read or written in place (transposed and strided views,
+conjugate and negative views) take the staging path that GPU tensors take, so these
+tests run it on any machine: tiny slabs and tasks make every save and load cross many
+slab and task boundaries. Values are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from make_golden import assert_same_bits
+from test_single_process import load1, random_tensor, save1, snapshot
+
+import distckpt
+from distckpt.engine.arrays import numpy_view
+from distckpt.errors import CorruptCheckpointError
+from distckpt.planning.layout import inner_chunks
+from distckpt.slices import Box, c_order_bands
+from distckpt.storage import codecs, shard_io, zarr_meta
+from distckpt.storage.piece_reader import PieceReader
+from distckpt.storage.staging import leftovers
+from distckpt.transfer import reader as reader_mod
+from distckpt.transfer import workers
+from distckpt.transfer import writer as writer_mod
+from distckpt.transfer.slabs import SlabPool
+from distckpt.transfer.sources import HostData
+from distckpt.transfer.workers import TaskGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Slabs of 4 KiB (3 of them) and tasks of 2 KiB: every path crosses boundaries."""
+    monkeypatch.setattr(writer_mod, "TASK_BYTES", 2048)
+    monkeypatch.setattr(reader_mod, "TASK_BYTES", 2048)
+    distckpt.set_staging(slab_bytes=4096, slabs=3)
+    yield
+    distckpt.set_staging()
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def _flat_index(box: Box, shape: tuple[int, ...]) -> np.ndarray:
+    grid = np.arange(math.prod(shape)).reshape(shape)
+    return np.ascontiguousarray(grid[box.slices()]).reshape(-1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chunk_parts_partition_the_data(seed: int) -> None:
+    """Every element of the data is in exactly one part; with the planner's inner chunks
+    the parts are consecutive runs of the data's bytes, in order."""
+    rng = random.Random(seed)
+    ndim = rng.randint(1, 3)
+    block = tuple(rng.randint(1, 9) for _ in range(ndim))
+    data = tuple(rng.randint(1, b) for b in block)
+    itemsize = rng.choice([1, 2, 4, 8])
+    planned = inner_chunks(block, itemsize, rng.choice([itemsize, 16, 64, 4096]))
+    arbitrary = tuple(rng.choice([d for d in range(1, b + 1) if b % d == 0]) for b in block)
+    for inner in (planned, arbitrary):
+        parts = shard_io.chunk_parts(data, block, inner, itemsize)
+        seen = np.concatenate([_flat_index(p.part, data) for p in parts])
+        assert sorted(seen.tolist()) == list(range(math.prod(data)))
+        for p in parts:
+            flat = _flat_index(p.part, data)
+            contiguous = bool(np.all(np.diff(flat) == 1))
+            assert (p.start is not None) == contiguous or p.part.numel == 1
+            if p.start is not None:
+                assert p.start == flat[0] * itemsize
+        if inner == planned:
+            offsets = [p.start for p in parts]
+            assert None not in offsets
+            ends = [p.end for p in parts]
+            assert offsets[1:] == ends[:-1] and offsets[0] == 0
+
+
+@pytest.mark.parametrize(
+    "shape,itemsize,limit",
+    [((7, 5, 3), 4, 64), ((7, 5, 3), 4, 4), ((1000,), 2, 300), ((3, 4), 8, 10**6), ((), 4, 8)],
+)
+def test_bands_cover_in_c_order(shape: tuple[int, ...], itemsize: int, limit: int) -> None:
+    bands = list(c_order_bands(shape, itemsize, limit))
+    flat = np.concatenate([_flat_index(b, shape) for b in bands]) if shape else np.arange(1)
+    assert flat.tolist() == list(range(math.prod(shape)))  # in order, each once
+    for b in bands:
+        assert b.numel * itemsize <= max(limit, itemsize)
+        assert bool(np.all(np.diff(_flat_index(b, shape)) == 1)) if shape else True
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def test_default_io_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (workers.ENV, *workers.LOCAL_SIZE_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert workers.default_io_workers() == 16  # one rank: all cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert workers.default_io_workers() == 4  # four ranks share them
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert workers.default_io_workers() == 2  # bound to two cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert workers.default_io_workers() == 1  # never fewer than one
+    monkeypatch.setenv(workers.ENV, "6")
+    assert workers.default_io_workers() == 6 and workers.resolve(None) == 6
+    assert workers.resolve(3) == 3  # the keyword wins
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(256)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)
+    monkeypatch.delenv(workers.ENV)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert workers.default_io_workers() == workers.MAX_DEFAULT
+    for bad in ("zero", "0", "-2"):
+        monkeypatch.setenv(workers.ENV, bad)
+        with pytest.raises(ValueError, match=workers.ENV):
+            workers.resolve(None)
+    with pytest.raises(ValueError, match="io_workers"):
+        workers.resolve(0)
+
+
+def test_bad_io_workers_fails_save_and_load(tmp_path: Path) -> None:
+    state = {"w": torch.arange(10.0)}
+    with pytest.raises(ValueError, match="io_workers must be at least 1"):
+        save1(state, tmp_path / "ck", io_workers=0)
+    assert not (tmp_path / "ck").exists() and leftovers(tmp_path) == []
+    save1(state, tmp_path / "ck")
+    with pytest.raises(ValueError, match="io_workers"):
+        load1(state, tmp_path / "ck", io_workers="many")  # type: ignore[arg-type]
+
+
+def test_task_group_skips_after_a_failure_and_releases_everything() -> None:
+    group = TaskGroup(2)
+    gate = threading.Event()
+    released: list[int] = []
+    ran: list[int] = []
+
+    def task(i: int) -> int:
+        if i == 0:
+            gate.wait(5)
+        if i == 1:
+            raise RuntimeError("task 1 failed")
+        ran.append(i)
+        return 10
+
+    for i in range(8):
+        group.submit(task, i, release=lambda i=i: released.append(i))
+        if i == 1:
+            time.sleep(0.2)  # task 1 fails while task 0 still runs
+    gate.set()
+    with pytest.raises(RuntimeError, match="task 1 failed"):
+        group.wait()
+    assert sorted(released) == list(range(8))  # every task let go of what it held
+    assert ran == [0]  # the tasks queued behind the failure were skipped
+    group.wait()  # nothing left
+
+
+def test_slab_pool_packs_blocks_and_waits_for_fences() -> None:
+    pool = SlabPool(256, 2, pinned=False)
+    a, b = pool.take(100), pool.take(100)  # packed into slab 0
+    assert a.tensor.data_ptr() + 128 == b.tensor.data_ptr()
+    c = pool.take(200)  # slab 1
+    big = pool.take(1000)  # bigger than a slab: a buffer of its own
+    assert big.nbytes == 1000 and pool.allocated_bytes == 512
+
+    class Fence:
+        def __init__(self) -> None:
+            self.synced = False
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+    fence = Fence()
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take(200)))
+    waiter.start()  # needs slab 0 again: waits for a and b
+    a.release(fence)
+    time.sleep(0.1)
+    assert not got
+    b.release()
+    waiter.join(5)
+    assert got and fence.synced and got[0].tensor.data_ptr() == a.tensor.data_ptr()
+    for region in (c, got[0], big):
+        region.release()
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def _views(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors a save must read through staging, and plain ones, of every kind of dtype."""
+    base = random_tensor(torch.float32, (48, 40), seed)
+    cplx = random_tensor(torch.complex64, (24, 16), seed + 1)
+    return {
+        "plain": random_tensor(torch.bfloat16, (64, 33), seed + 2),
+        "transposed": base.t(),
+        "strided": random_tensor(torch.float64, (30, 64), seed + 3)[::3, 1::2],
+        "conj": cplx.conj(),
+        "neg": torch._neg_view(random_tensor(torch.float32, (40, 8), seed + 4)),
+        "f8": random_tensor(torch.float8_e4m3fn, (7, 300), seed + 5)[:, 1:],
+        "bool": random_tensor(torch.bool, (90, 31), seed + 6).t(),
+        "i64": random_tensor(torch.int64, (17, 19), seed + 7),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 5),
+    }
+
+
+@pytest.mark.parametrize("io_workers", [1, 3])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_round_trip_through_staging(
+    tmp_path: Path, tiny: None, io_workers: int, compression: str | None
+) -> None:
+    state = _views(1)
+    want = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    kw = {"small_bytes": 256, "inner_bytes": 512, "compression": compression}
+    save1(state, tmp_path / "ck", io_workers=io_workers, **kw)
+    # contiguous targets (read in place) and views (read through slabs, band by band)
+    flat = {k: torch.full_like(v, 7) if v.dtype != torch.bool else ~v for k, v in want.items()}
+    load1(flat, tmp_path / "ck", io_workers=io_workers)
+    holders = {k: torch.zeros(v.shape[::-1], dtype=v.dtype) for k, v in want.items()}
+    views = {k: h.permute(tuple(reversed(range(h.dim())))) for k, h in holders.items()}
+    load1(views, tmp_path / "ck", io_workers=io_workers)
+    for k, v in want.items():
+        assert_same_bits(flat[k], v, k)
+        assert_same_bits(views[k].contiguous(), v, k)
+
+
+def test_load_into_conj_and_sliced_targets(tmp_path: Path, tiny: None) -> None:
+    w = random_tensor(torch.complex128, (20, 12), 5)
+    save1({"w": w, "x": torch.arange(600.0)}, tmp_path / "ck", small_bytes=64, inner_bytes=256)
+    base = torch.zeros(20, 12, dtype=torch.complex128)
+    bigger = torch.zeros(2, 700)
+    load1({"w": base.conj(), "x": bigger[1, 50:650]}, tmp_path / "ck")
+    assert_same_bits(base.conj().resolve_conj(), w)
+    assert_same_bits(bigger[1, 50:650].clone(), torch.arange(600.0))
+    assert not bigger[0].any() and not bigger[1, :50].any() and not bigger[1, 650:].any()
+
+
+def test_parallel_shards_with_edges_open_in_zarr(tmp_path: Path, tiny: None) -> None:
+    """Shards narrower than their block (the last one of an uneven partition), written by
+    several workers, raw and compressed (chunks then land in the order they finish):
+    distckpt and zarr-python read the same values."""
+    zarr = pytest.importorskip("zarr")
+    distckpt.register_zarr_dtypes()
+    full = numpy_view(random_tensor(torch.bfloat16, (13, 37), 9))
+    block, inner = (8, 37), (2, 37)
+    for choice in (None, "zstd", "blosc-lz4"):
+        root = tmp_path / str(choice)
+        codec = codecs.make(choice, 2)
+        compressor = None if codec is None else codec.to_json()
+        meta = zarr_meta.array_meta((13, 37), "bfloat16", block, inner, compressor=compressor)
+        root.mkdir()
+        (root / "zarr.json").write_bytes(zarr_meta.dumps(meta))
+        rows = [(0, 8), (8, 13)]
+        jobs = [
+            writer_mod.PieceJob(
+                i, str(root / zarr_meta.chunk_key((i, 0))), HostData(full[a:b]), block, inner, codec
+            )
+            for i, (a, b) in enumerate(rows)
+        ]
+        for job in jobs:
+            Path(job.path).parent.mkdir(exist_ok=True)
+        written = writer_mod.write_pieces(jobs, workers=3)
+        got = np.asarray(zarr.open_array(str(root), mode="r")[...])
+        assert got.tobytes() == full.tobytes(), choice
+        for job, (a, b) in zip(jobs, rows, strict=True):
+            size, crc = written[job.id]
+            assert size == os.path.getsize(job.path)
+            out = np.zeros((b - a, 37), dtype=full.dtype)
+            PieceReader("w", job.path, full.dtype, crc, codec).read_sharded(
+                block, inner, Box.full(out.shape), out
+            )
+            assert out.tobytes() == full[a:b].tobytes()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_failing_worker_stops_the_save_and_loses_nothing(
+    tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch, staged: bool
+) -> None:
+    w = random_tensor(torch.float32, (64, 64), 3)
+    save1({"w": w}, tmp_path / "ck", small_bytes=0, inner_bytes=512)
+    before = snapshot(tmp_path)
+    real = shard_io.ShardFile.write
+    calls = itertools.count()
+
+    def write(self: Any, linear: int, raw: np.ndarray) -> int:
+        if next(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return real(self, linear, raw)
+
+    monkeypatch.setattr(shard_io.ShardFile, "write", write)
+    new = (w + 1).t().contiguous().t() if staged else w + 1
+    with pytest.raises(OSError, match="No space left"):
+        save1(
+            {"w": new},
+            tmp_path / "ck",
+            overwrite=True,
+            small_bytes=0,
+            inner_bytes=512,
+            io_workers=3,
+        )
+    assert snapshot(tmp_path) == before and leftovers(tmp_path) == []
+    monkeypatch.undo()
+    got = {"w": torch.zeros(64, 64)}
+    load1(got, tmp_path / "ck")
+    assert_same_bits(got["w"], w)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_corrupted_chunk_fails_a_parallel_load(tmp_path: Path, tiny: None, staged: bool) -> None:
+    w = random_tensor(torch.float32, (64, 64), 4)
+    save1({"w": w}, tmp_path / "ck", small_bytes=0, inner_bytes=512)
+    (shard,) = [
+        p for p in (tmp_path / "ck" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"
+    ]
+    data = bytearray(shard.read_bytes())
+    data[32 * 4 + 3 * 516 + 100] ^= 0x40  # inside inner chunk 3 (of 32, 2 rows each)
+    shard.write_bytes(bytes(data))
+    target = torch.zeros(64, 64)
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*inner chunk \(3, 0\)"):
+        load1({"w": target.t().t() if not staged else target.t()}, tmp_path / "ck", io_workers=3)
+
+
+# --------------------------------------------------------------------------- bounded memory
+
+_MEMORY_SCRIPT = """
+import resource, sys, torch, distckpt
+from distckpt.comm import SingleComm
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+distckpt.set_staging(slab_bytes=4 << 20, slabs=4)
+base = torch.randn(8192, 8192)                     # 256 MiB
+state = {"w": base.t()}                             # not readable in place: staged
+distckpt.save({"w": torch.zeros(4, 4).t()}, sys.argv[1] + "/warm", SingleComm())
+before = peak()
+distckpt.save(state, sys.argv[1] + "/ck", SingleComm(), io_workers=2)
+saved = peak()
+target = torch.empty(8192, 8192)
+target.fill_(0)
+before_load = peak()
+distckpt.load({"w": target.t()}, sys.argv[1] + "/ck", SingleComm(), io_workers=2)
+loaded = peak()
+assert torch.equal(target.t(), base.t())
+print((saved - before) >> 20, (loaded - before_load) >> 20)
+"""
+
+
+def test_staged_save_and_load_stay_within_the_slabs(tmp_path: Path) -> None:
+    """Saving a 256 MiB view that needs a copy, and loading into one, add about the slabs
+    (4 x 4 MiB) to the peak memory, not the tensor's size."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    save_mib, load_mib = (int(x) for x in out.stdout.split())
+    assert save_mib < 64 and load_mib < 64, out.stdout
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def test_prepare_async_allocates_the_snapshot_buffers(tmp_path: Path) -> None:
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    ckpt = distckpt.Checkpoint(model=model, optimizer=opt)
+    with distckpt.CheckpointManager(ckpt, tmp_path, prepare_async=True) as manager:
+        from distckpt.engine import save as save_mod
+
+        params = (64 * 32 + 32) * 4
+        assert save_mod._POOL.nbytes >= 3 * params  # parameters and both Adam moments
+        before = dict(save_mod._POOL._buffers)
+        assert manager.prepare_async() == save_mod._POOL.nbytes  # nothing new
+        handle = manager.save(async_save=True)
+        manager.sync()
+        after = save_mod._POOL._buffers
+        assert all(after[k] is v for k, v in before.items())  # the save used them
+        assert handle.path.endswith("ckpt-1")
+    state = {"w": torch.arange(6.0), "n": 3}
+    assert distckpt.prepare_async(state) >= 24
