@@ -36,80 +36,37 @@ a fresh model and optimizer and compares them with clones taken when the save wa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import bench_engine as be
+import harness as h
 
 MULTI = ("copy", "distckpt", "dcp", "dcp-cached")
 MODES = ("none", "sync", "async", "lazy")
-MiB = 1 << 20
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def rotations(items: tuple[str, ...] | list[str], rounds: int) -> list[list[str]]:
-    """Round r runs the contenders rotated by r (then reversed every other cycle): each
-    contender takes every position equally often."""
-    items = list(items)
-    n = len(items)
-    out = []
-    for r in range(rounds):
-        order = items[r % n :] + items[: r % n]
-        if (r // n) % 2:
-            order.reverse()
-        out.append(order)
-    return out
-
 
 # --------------------------------------------------------------------------- multi-rank
 
 
-class MultiWorker:
-    def __init__(self, spec: dict[str, Any]) -> None:
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+class MultiWorker(h.RankWorker):
+    """One rank of a ``multi`` launch: warm-up, timed rounds, then the verification."""
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        self.torch, self.dist, self.spec = torch, dist, spec
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh("cpu", (self.world,))
-        import torch.distributed.checkpoint as dcp
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__(spec)
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        import distckpt
-
-        self.distckpt, self.dcp = distckpt, dcp
-        self.comm = distckpt.comm.auto()
         # torch's defaults for async_save on CPU, but one stager for the whole run
         self.stager = DefaultStager(StagingOptions(False, False, False, False))
-        self.out: dict[str, Any] = {
-            "world": self.world,
-            "events": [],
-            "distckpt_file": distckpt.__file__,
-        }
 
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def gather(self, obj: Any) -> list[Any]:
-        got: list[Any] = [None] * self.world
-        self.dist.all_gather_object(got, obj)
-        return got
+    def close(self) -> None:
+        self.stager.close()
+        super().close()
 
     def make_state(self, seed: int) -> dict[str, Any]:
+        """Float32 DTensors Shard(0), uniform in [-1, 1) from a per-rank seed."""
         torch = self.torch
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor import empty as dt_empty
@@ -126,6 +83,7 @@ class MultiWorker:
         return state
 
     def start(self, who: str, state: dict[str, Any], bufs: list[Any], path: Path) -> Any:
+        """The blocking part of ``who``'s save; returns its handle."""
         if who == "copy":
             for b, dt in zip(bufs, state.values(), strict=True):
                 b.copy_(dt.to_local())
@@ -137,6 +95,7 @@ class MultiWorker:
         return self.dcp.async_save(state, checkpoint_id=str(path), async_stager=self.stager)
 
     def finish(self, who: str, handle: Any) -> dict[str, float] | None:
+        """Wait until the save is committed; distckpt's per-phase timings."""
         if who == "distckpt":
             return dict(handle.wait().timings)
         if who.startswith("dcp"):
@@ -144,42 +103,19 @@ class MultiWorker:
         return None
 
     def timed(self, who: str, state, bufs, path: Path) -> dict[str, Any]:
-        c0 = be.own_cpu()
-        self.barrier()
-        m0 = be.cpu_times() if self.rank == 0 else (0, 0)
-        t0 = time.perf_counter()
-        handle = self.start(who, state, bufs, path)
-        t1 = time.perf_counter()
-        timings = self.finish(who, handle)
-        t2 = time.perf_counter()
-        # no collective of ours before the save is finished: DCP's thread uses this group
-        self.barrier()
-        m1 = be.cpu_times() if self.rank == 0 else (0, 0)
-        c1 = be.own_cpu()
-        got = self.gather((t0, t1, t2, c1 - c0, timings))
-        start = min(g[0] for g in got)
-        block = max(g[1] for g in got) - start
-        total = max(g[2] for g in got) - start
-        hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
-        mine = sum(g[3] for g in got)
-        ev = {
-            "who": who,
-            "world": self.world,
-            "block": block,
-            "total": total,
-            "block_own": max(g[1] - g[0] for g in got),
-            "foreign_cpu": max(0.0, (m1[0] - m0[0] - mine) / hz / max(total, 1e-9) / ncpu),
-        }
+        """One timed save: ``block`` until the call returns, ``total`` until committed. No
+        collective of ours runs before the save is finished: DCP's thread uses the group."""
+        sec = h.timed(
+            self,
+            lambda: self.start(who, state, bufs, path),
+            lambda handle: self.finish(who, handle),
+        )
+        ev = {"who": who, "world": self.world, "block": sec.marks[0], "total": sec.marks[1]}
+        ev.update(block_own=sec.own, foreign_cpu=sec.foreign_cpu, steal=sec.steal)
+        timings = sec.results[1]
         if timings is not None:
-            ev["timings_max"] = {k: max(g[4][k] for g in got) for k in timings}
+            ev["timings_max"] = self.allmax(timings)
         return ev
-
-    def rmtree(self, *paths: Path) -> None:
-        self.barrier()
-        if self.rank == 0:
-            for p in paths:
-                shutil.rmtree(p, ignore_errors=True)
-        self.barrier()
 
     def run(self) -> None:
         torch, spec = self.torch, self.spec
@@ -198,9 +134,9 @@ class MultiWorker:
         for rnd, order in enumerate(spec["orders"]):
             for who in order:
                 self.rmtree(paths[who])  # just before its save: recycled memory for all
-                ev = self.timed(who, state, bufs, paths[who])
-                ev["round"] = rnd
-                self.out["events"].append(ev)
+                self.out["events"].append(
+                    {**self.timed(who, state, bufs, paths[who]), "round": rnd}
+                )
         self.rmtree(*paths.values())
         self.verify(state, bufs, paths)
 
@@ -242,21 +178,12 @@ class MultiWorker:
         self.out["verified"] = sorted(results)
 
 
-def multi_worker_main(spec_file: str) -> None:
-    spec = json.loads(Path(spec_file).read_text())
-    w = MultiWorker(spec)
-    w.run()
-    w.barrier()
-    if w.rank == 0:
-        Path(spec["result"]).write_text(json.dumps(w.out))
-    w.stager.close()
-    w.dist.destroy_process_group()
-
-
 # --------------------------------------------------------------------------- lazy, one process
 
 
 class LazyWorker:
+    """The ``lazy`` part: one process trains and saves in every mode, then verifies."""
+
     def __init__(self, spec: dict[str, Any]) -> None:
         import torch
 
@@ -308,7 +235,7 @@ class LazyWorker:
         n, k = spec["steps"], spec["every"]
         save_s: list[float] = []
         after_save_step_s: list[float] = []
-        c0, m0 = be.own_cpu(), be.cpu_times()
+        c0, m0 = h.own_cpu(), h.cpu_times()
         t0 = time.perf_counter()
         saved = False
         for i in range(1, n + 1):
@@ -334,8 +261,7 @@ class LazyWorker:
         if manager is not None:
             manager.sync()
         t1 = time.perf_counter()
-        c1, m1 = be.own_cpu(), be.cpu_times()
-        hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+        c1, m1 = h.own_cpu(), h.cpu_times()
         ev = {
             "mode": mode,
             "wall": t1 - t0,
@@ -343,7 +269,7 @@ class LazyWorker:
             "save_s": save_s,
             "step_after_save_s": after_save_step_s,
             "loss": float(loss),
-            "foreign_cpu": max(0.0, (m1[0] - m0[0] - (c1 - c0)) / hz / max(t1 - t0, 1e-9) / ncpu),
+            "foreign_cpu": h.cpu_share(m1[0] - m0[0] - (c1 - c0), t1 - t0),
         }
         if manager is not None:
             ev["checkpoints"] = list(manager.checkpoints)
@@ -405,31 +331,32 @@ class LazyWorker:
             raise SystemExit("VERIFY FAILED (restored != state at save): " + ", ".join(bad))
         self.out["verified"] = sorted(results)
 
-
-def lazy_worker_main(spec_file: str) -> None:
-    spec = json.loads(Path(spec_file).read_text())
-    w = LazyWorker(spec)
-    w.run()
-    Path(spec["result"]).write_text(json.dumps(w.out))
+    @staticmethod
+    def main(spec_file: str) -> None:
+        spec = json.loads(Path(spec_file).read_text())
+        w = LazyWorker(spec)
+        w.run()
+        Path(spec["result"]).write_text(json.dumps(w.out))
 
 
 # --------------------------------------------------------------------------- driver
 
 
-class Driver:
-    take_snapshot = be.Driver.take_snapshot
-    wait_idle = be.Driver.wait_idle
+class Driver(h.Driver):
+    """``multi``: one torchrun launch per world size; ``lazy``: one launch of one process per
+    (threads, width)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.events: list[dict[str, Any]] = []
-        self.mem: list[dict[str, Any]] = []
-        self.logdir = Path(tempfile.mkdtemp(prefix="bench_async-logs-"))
-        self.snapshot = self.take_snapshot() if args.snapshot else None
+    name = "bench_async"
+
+    def describe(self) -> str:
+        return f"parts {self.args.part}"
+
+    def env(self) -> dict[str, Any]:
+        return {"fs": h.fs_type(Path(self.args.dir).absolute().parent)}
 
     def launch(self, cmd_head: list[str], spec: dict[str, Any], label: str, env_extra) -> Any:
         busy = self.wait_idle()
-        out, wall, m = be.launch_worker(self, cmd_head, Path(__file__), spec, label, env_extra)
+        out, wall, m = self.launch_worker(cmd_head, __file__, spec, label, env_extra)
         print(
             f"  {label}: {wall:.1f}s; verified {out.get('verified')}; other CPU before {busy:.0%}; "
             f"avail {m['MemAvailable']:.1f} GiB",
@@ -439,6 +366,7 @@ class Driver:
 
     def multi(self, d: Path) -> None:
         a = self.args
+        per_rank = a.tensors * a.rows_per_rank * a.cols * 4
         for world in a.worlds:
             spec = {
                 "mode": "multi",
@@ -447,23 +375,14 @@ class Driver:
                 "rows_per_rank": a.rows_per_rank,
                 "cols": a.cols,
                 "contenders": a.contenders,
-                "orders": rotations(a.contenders, a.rounds),
+                "orders": h.rotations(a.contenders, a.rounds),
             }
-            mib = a.tensors * a.rows_per_rank * a.cols * 4 / MiB
-            print(f" multi: {world} ranks x {mib:.0f} MiB, {a.rounds} rounds", flush=True)
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={world}",
-            ]
-            out = self.launch(
-                cmd, spec, f"multi-w{world}", {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+            print(
+                f" multi: {world} ranks x {per_rank / h.MiB:.0f} MiB, {a.rounds} rounds", flush=True
             )
+            out = self.launch(h.torchrun(world), spec, f"multi-w{world}", h.TORCHRUN_ENV)
             for e in out["events"]:
-                e["part"] = "multi"
-                e["per_rank_bytes"] = a.tensors * a.rows_per_rank * a.cols * 4
+                e.update(part="multi", per_rank_bytes=per_rank)
                 self.events.append(e)
                 print(
                     f"   r{e['round']} {e['who']:10} block {e['block']:.4f}s "
@@ -484,7 +403,7 @@ class Driver:
                     "steps": a.steps,
                     "every": a.every,
                     "threads": threads,
-                    "orders": rotations(MODES, a.lazy_rounds),
+                    "orders": h.rotations(MODES, a.lazy_rounds),
                 }
                 label = f"lazy-w{width}-t{threads or 'default'}"
                 print(
@@ -505,91 +424,66 @@ class Driver:
                     )
 
     def run(self) -> None:
-        a = self.args
-        parent = Path(a.dir).absolute()
-        parent.mkdir(parents=True, exist_ok=True)
-        d = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=parent))
-        print(f"== {d} ({be.fs_type(d)})", flush=True)
-        try:
-            if "multi" in a.part:
+        with h.run_dir(self.args.dir) as d:
+            print(f"== {d} ({h.fs_type(d)})", flush=True)
+            if "multi" in self.args.part:
                 self.multi(d)
-            if "lazy" in a.part:
+            if "lazy" in self.args.part:
                 self.lazy(d)
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                parent.rmdir()
 
 
 # --------------------------------------------------------------------------- report
 
 
-def paired(events: list[dict[str, Any]], key: str, num: str, den: str, who: str, den_key=None):
-    a = {e["round"]: e[key] for e in events if e[who] == num}
-    b = {e["round"]: e[den_key or key] for e in events if e[who] == den}
-    return [a[r] / b[r] for r in a if r in b and b[r] > 0]
+def compare(es: list[dict[str, Any]], who: str, key: str, num: str, den: str) -> Any:
+    """:func:`harness.ratio` of the per-round ``key`` of contender ``num`` over ``den``."""
+    return h.ratio(*({e["round"]: e[key] for e in es if e[who] == c} for c in (num, den)))
 
 
-def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows per (world, contender) and (threads, width, mode); ratios and targets."""
     multi_rows, multi_ratios, lazy_rows, lazy_ratios = [], [], [], []
-    worlds = sorted({e["world"] for e in events if e["part"] == "multi"})
-    for world in worlds:
+    for world in sorted({e["world"] for e in events if e["part"] == "multi"}):
         es = [e for e in events if e["part"] == "multi" and e["world"] == world]
         for who in MULTI:
             mine = [e for e in es if e["who"] == who]
             if not mine:
                 continue
+            blocks = [e["block"] for e in mine]
             row = {
                 "world": world,
                 "who": who,
                 "n": len(mine),
-                "per_rank_MiB": mine[0]["per_rank_bytes"] / MiB,
-                "block_median_s": med([e["block"] for e in mine]),
-                "block_min_s": min(e["block"] for e in mine),
-                "block_max_s": max(e["block"] for e in mine),
-                "total_median_s": med([e["total"] for e in mine]),
-                "other_cpu_median": med([e["foreign_cpu"] for e in mine]),
+                "per_rank_MiB": mine[0]["per_rank_bytes"] / h.MiB,
+                "block_median_s": h.med(blocks),
+                "block_min_s": min(blocks),
+                "block_max_s": max(blocks),
+                "total_median_s": h.med([e["total"] for e in mine]),
+                "other_cpu_median": h.med([e["foreign_cpu"] for e in mine]),
             }
-            row["block_GiBps_per_rank"] = (
-                mine[0]["per_rank_bytes"] / (1 << 30) / row["block_median_s"]
-            )
+            row["block_GiBps_per_rank"] = mine[0]["per_rank_bytes"] / h.GiB / row["block_median_s"]
             tm = [e["timings_max"] for e in mine if "timings_max" in e]
             if tm:
-                row["phases_median_max_over_ranks"] = {k: med([t[k] for t in tm]) for k in tm[0]}
+                row["phases_median_max_over_ranks"] = {k: h.med([t[k] for t in tm]) for k in tm[0]}
             multi_rows.append(row)
+        for label, goal in (
+            ("block distckpt/copy", ("<=", 1.2)),
+            ("block distckpt/dcp", ("<", 1.0)),
+            ("block distckpt/dcp-cached", None),
+            ("block dcp-cached/copy", None),
+            ("total distckpt/dcp", None),
+            ("total distckpt/dcp-cached", None),
+        ):
+            key, pair = label.split()
+            q = compare(es, "who", key, *pair.split("/"))
+            if q is not None:
+                multi_ratios.append(
+                    {"world": world, "label": label, **q, **h.target(q["value"], goal)}
+                )
 
-        def add(label, num, den, target, key="block", den_key=None, world=world, es=es):
-            rn = [r for r in multi_rows if r["world"] == world and r["who"] == num]
-            rd = [r for r in multi_rows if r["world"] == world and r["who"] == den]
-            if not rn or not rd:
-                return
-            pr = paired(es, key, num, den, "who", den_key)
-            val = rn[0][f"{key}_median_s"] / rd[0][f"{(den_key or key)}_median_s"]
-            ok = None
-            if target:
-                ok = val <= target[1] if target[0] == "<=" else val < target[1]
-            multi_ratios.append(
-                {
-                    "world": world,
-                    "label": label,
-                    "value": val,
-                    "paired_median": med(pr),
-                    "paired_min": min(pr),
-                    "paired_max": max(pr),
-                    "target": f"{target[0]} {target[1]}" if target else "",
-                    "ok": ok,
-                }
-            )
-
-        add("block distckpt/copy", "distckpt", "copy", ("<=", 1.2))
-        add("block distckpt/dcp", "distckpt", "dcp", ("<", 1.0))
-        add("block distckpt/dcp-cached", "distckpt", "dcp-cached", None)
-        add("block dcp-cached/copy", "dcp-cached", "copy", None)
-        add("total distckpt/dcp", "distckpt", "dcp", None, key="total")
-        add("total distckpt/dcp-cached", "distckpt", "dcp-cached", None, key="total")
-
-    configs = sorted({(e["threads"], e["width"]) for e in events if e["part"] == "lazy"})
-    for threads, width in configs:
+    for threads, width in sorted(
+        {(e["threads"], e["width"]) for e in events if e["part"] == "lazy"}
+    ):
         es = [
             e
             for e in events
@@ -601,21 +495,22 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             saves = [s for e in mine for s in e["save_s"]]
             after = [s for e in mine for s in e["step_after_save_s"]]
+            walls = [e["wall"] for e in mine]
             lazy_rows.append(
                 {
                     "threads": threads,
                     "width": width,
                     "mode": mode,
                     "n": len(mine),
-                    "wall_median_s": med([e["wall"] for e in mine]),
-                    "wall_min_s": min(e["wall"] for e in mine),
-                    "wall_max_s": max(e["wall"] for e in mine),
-                    "drain_median_s": med([e["drain"] for e in mine]),
-                    "save_median_ms": 1000 * med(saves) if saves else None,
+                    "wall_median_s": h.med(walls),
+                    "wall_min_s": min(walls),
+                    "wall_max_s": max(walls),
+                    "drain_median_s": h.med([e["drain"] for e in mine]),
+                    "save_median_ms": 1000 * h.med(saves) if saves else None,
                     "save_max_ms": 1000 * max(saves) if saves else None,
-                    "step_after_save_median_ms": 1000 * med(after),
+                    "step_after_save_median_ms": 1000 * h.med(after),
                     "step_after_save_max_ms": 1000 * max(after) if after else None,
-                    "other_cpu_median": med([e["foreign_cpu"] for e in mine]),
+                    "other_cpu_median": h.med([e["foreign_cpu"] for e in mine]),
                 }
             )
         for num, den in (
@@ -626,30 +521,10 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             ("lazy", "none"),
             ("sync", "none"),
         ):
-            rn = [
-                r
-                for r in lazy_rows
-                if (r["threads"], r["width"], r["mode"]) == (threads, width, num)
-            ]
-            rd = [
-                r
-                for r in lazy_rows
-                if (r["threads"], r["width"], r["mode"]) == (threads, width, den)
-            ]
-            if not rn or not rd:
-                continue
-            pr = paired(es, "wall", num, den, "mode")
-            lazy_ratios.append(
-                {
-                    "threads": threads,
-                    "width": width,
-                    "label": f"wall {num}/{den}",
-                    "value": rn[0]["wall_median_s"] / rd[0]["wall_median_s"],
-                    "paired_median": med(pr),
-                    "paired_min": min(pr),
-                    "paired_max": max(pr),
-                }
-            )
+            q = compare(es, "mode", "wall", num, den)
+            if q is not None:
+                label = f"wall {num}/{den}"
+                lazy_ratios.append({"threads": threads, "width": width, "label": label, **q})
     return {
         "multi_rows": multi_rows,
         "multi_ratios": multi_ratios,
@@ -680,10 +555,9 @@ def print_report(s: dict[str, Any]) -> None:
             f"{'target':>7} ok"
         )
         for q in s["multi_ratios"]:
-            ok = "" if q["ok"] is None else ("yes" if q["ok"] else "NO")
             print(
-                f"{q['world']:>5} {q['label']:28} {q['value']:10.3f} {q['paired_median']:8.3f} "
-                f"[{q['paired_min']:.3f}..{q['paired_max']:.3f}] {q['target']:>7} {ok}"
+                f"{q['world']:>5} {q['label']:28} {q['value']:10.3f} {h.paired_text(q)} "
+                f"{q['target']:>7} {h.ok_text(q)}"
             )
         ph = [r for r in s["multi_rows"] if "phases_median_max_over_ranks" in r]
         if ph:
@@ -721,7 +595,7 @@ def print_report(s: dict[str, Any]) -> None:
         for q in s["lazy_ratios"]:
             print(
                 f"{q['threads']:>3} {q['width']:>5} {q['label']:16} {q['value']:10.3f} "
-                f"{q['paired_median']:8.3f} [{q['paired_min']:.3f}..{q['paired_max']:.3f}]"
+                f"{h.paired_text(q)}"
             )
 
 
@@ -732,21 +606,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    h.common_args(p)
     p.add_argument("--part", nargs="+", choices=["multi", "lazy"], default=["multi", "lazy"])
     p.add_argument("--dir", default="/dev/shm/distckpt-bench", help="parent directory of the files")
     p.add_argument("--quick", action="store_true", help="smoke run (~1 min): small sizes, 2 rounds")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--report", metavar="JSON", help="print the report of a saved --json file")
-    p.add_argument("--no-snapshot", dest="snapshot", action="store_false")
-    p.add_argument(
-        "--lock",
-        default="/tmp/bench_engine.lock",
-        help="lock file shared with bench_engine ('' for none)",
-    )
-    p.add_argument("--launch-timeout", type=float, default=1800)
-    p.add_argument("--wait-idle", type=float, default=60)
-    p.add_argument("--idle-busy", type=float, default=0.25)
     g = p.add_argument_group("multi (torchrun)")
     g.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     g.add_argument("--rounds", type=int, default=8)
@@ -780,37 +643,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    if args.worker:
-        spec = json.loads(Path(args.worker).read_text())
-        (multi_worker_main if spec["mode"] == "multi" else lazy_worker_main)(args.worker)
-        return
-    if args.report:
-        doc = json.loads(Path(args.report).read_text())
-        print_report(summarize(doc["events"]))
-        return
-
-    lock = be.exclusive(args.lock) if args.lock else None
-    t0 = time.time()
-    drv = Driver(args)
-    print(f"bench_async: parts {args.part}; logs {drv.logdir}", flush=True)
-    if drv.snapshot:
-        print(
-            f"distckpt snapshot {drv.snapshot['sha256']} "
-            f"(HEAD {drv.snapshot.get('git_head', '?')[:10]}, "
-            f"{len(drv.snapshot.get('git_dirty', []))} files modified)",
-            flush=True,
-        )
-    drv.run()
-    summary = summarize(drv.events)
-    print_report(summary)
-    if args.json:
-        be.write_results(args, be.fs_type(Path(args.dir).absolute().parent), t0, summary, drv)
-    shutil.rmtree(drv.logdir, ignore_errors=True)
-    if lock is not None:
-        lock.close()
+def worker_main(spec_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    (MultiWorker if spec["mode"] == "multi" else LazyWorker).main(spec_file)
 
 
 if __name__ == "__main__":
-    main()
+    h.main(parse(), Driver, summarize, print_report, worker_main)

@@ -29,12 +29,11 @@ Case B: 1,000 tensors of 48 x 64 float32, saved and loaded on the same world siz
 (4 and 16 ranks). One launch per world size; the workers loop over the rounds (warm-up
 round first), the order rotated each round; each checkpoint is deleted before the next.
 
-Timing: a barrier, then every rank records its start, runs the operation and records its
-end; the reported time is max(end) - min(start) over the ranks (CLOCK_MONOTONIC is shared
-by the processes of one host): the wall time from the common barrier until the slowest
-rank is done. On a disk (not tmpfs) every file of the checkpoints is evicted from the
-page cache (posix_fadvise DONTNEED: they are clean after the fsyncs) before each timed
-load, so loads read the device (``--cache warm`` keeps them cached).
+Timing (:func:`harness.timed`): a barrier, then every rank records its start, runs the
+operation and records its end; the reported time is max(end) - min(start) over the ranks.
+On a disk (not tmpfs) every file of the checkpoints is evicted from the page cache
+(posix_fadvise DONTNEED: they are clean after the fsyncs) before each timed load, so
+loads read the device (``--cache warm`` keeps them cached).
 
 Correctness: every element holds a closed-form value of (tensor, global row, column).
 Before each load the targets are filled with -1; after it, the first and last local rows
@@ -47,29 +46,21 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
-import itertools
-import json
 import os
-import platform
 import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+import harness as h
+
 CONTENDERS = ("distckpt", "dcp", "raw")
 MOD = 16777213  # values stay below 2**24: exact in float32
-GiB = 1 << 30
-
 
 # --------------------------------------------------------------------------- data
 
 
-def expected_block(index: int, row0: int, nrows: int, ncols: int):
+def expected_block(index: int, row0: int, nrows: int, ncols: int) -> Any:
+    """Rows ``row0 ..`` of tensor ``index``: (index * 1000003 + row * 4099 + col) mod MOD."""
     import torch
 
     rows = torch.arange(row0, row0 + nrows, dtype=torch.int64).unsqueeze(1)
@@ -92,7 +83,7 @@ def names(spec: dict[str, Any]) -> list[str]:
     return [f"w{i:04d}" for i in range(spec["ntensors"])]
 
 
-def make_state(spec: dict[str, Any], mesh, *, fill: bool) -> dict[str, Any]:
+def make_state(spec: dict[str, Any], mesh: Any, *, fill: bool) -> dict[str, Any]:
     """DTensors Shard(0) on ``mesh``; filled with the formula, or with -1 (touched)."""
     import torch
     from torch.distributed.tensor import Shard
@@ -112,11 +103,6 @@ def make_state(spec: dict[str, Any], mesh, *, fill: bool) -> dict[str, Any]:
             local.fill_(-1.0)
         state[name] = dt
     return state
-
-
-def reset(state: dict[str, Any]) -> None:
-    for dt in state.values():
-        dt.to_local().fill_(-1.0)
 
 
 def verify(
@@ -156,6 +142,7 @@ def writer_layout(spec: dict[str, Any], writers: int) -> list[list[tuple[int, in
 
 
 def raw_save(state: dict[str, Any], path: Path, rank: int) -> None:
+    """This rank's shards into one file with ``writev``; fsync of the file and directory."""
     from distckpt.engine.arrays import host_array
 
     path.mkdir(parents=True, exist_ok=True)
@@ -180,21 +167,16 @@ def raw_save(state: dict[str, Any], path: Path, rank: int) -> None:
         os.close(dfd)
 
 
-def raw_share(spec: dict[str, Any], writers: int, rank: int, world: int) -> tuple[int, int, int]:
-    """(total bytes, start, end) of reader ``rank``'s byte range of the concatenated files."""
-    total = spec["ntensors"] * spec["rows"] * spec["cols"] * 4
-    elems = total // 4
-    return total, (rank * elems // world) * 4, ((rank + 1) * elems // world) * 4
-
-
-def raw_file_sizes(spec: dict[str, Any], writers: int) -> list[int]:
-    return [sum(n * spec["cols"] * 4 for _, _, n in lay) for lay in writer_layout(spec, writers)]
+def raw_share(spec: dict[str, Any], rank: int, world: int) -> tuple[int, int]:
+    """(start, end) of reader ``rank``'s byte range of the concatenated files."""
+    elems = spec["ntensors"] * spec["rows"] * spec["cols"]
+    return (rank * elems // world) * 4, ((rank + 1) * elems // world) * 4
 
 
 def raw_load(spec: dict[str, Any], path: Path, writers: int, rank: int, world: int, buf) -> int:
     """Read this reader's share into ``buf`` (a uint8 array). Returns bytes read."""
-    _, start, end = raw_share(spec, writers, rank, world)
-    sizes = raw_file_sizes(spec, writers)
+    start, end = raw_share(spec, rank, world)
+    sizes = [sum(n * spec["cols"] * 4 for _, _, n in lay) for lay in writer_layout(spec, writers)]
     pos = 0  # global offset of the current file
     got = 0
     for w, size in enumerate(sizes):
@@ -219,9 +201,10 @@ def raw_load(spec: dict[str, Any], path: Path, writers: int, rank: int, world: i
 def raw_verify(
     spec: dict[str, Any], writers: int, rank: int, world: int, buf, salt: int
 ) -> str | None:
+    """Compare 512 sampled elements (and both ends) of the reader's range with the formula."""
     import numpy as np
 
-    _, start, end = raw_share(spec, writers, rank, world)
+    start, end = raw_share(spec, rank, world)
     if end == start:
         return None
     cols = spec["cols"]
@@ -248,110 +231,15 @@ def raw_verify(
     return None
 
 
-def cpu_times() -> tuple[int, int]:
-    """(busy, steal) jiffies of the whole machine, from /proc/stat."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = f[:8]
-    return user + nice + system + irq + softirq, steal
-
-
-def own_cpu() -> int:
-    """utime + stime jiffies of this process (all its threads)."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def evict(paths: list[Path]) -> None:
-    """Drop the (clean) pages of every file under ``paths`` from the page cache."""
-    for root in paths:
-        if not root.exists():
-            continue
-        for dirpath, _dirs, files in os.walk(root):
-            for f in files:
-                try:
-                    fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
 # --------------------------------------------------------------------------- worker
 
 
-class Worker:
-    def __init__(self, spec: dict[str, Any]) -> None:
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+class Worker(h.RankWorker):
+    """A save launch (case A), a load launch (case A) or a case B launch, by spec mode."""
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        self.dist = dist
-        self.spec = spec
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh("cpu", (self.world,))
-        import torch.distributed.checkpoint as dcp
+    def run(self) -> None:
+        {"save": self.run_save, "load": self.run_load, "small": self.run_small}[self.spec["mode"]]()
 
-        import distckpt
-
-        self.distckpt, self.dcp = distckpt, dcp
-        self.comm = distckpt.comm.auto()
-        self.out: dict[str, Any] = {
-            "world": self.world,
-            "events": [],
-            "distckpt_file": distckpt.__file__,
-        }
-        self.cold = spec["cold"]
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def timed(self, fn) -> tuple[float, float, Any]:
-        """Barrier, run ``fn`` on every rank, barrier; (span, slowest rank's own time, result)."""
-        c0 = own_cpu()
-        self.barrier()
-        m0 = cpu_times() if self.rank == 0 else (0, 0)
-        t0 = time.perf_counter()
-        res = fn()
-        t1 = time.perf_counter()
-        self.barrier()
-        m1 = cpu_times() if self.rank == 0 else (0, 0)
-        c1 = own_cpu()
-        spans: list[Any] = [None] * self.world
-        self.dist.all_gather_object(spans, (t0, t1, c1 - c0))
-        span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
-        own = max(e - s for s, e, _ in spans)
-        # CPU used by other processes of the machine during the section, as a fraction of
-        # all CPUs (jiffies: coarse), and the steal time the hypervisor reported.
-        hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
-        mine = sum(c for _, _, c in spans)
-        self.last_foreign = max(0.0, (m1[0] - m0[0] - mine) / hz / max(span, 1e-9) / ncpu)
-        self.last_steal = (m1[1] - m0[1]) / hz / max(span, 1e-9) / ncpu
-        return span, own, res
-
-    def allmax(self, d: dict[str, float]) -> dict[str, float]:
-        got: list[Any] = [None] * self.world
-        self.dist.all_gather_object(got, d)
-        return {k: max(g[k] for g in got) for k in d}
-
-    def check(self, err: str | None, what: str) -> None:
-        errs: list[Any] = [None] * self.world
-        self.dist.all_gather_object(errs, err)
-        bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
-        if bad:
-            raise SystemExit(f"VERIFY FAILED ({what}): " + "; ".join(bad))
-
-    def rmtree(self, *paths: Path) -> None:
-        self.barrier()
-        if self.rank == 0:
-            for p in paths:
-                shutil.rmtree(p, ignore_errors=True)
-        self.barrier()
-
-    # ---- the three contenders
     def save(self, who: str, state: dict[str, Any], path: Path) -> Any:
         if who == "distckpt":
             res = self.distckpt.save(state, path, comm=self.comm)
@@ -378,23 +266,50 @@ class Worker:
             err = verify(self.spec, state, self.rank, self.world, salt)
         self.check(err, f"{who} load on {self.world} ranks")
 
-    def raw_buffer(self, writers: int):
+    def raw_buffer(self) -> Any:
         import numpy as np
 
-        _, start, end = raw_share(self.spec, writers, self.rank, self.world)
+        start, end = raw_share(self.spec, self.rank, self.world)
         buf = np.empty(end - start, dtype=np.uint8)
         buf.fill(0)  # touched, like the DTensor targets
         return buf
 
     def reset_for(self, who: str, state, buf) -> None:
+        """Fill the targets of ``who``'s load: the raw buffer with 0, the DTensors with -1."""
         if who == "raw":
             buf.fill(0)
         else:
-            reset(state)
+            for dt in state.values():
+                dt.to_local().fill_(-1.0)
 
-    # ---- modes
+    def timed_save(self, who: str, src: dict[str, Any], path: Path) -> dict[str, Any]:
+        """One timed save; its event (with distckpt's per-phase timings)."""
+        sec = h.timed(self, lambda: self.save(who, src, path))
+        ev = {"op": "save", "who": who, "world": self.world, "span": sec.marks[-1]}
+        ev.update(sec.fields())
+        res = sec.results[0]
+        if res is not None:
+            ev["timings_max"] = self.allmax(res["timings"])
+            ev["timings_rank0"] = res["timings"]
+            ev["files_rank0"] = res["files"]
+        return ev
+
+    def timed_load(self, who: str, state, paths: dict[str, Path], buf, writers: int, salt: int):
+        """Reset the targets, evict all ``paths`` (cold), one timed load of ``paths[who]``,
+        verify; its event and the load's result."""
+        self.reset_for(who, state, buf)
+        if self.spec["cold"]:
+            self.barrier()
+            if self.rank == 0:
+                h.evict(list(paths.values()))
+        sec = h.timed(self, lambda: self.load(who, state, paths[who], buf, writers))
+        self.verify_load(who, state, buf, writers, salt)
+        ev = {"op": f"load{writers}->{self.world}", "who": who, "world": self.world}
+        ev.update(span=sec.marks[-1], **sec.fields())
+        return ev, sec.results[0]
+
     def run_save(self) -> None:
-        """Case A save launch: warm-up round, then one timed save of each contender."""
+        """Case A save launch: warm-up save of each contender, then one timed save of each."""
         spec = self.spec
         base = Path(spec["dir"])
         src = make_state(spec, self.mesh, fill=True)
@@ -408,21 +323,7 @@ class Worker:
             # every contender writes into memory freed just before (see README: on this VM
             # fresh pages are far more expensive than recycled ones).
             self.rmtree(warm[who])
-            span, own, res = self.timed(lambda w=who, p=paths: self.save(w, src, p[w]))
-            ev = {
-                "op": "save",
-                "who": who,
-                "world": self.world,
-                "span": span,
-                "own": own,
-                "foreign_cpu": self.last_foreign,
-                "steal": self.last_steal,
-            }
-            if res is not None:
-                ev["timings_max"] = self.allmax(res["timings"])
-                ev["timings_rank0"] = res["timings"]
-                ev["files_rank0"] = res["files"]
-            self.out["events"].append(ev)
+            self.out["events"].append(self.timed_save(who, src, paths[who]))
 
     def run_load(self) -> None:
         """Case A load launch (M ranks): warm-up load of each contender, then timed loads."""
@@ -430,28 +331,13 @@ class Worker:
         writers = spec["saved_world"]
         paths = {c: Path(p) for c, p in spec["paths"].items()}
         state = make_state(spec, self.mesh, fill=False)
-        buf = self.raw_buffer(writers)
+        buf = self.raw_buffer()
         for who in spec["order"]:  # warm-up, verified too
             self.reset_for(who, state, buf)
             self.load(who, state, paths[who], buf, writers)
             self.verify_load(who, state, buf, writers, salt=spec["round"] + 101)
         for who in spec["order"]:
-            self.reset_for(who, state, buf)
-            if self.cold:
-                self.barrier()
-                if self.rank == 0:
-                    evict(list(paths.values()))
-            span, own, res = self.timed(lambda w=who: self.load(w, state, paths[w], buf, writers))
-            self.verify_load(who, state, buf, writers, salt=spec["round"])
-            ev = {
-                "op": f"load{writers}->{self.world}",
-                "who": who,
-                "world": self.world,
-                "span": span,
-                "own": own,
-                "foreign_cpu": self.last_foreign,
-                "steal": self.last_steal,
-            }
+            ev, res = self.timed_load(who, state, paths, buf, writers, spec["round"])
             if res is not None:
                 ev["bytes_max"] = self.allmax({"b": float(res["bytes"])})["b"]
             self.out["events"].append(ev)
@@ -462,272 +348,79 @@ class Worker:
         base = Path(spec["dir"])
         src = make_state(spec, self.mesh, fill=True)
         dst = make_state(spec, self.mesh, fill=False)
-        buf = self.raw_buffer(self.world)
+        buf = self.raw_buffer()
         orders = spec["orders"]
-        for rnd in range(-1, spec["rounds"]):
+        for rnd in range(-1, spec["rounds"]):  # round -1: the warm-up, not reported
             order = orders[rnd % len(orders)] if rnd >= 0 else list(CONTENDERS)
             paths = {c: base / f"B{self.world}-r{rnd + 1}-{c}" for c in CONTENDERS}
+            events = [self.timed_save(who, src, paths[who]) for who in order]
             for who in order:
-                span, own, res = self.timed(lambda w=who, p=paths: self.save(w, src, p[w]))
-                if rnd >= 0:
-                    ev = {
-                        "op": "save",
-                        "who": who,
-                        "world": self.world,
-                        "round": rnd,
-                        "span": span,
-                        "own": own,
-                        "foreign_cpu": self.last_foreign,
-                        "steal": self.last_steal,
-                    }
-                    if res is not None:
-                        ev["timings_max"] = self.allmax(res["timings"])
-                        ev["timings_rank0"] = res["timings"]
-                        ev["files_rank0"] = res["files"]
-                    self.out["events"].append(ev)
-            for who in order:
-                self.reset_for(who, dst, buf)
-                if self.cold:
-                    self.barrier()
-                    if self.rank == 0:
-                        evict(list(paths.values()))
-                span, own, _ = self.timed(
-                    lambda w=who, p=paths: self.load(w, dst, p[w], buf, self.world)
-                )
-                self.verify_load(who, dst, buf, self.world, salt=rnd + 7)
-                if rnd >= 0:
-                    self.out["events"].append(
-                        {
-                            "op": f"load{self.world}->{self.world}",
-                            "who": who,
-                            "world": self.world,
-                            "round": rnd,
-                            "span": span,
-                            "own": own,
-                            "foreign_cpu": self.last_foreign,
-                            "steal": self.last_steal,
-                        }
-                    )
+                ev, _ = self.timed_load(who, dst, paths, buf, self.world, salt=rnd + 7)
+                events.append(ev)
+            if rnd >= 0:
+                self.out["events"] += [{**e, "round": rnd} for e in events]
             self.rmtree(*paths.values())
-
-
-def worker_main(spec_file: str) -> None:
-    spec = json.loads(Path(spec_file).read_text())
-    w = Worker(spec)
-    getattr(w, {"save": "run_save", "load": "run_load", "small": "run_small"}[spec["mode"]])()
-    w.barrier()
-    if w.rank == 0:
-        Path(spec["result"]).write_text(json.dumps(w.out))
-    w.dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def meminfo() -> dict[str, float]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":", 1)
-        if k in ("MemAvailable", "Shmem", "Cached"):
-            out[k] = int(v.split()[0]) / (1 << 20)  # GiB
-    return out
+class Driver(h.Driver):
+    """Case A: per round a save launch and a load launch per load world size; case B: one
+    launch per world size. Each --dir gets a run directory of its own."""
 
+    name = "bench_engine"
 
-def fs_type(path: Path) -> str:
-    path = path.resolve()
-    best, kind = "", "?"
-    for line in Path("/proc/mounts").read_text().splitlines():
-        parts = line.split()
-        mnt = parts[1]
-        if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(
-            best
-        ):
-            best, kind = mnt, parts[2]
-    return kind
+    def describe(self) -> str:
+        a = self.args
+        return f"cases {a.case}, dirs {a.dir}, {a.rounds} rounds"
 
+    def env(self) -> dict[str, Any]:
+        return {"fs": {d: h.fs_type(Path(d).parent) for d in self.args.dir}}
 
-def launch_worker(
-    drv: Any,
-    cmd_head: list[str],
-    script: Path,
-    spec: dict[str, Any],
-    label: str,
-    env_extra: dict[str, str | None],
-) -> tuple[dict[str, Any], float, dict[str, float]]:
-    """Run ``cmd_head script --worker SPEC`` for driver ``drv``: the spec (with a result file
-    added) in ``drv.logdir``, launcher variables scrubbed, ``env_extra`` applied (None
-    removes), the library snapshot first on ``PYTHONPATH``. Stops the run on a failed launch,
-    workers that imported another distckpt, or low memory. Returns (the workers' result,
-    wall seconds of the launch, meminfo after it)."""
-    fd, result = tempfile.mkstemp(prefix="res-", suffix=".json", dir=drv.logdir)
-    os.close(fd)
-    spec_file = Path(result).with_suffix(".spec.json")
-    spec_file.write_text(json.dumps({**spec, "result": result}))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    for k, v in env_extra.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
-    first = drv.snapshot["path"] if drv.snapshot else str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    cmd = [*cmd_head, str(script.resolve()), "--worker", str(spec_file)]
-    log = drv.logdir / f"{label}.log"
-    t = time.perf_counter()
-    with open(log, "w") as fh:
-        proc = subprocess.run(
-            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=drv.args.launch_timeout
-        )
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        sys.stderr.write(Path(log).read_text()[-6000:])
-        raise SystemExit(f"launch {label} failed (rc {proc.returncode}); log {log}")
-    out = json.loads(Path(result).read_text())
-    if drv.snapshot and not out["distckpt_file"].startswith(drv.snapshot["path"]):
-        raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
-    m = meminfo()
-    drv.mem.append({"after": label, **m})
-    if m["MemAvailable"] < 3.0:
-        raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
-    return out, wall, m
-
-
-def orders_for(rounds: int) -> list[list[str]]:
-    """A different order each round: the 6 permutations, interleaved so that each contender
-    goes first, second and third equally often every 3 rounds."""
-    perms = [list(p) for p in itertools.permutations(CONTENDERS)]
-    seq = [perms[i] for i in (0, 3, 4, 1, 2, 5)]  # (d,c,r) (c,r,d) (r,d,c) (d,r,c) (c,d,r) (r,c,d)
-    return [seq[i % 6] for i in range(rounds)]
-
-
-class Driver:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.events: list[dict[str, Any]] = []
-        self.mem: list[dict[str, Any]] = []
-        self.logdir = Path(tempfile.mkdtemp(prefix="bench_engine-logs-"))
-        self.snapshot = self.take_snapshot() if args.snapshot else None
-
-    def take_snapshot(self) -> dict[str, Any]:
-        """Copy the distckpt package as it is now: every launch of this run uses that copy,
-        even if the working tree changes while the benchmark runs."""
-        import hashlib
-        import importlib.util
-
-        spec = importlib.util.find_spec("distckpt")
-        assert spec is not None and spec.submodule_search_locations
-        src = Path(list(spec.submodule_search_locations)[0])
-        dst = self.logdir / "snapshot" / "distckpt"
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        digest = hashlib.sha256()
-        for f in sorted(dst.rglob("*.py")):
-            digest.update(str(f.relative_to(dst)).encode() + b"\0" + f.read_bytes())
-        info: dict[str, Any] = {
-            "source": str(src),
-            "sha256": digest.hexdigest()[:16],
-            "path": str(dst.parent),
-        }
-        try:
-            root = src.parent
-            info["git_head"] = subprocess.run(
-                ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
-            info["git_dirty"] = subprocess.run(
-                ["git", "-C", str(root), "status", "--porcelain", "--", str(src)],
-                capture_output=True,
-                text=True,
-            ).stdout.split("\n")
-            info["git_dirty"] = [x for x in info["git_dirty"] if x]
-        except OSError:
-            pass
-        return info
-
-    def wait_idle(self) -> float:
-        """Wait (up to --wait-idle s) until other processes use < --idle-busy of the CPUs
-        over one second; return the last measured busy fraction."""
-        deadline = time.monotonic() + self.args.wait_idle
-        ncpu = os.cpu_count() or 1
-        hz = os.sysconf("SC_CLK_TCK")
-        while True:
-            b0, _ = cpu_times()
-            time.sleep(1.0)
-            b1, _ = cpu_times()
-            busy = (b1 - b0) / hz / ncpu
-            if busy < self.args.idle_busy or time.monotonic() > deadline:
-                return busy
-            time.sleep(4.0)
-
-    def launch(self, nproc: int, spec: dict[str, Any], label: str) -> dict[str, Any]:
+    def launch(self, nproc: int, spec: dict[str, Any], label: str) -> list[dict[str, Any]]:
         busy = self.wait_idle()
-        cmd_head = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-        ]
-        threads = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        out, wall, m = launch_worker(self, cmd_head, Path(__file__), spec, label, threads)
-        for e in out["events"]:
+        out, wall, m = self.launch_worker(h.torchrun(nproc), __file__, spec, label, h.TORCHRUN_ENV)
+        events = out["events"]
+        for e in events:
             e["busy_before_launch"] = busy
         print(
             f"  {label}: {wall:.1f}s launch; "
-            + ", ".join(f"{e['op']} {e['who']} {e['span']:.3f}s" for e in out["events"])
+            + ", ".join(f"{e['op']} {e['who']} {e['span']:.3f}s" for e in events)
             + f"  [avail {m['MemAvailable']:.1f} GiB, shmem {m['Shmem']:.1f} GiB, "
             f"other CPU before {busy:.0%}, during timed max "
-            f"{max((e['foreign_cpu'] for e in out['events']), default=0):.0%}]",
+            f"{max((e['foreign_cpu'] for e in events), default=0):.0%}]",
             flush=True,
         )
-        return out
+        return events
 
-    def cold_for(self, d: Path) -> bool:
-        if self.args.cache == "warm":
-            return False
-        return fs_type(d) != "tmpfs"
-
-    def case_a(self, d: Path) -> None:
+    def case_a(self, d: Path, tag: dict[str, Any], cold: bool) -> None:
         a = self.args
+        paths = {c: str(d / f"A-{c}") for c in CONTENDERS}
         spec0 = {
             "ntensors": a.a_tensors,
             "rows": a.a_rows,
             "cols": a.a_cols,
             "dir": str(d),
-            "cold": self.cold_for(d),
+            "cold": cold,
             "saved_world": a.a_save_world,
+            "paths": paths,
         }
-        paths = {c: str(d / f"A-{c}") for c in CONTENDERS}
-        orders = orders_for(a.rounds)
+        orders = h.rotations(CONTENDERS, a.rounds)
         for rnd in range(a.rounds):
             for p in paths.values():
                 shutil.rmtree(p, ignore_errors=True)
-            order = orders[rnd]
-            print(f" case A {d} round {rnd + 1}/{a.rounds} order {order}", flush=True)
-            tag = {"case": "A", "dir": str(d), "fs": fs_type(d), "round": rnd}
-            out = self.launch(
-                a.a_save_world,
-                {**spec0, "mode": "save", "order": order, "paths": paths, "round": rnd},
-                f"A-r{rnd}-save",
-            )
-            self.events += [{**tag, **e} for e in out["events"]]
+            print(f" case A {d} round {rnd + 1}/{a.rounds} order {orders[rnd]}", flush=True)
+            spec = {**spec0, "mode": "save", "order": orders[rnd], "round": rnd}
+            events = self.launch(a.a_save_world, spec, f"A-r{rnd}-save")
             for k, m in enumerate(a.a_load_worlds):
-                lorder = orders[(rnd + 1 + k) % len(orders)]
-                out = self.launch(
-                    m,
-                    {**spec0, "mode": "load", "order": lorder, "paths": paths, "round": rnd},
-                    f"A-r{rnd}-load{m}",
-                )
-                self.events += [{**tag, **e} for e in out["events"]]
+                spec = {**spec0, "mode": "load", "order": orders[(rnd + 1 + k) % len(orders)]}
+                events += self.launch(m, {**spec, "round": rnd}, f"A-r{rnd}-load{m}")
+            self.events += [{"case": "A", **tag, "round": rnd, **e} for e in events]
             for p in paths.values():
                 shutil.rmtree(p, ignore_errors=True)
 
-    def case_b(self, d: Path) -> None:
+    def case_b(self, d: Path, tag: dict[str, Any], cold: bool) -> None:
         a = self.args
         for n in a.b_worlds:
             print(f" case B {d} world {n}", flush=True)
@@ -736,69 +429,31 @@ class Driver:
                 "rows": a.b_rows,
                 "cols": a.b_cols,
                 "dir": str(d),
-                "cold": self.cold_for(d),
+                "cold": cold,
                 "mode": "small",
                 "rounds": a.rounds,
-                "orders": orders_for(a.rounds),
+                "orders": h.rotations(CONTENDERS, a.rounds),
             }
-            out = self.launch(n, spec, f"B-w{n}")
-            tag = {"case": "B", "dir": str(d), "fs": fs_type(d)}
-            self.events += [{**tag, **e} for e in out["events"]]
+            self.events += [{"case": "B", **tag, **e} for e in self.launch(n, spec, f"B-w{n}")]
 
     def run(self) -> None:
-        a = self.args
-        for parent in a.dir:
-            parent = Path(parent).absolute()
-            # A directory of our own inside --dir: concurrent runs never touch each other's files.
-            parent.mkdir(parents=True, exist_ok=True)
-            d = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=parent))
-            print(
-                f"== {d} ({fs_type(d)}, loads "
-                f"{'cold: page cache evicted' if self.cold_for(d) else 'from memory'})",
-                flush=True,
-            )
-            try:
-                if "A" in a.case:
-                    self.case_a(d)
-                if "B" in a.case:
-                    self.case_b(d)
-            finally:
-                shutil.rmtree(d, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    parent.rmdir()  # only if empty
-
-
-def exclusive(lock_path: str):
-    """Hold an exclusive lock for the whole run: two benchmark runs on one machine would
-    time each other. Waits (with a message) while another run holds it."""
-    import fcntl
-
-    fh = open(lock_path, "a+")  # noqa: SIM115 - held open for the whole run
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        print(
-            "waiting for another bench_engine run to finish "
-            f"(lock {lock_path}: {fh.read().strip()})",
-            flush=True,
-        )
-        fcntl.flock(fh, fcntl.LOCK_EX)
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}\n")
-    fh.flush()
-    return fh
+        for parent in self.args.dir:
+            with h.run_dir(parent) as d:
+                cold = self.args.cache == "cold" and h.fs_type(d) != "tmpfs"
+                loads = "cold: page cache evicted" if cold else "from memory"
+                print(f"== {d} ({h.fs_type(d)}, loads {loads})", flush=True)
+                tag = {"dir": str(d), "fs": h.fs_type(d)}
+                if "A" in self.args.case:
+                    self.case_a(d, tag, cold)
+                if "B" in self.args.case:
+                    self.case_b(d, tag, cold)
 
 
 # --------------------------------------------------------------------------- report
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (case, dir, op, world, contender): the spread of the times; ratios and targets."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for e in events:
         groups.setdefault((e["case"], e["dir"], e["op"], e["world"], e["who"]), []).append(e)
@@ -809,117 +464,50 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
     rows = []
     for (case, d, op, world, who), es in sorted(groups.items()):
         spans = [e["span"] for e in es]
-        row = {
-            "case": case,
-            "dir": d,
-            "fs": es[0]["fs"],
-            "op": op,
-            "world": world,
-            "who": who,
-            "n": len(spans),
-            "median_s": med(spans),
-            "min_s": min(spans),
-            "max_s": max(spans),
-            "bytes": nbytes[case],
-            "GiBps": nbytes[case] / GiB / med(spans),
-            "spans": spans,
-            "other_cpu_median": med([e.get("foreign_cpu", 0.0) for e in es]),
-        }
+        row = {"case": case, "dir": d, "fs": es[0]["fs"], "op": op, "world": world, "who": who}
+        row.update(h.spread(spans), bytes=nbytes[case], GiBps=nbytes[case] / h.GiB / h.med(spans))
+        row.update(spans=spans, other_cpu_median=h.med([e.get("foreign_cpu", 0.0) for e in es]))
         br = [e["bytes_max"] for e in es if "bytes_max" in e]
         if br:
             row["bytes_read_max_rank"] = max(br)
         tm = [e["timings_max"] for e in es if "timings_max" in e]
         if tm:
-            row["phases_median_max_over_ranks"] = {k: med([t[k] for t in tm]) for k in tm[0]}
+            row["phases_median_max_over_ranks"] = {k: h.med([t[k] for t in tm]) for k in tm[0]}
             row["phases_median_rank0"] = {
-                k: med([e["timings_rank0"][k] for e in es]) for k in tm[0]
+                k: h.med([e["timings_rank0"][k] for e in es]) for k in tm[0]
             }
         rows.append(row)
 
-    def pick(case, d, op, world, who):
-        for r in rows:
-            if (r["case"], r["dir"], r["op"], r["world"], r["who"]) == (case, d, op, world, who):
-                return r
-        return None
-
-    def paired(case, d, op, world, num, den):
-        a = {e.get("round"): e["span"] for e in groups.get((case, d, op, world, num), [])}
-        b = {e.get("round"): e["span"] for e in groups.get((case, d, op, world, den), [])}
-        return [a[k] / b[k] for k in a if k in b]
-
     ratios = []
-
-    def add(label, case, d, op, world, num, den, target=None, invert=False):
-        rn, rd = pick(case, d, op, world, num), pick(case, d, op, world, den)
-        if rn is None or rd is None:
-            return
-        pr = paired(case, d, op, world, num, den)
-        if invert:  # throughput ratio num/den = time den / time num
-            val = rd["median_s"] / rn["median_s"]
-            pr = [1 / x for x in pr]
-        else:
-            val = rn["median_s"] / rd["median_s"]
-        ok = None
-        if target is not None:
-            ok = val >= target[1] if target[0] == ">=" else val <= target[1]
-        mins = rd["min_s"] / rn["min_s"] if invert else rn["min_s"] / rd["min_s"]
-        ratios.append(
-            {
-                "label": label,
-                "dir": d,
-                "fs": rn["fs"],
-                "value": val,
-                "of_mins": mins,
-                "paired_median": med(pr),
-                "paired_min": min(pr),
-                "paired_max": max(pr),
-                "target": f"{target[0]} {target[1]}" if target else "",
-                "ok": ok,
-            }
-        )
-
     for d in sorted({e["dir"] for e in events}):
-        shm = any(r["fs"] == "tmpfs" for r in rows if r["dir"] == d)
+        fs = next(r["fs"] for r in rows if r["dir"] == d)
         s = args.a_save_world
-        add(
-            "A save thr distckpt/raw",
-            "A",
-            d,
-            "save",
-            s,
-            "distckpt",
-            "raw",
-            (">=", 0.7) if shm else None,
-            invert=True,
-        )
-        for m in args.a_load_worlds:
-            add(
-                f"A load{s}->{m} thr distckpt/raw",
-                "A",
-                d,
-                f"load{s}->{m}",
-                m,
-                "distckpt",
-                "raw",
-                (">=", 0.6),
-                invert=True,
-            )
-        add("A save time distckpt/dcp", "A", d, "save", s, "distckpt", "dcp")
-        for m in args.a_load_worlds:
-            add(f"A load{s}->{m} time distckpt/dcp", "A", d, f"load{s}->{m}", m, "distckpt", "dcp")
+        loads = [(f"load{s}->{m}", m) for m in args.a_load_worlds]
+        # (label, case, op, world, denominator, target, throughput ratio)
+        tmpfs = (">=", 0.7) if fs == "tmpfs" else None  # the save target is for tmpfs
+        specs = [("A save thr distckpt/raw", "A", "save", s, "raw", tmpfs, True)]
+        specs += [
+            (f"A {op} thr distckpt/raw", "A", op, m, "raw", (">=", 0.6), True) for op, m in loads
+        ]
+        specs += [("A save time distckpt/dcp", "A", "save", s, "dcp", None, False)]
+        specs += [(f"A {op} time distckpt/dcp", "A", op, m, "dcp", None, False) for op, m in loads]
         for n in args.b_worlds:
-            add(
-                f"B save time distckpt/dcp (w{n})",
-                "B",
-                d,
-                "save",
-                n,
-                "distckpt",
-                "dcp",
-                ("<=", 0.5) if n == max(args.b_worlds) else None,
-            )
-            add(f"B load time distckpt/dcp (w{n})", "B", d, f"load{n}->{n}", n, "distckpt", "dcp")
-            add(f"B save time distckpt/raw (w{n})", "B", d, "save", n, "distckpt", "raw")
+            goal = ("<=", 0.5) if n == max(args.b_worlds) else None
+            specs += [
+                (f"B save time distckpt/dcp (w{n})", "B", "save", n, "dcp", goal, False),
+                (f"B load time distckpt/dcp (w{n})", "B", f"load{n}->{n}", n, "dcp", None, False),
+                (f"B save time distckpt/raw (w{n})", "B", "save", n, "raw", None, False),
+            ]
+        for label, case, op, world, den, goal, thr in specs:
+            per_round = [
+                {e.get("round"): e["span"] for e in groups.get((case, d, op, world, who), [])}
+                for who in ("distckpt", den)
+            ]
+            q = h.ratio(*per_round, throughput=thr)
+            if q is not None:
+                ratios.append(
+                    {"label": label, "dir": d, "fs": fs, **q, **h.target(q["value"], goal)}
+                )
     return {"rows": rows, "ratios": ratios}
 
 
@@ -942,11 +530,9 @@ def print_report(summary: dict[str, Any]) -> None:
         f"{'target':>7} ok"
     )
     for q in ratios:
-        ok = "" if q["ok"] is None else ("yes" if q["ok"] else "NO")
         print(
             f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
-            f"{q['paired_median']:8.3f} [{q['paired_min']:.3f}..{q['paired_max']:.3f}] "
-            f"{q['target']:>7} {ok}"
+            f"{h.paired_text(q)} {q['target']:>7} {h.ok_text(q)}"
         )
     phases = [r for r in rows if "phases_median_max_over_ranks" in r]
     if phases:
@@ -967,7 +553,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    h.common_args(p)
     p.add_argument("--case", nargs="+", choices=["A", "B"], default=["A", "B"])
     p.add_argument(
         "--dir",
@@ -987,35 +573,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["cold", "warm"],
         default="cold",
         help="on a non-tmpfs dir, evict the files before each timed load (cold, default)",
-    )
-    p.add_argument("--json", help="write the results here")
-    p.add_argument(
-        "--report", metavar="JSON", help="print the report of a saved --json file and exit"
-    )
-    p.add_argument(
-        "--no-snapshot",
-        dest="snapshot",
-        action="store_false",
-        help="import distckpt from the working tree in every launch (default: a copy "
-        "taken at start, so concurrent edits cannot mix versions within a run)",
-    )
-    p.add_argument(
-        "--lock",
-        default="/tmp/bench_engine.lock",
-        help="lock file serializing benchmark runs on this machine ('' for none)",
-    )
-    p.add_argument("--launch-timeout", type=float, default=1800)
-    p.add_argument(
-        "--wait-idle",
-        type=float,
-        default=60,
-        help="before each launch wait up to this many seconds for the machine to be idle",
-    )
-    p.add_argument(
-        "--idle-busy",
-        type=float,
-        default=0.25,
-        help="'idle': other processes use less than this fraction of the CPUs",
     )
     p.add_argument("--a-tensors", type=int, default=16)
     p.add_argument("--a-rows", type=int, default=4096)
@@ -1037,67 +594,5 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_results(args: argparse.Namespace, fs: Any, t0: float, summary: Any, drv: Any) -> None:
-    """Write ``args.json``: the command, the machine, the summary and every event."""
-    import torch
-
-    doc = {
-        "argv": sys.argv,
-        "args": {k: v for k, v in vars(args).items() if k != "worker"},
-        "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
-            "fs": fs,
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "wall_s": time.time() - t0,
-        "summary": summary,
-        "events": drv.events,
-        "memory": drv.mem,
-        "distckpt_snapshot": drv.snapshot,
-    }
-    Path(args.json).write_text(json.dumps(doc, indent=1))
-    print(f"\nwrote {args.json}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    if args.worker:
-        worker_main(args.worker)
-        return
-    if args.report:
-        doc = json.loads(Path(args.report).read_text())
-        saved = argparse.Namespace(**{**vars(args), **doc["args"]})
-        print_report(summarize(saved, doc["events"]))
-        return
-
-    lock = exclusive(args.lock) if args.lock else None
-    t0 = time.time()
-    drv = Driver(args)
-    print(
-        f"bench_engine: cases {args.case}, dirs {args.dir}, {args.rounds} rounds; "
-        f"logs {drv.logdir}",
-        flush=True,
-    )
-    if drv.snapshot:
-        print(
-            f"distckpt snapshot {drv.snapshot['sha256']} of {drv.snapshot['source']} "
-            f"(HEAD {drv.snapshot.get('git_head', '?')[:10]}, "
-            f"{len(drv.snapshot.get('git_dirty', []))} files modified)",
-            flush=True,
-        )
-    drv.run()
-    summary = summarize(args, drv.events)
-    print_report(summary)
-    if args.json:
-        fs = {d: fs_type(Path(d).parent) for d in args.dir}
-        write_results(args, fs, t0, summary, drv)
-    shutil.rmtree(drv.logdir, ignore_errors=True)
-    if lock is not None:
-        lock.close()
-
-
 if __name__ == "__main__":
-    main()
+    h.main(parse(), Driver, summarize, print_report, Worker.main)

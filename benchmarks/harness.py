@@ -1,0 +1,590 @@
+"""The machinery the benchmark drivers share (see benchmarks/README.md).
+
+* statistics: contender orders for alternating rounds, medians, ratios (of medians, of
+  mins, paired per round) and targets;
+* the machine: CPU used by other processes (``/proc/stat``), memory (``/proc/meminfo``),
+  file system types, page-cache eviction, waiting for an idle machine, the exclusive run
+  lock;
+* a run: a frozen copy of the library (the *snapshot*), a :class:`Driver` that launches
+  workers with a spec file (:meth:`Driver.launch_worker`), the results JSON and
+  ``--report``;
+* timed sections: :func:`timed` on a torchrun rank (:class:`RankWorker`) or in one process
+  (:data:`SOLO`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import operator
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+GiB = 1 << 30
+MiB = 1 << 20
+#: One lock for every benchmark of this directory: two runs on one machine time each other.
+LOCK = "/tmp/bench_engine.lock"
+#: Environment of torchrun workers: one thread per rank, gloo over loopback.
+TORCHRUN_ENV: dict[str, str | None] = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+ROOT = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------- statistics
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """``n``, ``median_s``, ``min_s``, ``max_s`` of per-round times."""
+    return {"n": len(xs), "median_s": med(xs), "min_s": min(xs), "max_s": max(xs)}
+
+
+def rotations(items: Sequence[str], rounds: int) -> list[list[str]]:
+    """Round r runs the contenders rotated by r, reversed every other cycle: each contender
+    takes every position once every len(items) rounds (for 3 contenders, 6 rounds are the 6
+    permutations)."""
+    items = list(items)
+    n = len(items)
+    out = []
+    for r in range(rounds):
+        order = items[r % n :] + items[: r % n]
+        if (r // n) % 2:
+            order.reverse()
+        out.append(order)
+    return out
+
+
+def ratio(
+    num: Mapping[Any, float], den: Mapping[Any, float], *, throughput: bool = False
+) -> dict[str, float] | None:
+    """Compare two contenders from their per-round values (keyed by round).
+
+    A time ratio num/den, or with ``throughput`` the throughput ratio num/den (time den /
+    time num). ``value`` divides the medians, ``of_mins`` the best rounds, ``paired_*``
+    summarize the per-round ratios (which cancel slow rounds that hit both). None when the
+    two have no round in common."""
+    pairs = [num[k] / den[k] for k in num if k in den and den[k] > 0]
+    if not pairs:
+        return None
+    if throughput:
+        num, den = den, num
+        pairs = [1 / x for x in pairs]
+    return {
+        "value": med(list(num.values())) / med(list(den.values())),
+        "of_mins": min(num.values()) / min(den.values()),
+        "paired_median": med(pairs),
+        "paired_min": min(pairs),
+        "paired_max": max(pairs),
+    }
+
+
+_OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
+
+
+def target(value: float, goal: tuple[str, float] | None) -> dict[str, Any]:
+    """``target`` (text) and ``ok`` (None without a goal) of a ratio."""
+    if goal is None:
+        return {"target": "", "ok": None}
+    return {"target": f"{goal[0]} {goal[1]}", "ok": bool(_OPS[goal[0]](value, goal[1]))}
+
+
+def paired_text(q: Mapping[str, Any]) -> str:
+    return f"{q['paired_median']:8.3f} [{q['paired_min']:.3f}..{q['paired_max']:.3f}]"
+
+
+def ok_text(q: Mapping[str, Any]) -> str:
+    return "" if q.get("ok") is None else ("yes" if q["ok"] else "NO")
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, steal) jiffies of the whole machine, from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = f[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def own_cpu() -> int:
+    """utime + stime jiffies of this process (all its threads)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_share(jiffies: float, seconds: float) -> float:
+    """``jiffies`` of CPU time over ``seconds`` as a fraction of all CPUs (>= 0)."""
+    hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    return max(0.0, jiffies / hz / max(seconds, 1e-9) / ncpu)
+
+
+def meminfo() -> dict[str, float]:
+    """MemAvailable, Shmem and Cached in GiB."""
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":", 1)
+        if k in ("MemAvailable", "Shmem", "Cached"):
+            out[k] = int(v.split()[0]) / (1 << 20)
+    return out
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (the longest mount point above it)."""
+    path = path.resolve()
+    best, kind = "", "?"
+    for line in Path("/proc/mounts").read_text().splitlines():
+        mnt, typ = line.split()[1:3]
+        inside = str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) > len(best):
+            best, kind = mnt, typ
+    return kind
+
+
+def evict(paths: Sequence[Path]) -> None:
+    """Drop the (clean) pages of every file under ``paths`` from the page cache."""
+    for root in paths:
+        for dirpath, _dirs, files in os.walk(root):
+            for f in files:
+                try:
+                    fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def wait_idle(max_wait: float, idle_busy: float) -> float:
+    """Wait (up to ``max_wait`` s) until other processes use less than ``idle_busy`` of the
+    CPUs over one second; return the last measured busy fraction."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        b0, _ = cpu_times()
+        time.sleep(1.0)
+        busy = cpu_share(cpu_times()[0] - b0, 1.0)
+        if busy < idle_busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(4.0)
+
+
+def exclusive(lock_path: str) -> Any:
+    """Hold an exclusive lock for the whole run: two benchmark runs on one machine would
+    time each other. Waits (with a message) while another run holds it."""
+    import fcntl
+
+    fh = open(lock_path, "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        print(
+            f"waiting for another benchmark run to finish (lock {lock_path}: {fh.read().strip()})",
+            flush=True,
+        )
+        fcntl.flock(fh, fcntl.LOCK_EX)
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}\n")
+    fh.flush()
+    return fh
+
+
+@contextlib.contextmanager
+def run_dir(parent: str | Path) -> Iterator[Path]:
+    """A fresh ``run-PID-*`` directory inside ``parent``, removed afterwards (and ``parent``
+    too if then empty): concurrent runs never touch each other's files."""
+    parent = Path(parent).absolute()
+    parent.mkdir(parents=True, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=parent))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
+# --------------------------------------------------------------------------- the library
+
+
+def take_snapshot(dst_parent: Path) -> dict[str, Any]:
+    """Copy the distckpt package as it is now into ``dst_parent``: every launch of the run
+    imports that copy, even if the working tree changes while the benchmark runs."""
+    spec = importlib.util.find_spec("distckpt")
+    assert spec is not None and spec.submodule_search_locations
+    src = Path(list(spec.submodule_search_locations)[0])
+    dst = dst_parent / "distckpt"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    digest = hashlib.sha256()
+    for f in sorted(dst.rglob("*.py")):
+        digest.update(str(f.relative_to(dst)).encode() + b"\0" + f.read_bytes())
+    info: dict[str, Any] = {"source": str(src), "sha256": digest.hexdigest()[:16]}
+    info["path"] = str(dst_parent)
+    with contextlib.suppress(OSError):
+        git = ["git", "-C", str(src.parent)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        info["git_head"] = head.stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", str(src)], capture_output=True, text=True
+        )
+        info["git_dirty"] = [x for x in dirty.stdout.split("\n") if x]
+    return info
+
+
+# --------------------------------------------------------------------------- a run
+
+
+class Driver:
+    """One benchmark run: its arguments, events, memory readings, log directory and the
+    library snapshot its workers import. Subclasses implement :meth:`run`."""
+
+    name = "bench"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.events: list[dict[str, Any]] = []
+        self.mem: list[dict[str, Any]] = []
+        self.logdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-logs-"))
+        self.snapshot = take_snapshot(self.logdir / "snapshot") if args.snapshot else None
+
+    def describe(self) -> str:
+        """The first line of the run's output (after the driver's name)."""
+        return ""
+
+    def env(self) -> dict[str, Any]:
+        """The file systems measured and anything else about the machine, for the JSON."""
+        return {}
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def wait_idle(self) -> float:
+        return wait_idle(self.args.wait_idle, self.args.idle_busy)
+
+    def check_memory(self, label: str) -> dict[str, float]:
+        """Record meminfo after ``label``; stop the run below 3 GiB available."""
+        m = meminfo()
+        self.mem.append({"after": label, **m})
+        if m["MemAvailable"] < 3.0:
+            raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
+        return m
+
+    def launch_worker(
+        self,
+        cmd_head: list[str],
+        script: str | Path,
+        spec: dict[str, Any],
+        label: str,
+        env_extra: Mapping[str, str | None],
+    ) -> tuple[dict[str, Any], float, dict[str, float]]:
+        """Run ``cmd_head script --worker SPEC``: the spec (with a result file added) in the
+        log directory, launcher variables scrubbed, ``env_extra`` applied (None removes),
+        the library snapshot first on ``PYTHONPATH``. Stops the run on a failed launch,
+        workers that imported another distckpt, or low memory. Returns (the workers'
+        result, wall seconds of the launch, meminfo after it)."""
+        fd, result = tempfile.mkstemp(prefix="res-", suffix=".json", dir=self.logdir)
+        os.close(fd)
+        spec_file = Path(result).with_suffix(".spec.json")
+        spec_file.write_text(json.dumps({**spec, "result": result}))
+        scrub = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in scrub}
+        env["PYTHONUNBUFFERED"] = "1"
+        for k, v in env_extra.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        first = self.snapshot["path"] if self.snapshot else str(ROOT)
+        env["PYTHONPATH"] = os.pathsep.join([first, *filter(None, [env.get("PYTHONPATH")])])
+        cmd = [*cmd_head, str(Path(script).resolve()), "--worker", str(spec_file)]
+        log = self.logdir / f"{label}.log"
+        t = time.perf_counter()
+        with open(log, "w") as fh:
+            proc = subprocess.run(
+                cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=self.args.launch_timeout
+            )
+        wall = time.perf_counter() - t
+        if proc.returncode != 0:
+            sys.stderr.write(log.read_text()[-6000:])
+            raise SystemExit(f"launch {label} failed (rc {proc.returncode}); log {log}")
+        out = json.loads(Path(result).read_text())
+        if self.snapshot and not out["distckpt_file"].startswith(self.snapshot["path"]):
+            raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
+        return out, wall, self.check_memory(label)
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The command head of a torchrun launch of ``nproc`` workers on this host."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+    ]
+
+
+def common_args(p: argparse.ArgumentParser, *, launches: bool = True) -> None:
+    """Options every driver has: results, report, snapshot, lock, idle wait (and, for
+    drivers that launch workers, the hidden ``--worker`` and ``--launch-timeout``)."""
+    if launches:
+        p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--report", metavar="JSON", help="print the report of a saved --json file and exit"
+    )
+    p.add_argument(
+        "--no-snapshot",
+        dest="snapshot",
+        action="store_false",
+        help="import distckpt from the working tree (default: a copy taken at start, so "
+        "concurrent edits cannot mix versions within a run)",
+    )
+    p.add_argument(
+        "--lock", default=LOCK, help="lock file serializing benchmark runs ('' for none)"
+    )
+    if launches:
+        p.add_argument("--launch-timeout", type=float, default=1800)
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=60,
+        help="wait up to this many seconds for the machine to be idle before measuring",
+    )
+    p.add_argument(
+        "--idle-busy",
+        type=float,
+        default=0.25,
+        help="'idle': other processes use less than this fraction of the CPUs",
+    )
+
+
+def write_results(args: argparse.Namespace, drv: Driver, t0: float, summary: Any) -> None:
+    """Write ``args.json``: the command, the machine, the summary and every event."""
+    import torch
+
+    doc = {
+        "argv": sys.argv,
+        "args": {k: v for k, v in vars(args).items() if k != "worker"},
+        "env": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            **drv.env(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_s": time.time() - t0,
+        "summary": summary,
+        "events": drv.events,
+        "memory": drv.mem,
+        "distckpt_snapshot": drv.snapshot,
+    }
+    Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {args.json}")
+
+
+Summarize = Callable[[argparse.Namespace, list[dict[str, Any]]], Any]
+
+
+def main(
+    args: argparse.Namespace,
+    driver: Callable[[argparse.Namespace], Driver],
+    summarize: Summarize,
+    print_report: Callable[[Any], None],
+    worker_main: Callable[[str], None] | None = None,
+) -> None:
+    """A driver's command line: a worker launch (``--worker``), ``--report`` of a saved
+    file (the saved arguments over the defaults), or a run under the lock that prints the
+    report and writes the JSON. The log directory is removed only after a run that
+    succeeded."""
+    if getattr(args, "worker", None):
+        assert worker_main is not None
+        worker_main(args.worker)
+        return
+    if args.report:
+        doc = json.loads(Path(args.report).read_text())
+        saved = argparse.Namespace(**{**vars(args), **doc["args"]})
+        print_report(summarize(saved, doc["events"]))
+        return
+    lock = exclusive(args.lock) if args.lock else None
+    t0 = time.time()
+    drv = driver(args)
+    print(f"{drv.name}: {drv.describe()}; logs {drv.logdir}", flush=True)
+    if drv.snapshot:
+        s = drv.snapshot
+        print(
+            f"distckpt snapshot {s['sha256']} of {s['source']} (HEAD "
+            f"{s.get('git_head', '?')[:10]}, {len(s.get('git_dirty', []))} files modified)",
+            flush=True,
+        )
+    drv.run()
+    summary = summarize(args, drv.events)
+    print_report(summary)
+    if args.json:
+        write_results(args, drv, t0, summary)
+    shutil.rmtree(drv.logdir, ignore_errors=True)
+    if lock is not None:
+        lock.close()
+
+
+# --------------------------------------------------------------------------- timed sections
+
+
+class Group(Protocol):
+    """What :func:`timed` needs of the processes it times."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None: ...
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+
+class _Solo:
+    """One process: the trivial group."""
+
+    rank, world = 0, 1
+
+    def barrier(self) -> None:
+        pass
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+SOLO: Group = _Solo()
+
+
+@dataclass
+class Section:
+    """A timed section: ``marks[k]`` is max over ranks of the end of step k minus min over
+    ranks of the start; ``own`` the slowest rank's own time to the end of step 0;
+    ``foreign_cpu`` the CPU used by other processes of the machine meanwhile (a fraction
+    of all CPUs; jiffies, so coarse) and ``steal`` the hypervisor's steal time; ``results``
+    this rank's step results."""
+
+    marks: list[float]
+    own: float
+    foreign_cpu: float
+    steal: float
+    results: list[Any]
+
+    def fields(self) -> dict[str, float]:
+        return {"own": self.own, "foreign_cpu": self.foreign_cpu, "steal": self.steal}
+
+
+def timed(group: Group, *steps: Callable[..., Any]) -> Section:
+    """A barrier, then every rank notes its start, runs ``steps[0]()``, then each further
+    ``steps[k](result of step k-1)``, noting the time after each; then a barrier. Times are
+    ``max(end) - min(start)`` over the ranks (CLOCK_MONOTONIC is one clock for the
+    processes of a host): the wall time from the common barrier until the slowest rank is
+    done. The only collectives are the two barriers and a gather after the second."""
+    c0 = own_cpu()
+    group.barrier()
+    m0 = cpu_times() if group.rank == 0 else (0, 0)
+    ts = [time.perf_counter()]
+    results: list[Any] = []
+    for k, step in enumerate(steps):
+        results.append(step(*results[-1:]) if k else step())
+        ts.append(time.perf_counter())
+    group.barrier()
+    m1 = cpu_times() if group.rank == 0 else (0, 0)
+    c1 = own_cpu()
+    got = group.gather((ts, c1 - c0))
+    start = min(g[0][0] for g in got)
+    marks = [max(g[0][k] for g in got) - start for k in range(1, len(ts))]
+    mine = sum(g[1] for g in got)
+    return Section(
+        marks=marks,
+        own=max(g[0][1] - g[0][0] for g in got),
+        foreign_cpu=cpu_share(m1[0] - m0[0] - mine, marks[-1]),
+        steal=cpu_share(m1[1] - m0[1], marks[-1]),
+        results=results,
+    )
+
+
+class RankWorker:
+    """One torchrun rank (``--worker SPEC``): a gloo group, a 1-D CPU mesh, distckpt's
+    communicator over it, DCP; ``out`` is what rank 0 reports to the driver."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        self.torch, self.dist, self.spec = torch, dist, spec
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh("cpu", (self.world,))
+        import torch.distributed.checkpoint as dcp
+
+        import distckpt
+
+        self.distckpt, self.dcp = distckpt, dcp
+        self.comm = distckpt.comm.auto()
+        self.out: dict[str, Any] = {
+            "world": self.world,
+            "events": [],
+            "distckpt_file": distckpt.__file__,
+        }
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+    @classmethod
+    def main(cls, spec_file: str) -> None:
+        """Run a worker from its spec file; rank 0 writes ``out`` to the result file."""
+        spec = json.loads(Path(spec_file).read_text())
+        w = cls(spec)
+        w.run()
+        w.barrier()
+        if w.rank == 0:
+            Path(spec["result"]).write_text(json.dumps(w.out))
+        w.close()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        got: list[Any] = [None] * self.world
+        self.dist.all_gather_object(got, obj)
+        return got
+
+    def allmax(self, d: Mapping[str, float]) -> dict[str, float]:
+        got = self.gather(dict(d))
+        return {k: max(g[k] for g in got) for k in d}
+
+    def check(self, err: str | None, what: str) -> None:
+        """Abort every rank with ``VERIFY FAILED`` if any rank reports an error."""
+        bad = [f"rank {r}: {e}" for r, e in enumerate(self.gather(err)) if e]
+        if bad:
+            raise SystemExit(f"VERIFY FAILED ({what}): " + "; ".join(bad))
+
+    def rmtree(self, *paths: Path) -> None:
+        """Rank 0 removes ``paths`` between two barriers."""
+        self.barrier()
+        if self.rank == 0:
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+        self.barrier()
