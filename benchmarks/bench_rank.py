@@ -1,0 +1,516 @@
+#!/usr/bin/env python
+"""Per-process save and load: distckpt vs raw files, DCP and torch.save, in one process.
+
+One process (no torchrun: distckpt uses its single-process communicator) holds N GiB in 16
+equal tensors (GPU tensors when CUDA is available, bfloat16 there, float32 on CPU) and,
+for each ``--dir``, alternates the contenders over the rounds (order rotated each round,
+an untimed warm-up of each first, each contender's previous files deleted right before
+its own timed save). T is ``--workers``, by default the library's default I/O worker
+count. Contenders (see benchmarks/README.md):
+
+* ``raw``: the limit with T threads and one plain file per tensor. Save: on CUDA every
+  tensor is copied device-to-host into pinned buffers allocated beforehand (one
+  synchronize), then T threads write the files (from the CPU tensors' own memory on CPU),
+  each file fsynced, then the directory. Load: T threads ``preadv`` the files into the
+  pinned buffers (CUDA; then host-to-device copies) or straight into the targets (CPU);
+* ``distckpt``: ``distckpt.save/load(state, path, io_workers=T)``; ``distckpt-1``: the
+  same with ``io_workers=1``;
+* ``distckpt-async``: ``distckpt.save(state, path, async_save=True, io_workers=T)``: the
+  blocking time (until the call returns) and the total (until ``wait()`` returns: the
+  checkpoint is committed);
+* ``copy``: the anchor of the blocking time: the pinned device-to-host copy (CUDA) or a
+  copy into preallocated, touched host buffers (CPU);
+* ``dcp``: ``torch.distributed.checkpoint.save/load(state, checkpoint_id=path)`` with the
+  defaults (one file, one thread); ``dcp-T``: ``storage_writer=FileSystemWriter(path,
+  thread_count=T)`` (its load reads those T files with the default reader);
+* ``torch.save``: ``torch.save(state, file)`` plus fsync of the file and the directory
+  (as every other contender makes its files durable) / ``torch.load(file,
+  map_location=device, weights_only=True)``.
+
+Timing: :func:`harness.timed` in one process (on CUDA each operation ends with a
+``synchronize``, except the blocking part of the async save: the call's return is what
+the caller waits for). On a disk (not tmpfs) the contender's files are evicted from the
+page cache before each timed load (``--cache warm`` keeps them).
+
+Correctness: element k of tensor i holds the low bits of a hash of (i, k) (sign and top
+exponent bit clear: finite values). Targets are filled with all-ones bits before every load; after
+it the first, the last and two random rows of every tensor and one whole tensor
+(rotating) are compared bit-exactly with the pattern; ``distckpt-async``'s warm-up
+checkpoint is loaded and compared too. A mismatch aborts the run (``VERIFY FAILED``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import random
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import harness as h
+
+CONTENDERS = (
+    "raw",
+    "distckpt",
+    "distckpt-1",
+    "distckpt-async",
+    "copy",
+    "dcp",
+    "dcp-T",
+    "torch.save",
+)
+LOADERS = ("raw", "distckpt", "distckpt-1", "dcp", "dcp-T", "torch.save")
+CHUNK = 1 << 30  # bytes per write / preadv call
+
+# --------------------------------------------------------------------------- files
+
+
+def write_file(path: Path, data: memoryview) -> None:
+    """Write ``data`` to a new file and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data[:CHUNK]) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, into: memoryview) -> None:
+    """Fill ``into`` from the file with ``preadv``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        off = 0
+        while off < len(into):
+            n = os.preadv(fd, [into[off : off + CHUNK]], off)
+            if n <= 0:
+                raise OSError(f"short read of {path} at {off}")
+            off += n
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- the contenders
+
+
+class Bench:
+    """The tensors, the buffers and the contenders' operations."""
+
+    def __init__(self, args: argparse.Namespace, distckpt: Any, keyword: bool) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        self.torch, self.dcp, self.distckpt = torch, dcp, distckpt
+        self.cuda = args.device == "cuda"
+        index = torch.cuda.current_device() if self.cuda else None
+        self.device = torch.device(args.device, index)  # cuda:N: compared with t.device
+        self.dtype = getattr(torch, args.dtype)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        self.int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+        self.bits = 8 * size
+        self.cols = 4096
+        self.rows = int(args.gib * h.GiB) // (args.tensors * self.cols * size)
+        self.names = [f"t{i:02d}" for i in range(args.tensors)]
+        self.nbytes = args.tensors * self.rows * self.cols * size
+        self.workers = args.workers
+        self.io = {"distckpt": {"io_workers": args.workers}, "distckpt-1": {"io_workers": 1}}
+        if not keyword:  # the library has no io_workers= yet
+            self.io = {"distckpt": {}, "distckpt-1": {}}
+        self.io["distckpt-async"] = self.io["distckpt"]
+        self.pool = ThreadPoolExecutor(args.workers, thread_name_prefix="raw")
+        shape = (self.rows, self.cols)
+        self.src = {n: self.tensor(shape) for n in self.names}
+        for i, t in enumerate(self.src.values()):
+            t.reshape(-1).view(self.int_dtype).copy_(self.pattern(i, 0, t.numel()))
+        self.dst = {n: self.tensor(shape) for n in self.names}
+        self.reset()
+        # host buffers: pinned (CUDA: raw's staging and the copy anchor) or touched (CPU copy)
+        self.host = [torch.zeros(shape, dtype=self.dtype, pin_memory=self.cuda) for _ in self.names]
+
+    def tensor(self, shape: tuple[int, int]) -> Any:
+        return self.torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def pattern(self, i: int, lo: int, n: int) -> Any:
+        """Elements lo..lo+n of tensor i as integers: the low bits of a 32-bit hash of the
+        element's global index, sign and top exponent bit clear (finite values)."""
+        torch = self.torch
+        g = torch.arange(lo, lo + n, dtype=torch.int64, device=self.device)
+        g += i * self.rows * self.cols
+        x = (g ^ (g >> 32)) & 0xFFFFFFFF
+        for _ in range(2):  # products stay below 2**59: no int64 overflow
+            x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        x = (x >> 16) ^ x
+        return (x & ((1 << (self.bits - 2)) - 1)).to(self.int_dtype)
+
+    def reset(self) -> None:
+        """All-ones bits (a NaN, never in the pattern) in every target."""
+        for t in self.dst.values():
+            t.view(self.int_dtype).fill_(-1)
+
+    def verify(self, got: dict[str, Any], rnd: int, what: str) -> None:
+        """First, last and two random rows of every tensor, and one whole tensor."""
+        rng = random.Random(rnd)
+        whole = rnd % len(self.names)
+        for i, name in enumerate(self.names):
+            t = got[name]
+            if (
+                t.dtype != self.dtype
+                or t.shape != (self.rows, self.cols)
+                or t.device != self.device
+            ):
+                raise SystemExit(
+                    f"VERIFY FAILED ({what}): {name} is {t.dtype} {t.shape} {t.device}"
+                )
+            flat = t.reshape(-1).view(self.int_dtype)
+            rows = {0, self.rows - 1, rng.randrange(self.rows), rng.randrange(self.rows)}
+            spans = [(0, t.numel())] if i == whole else [(r * self.cols, self.cols) for r in rows]
+            for lo, n in spans:
+                if not self.torch.equal(flat[lo : lo + n], self.pattern(i, lo, n)):
+                    raise SystemExit(f"VERIFY FAILED ({what}): {name} elements {lo}..{lo + n}")
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def bytes_of(self, t: Any) -> memoryview:
+        """The bytes of a contiguous CPU tensor, shared."""
+        return memoryview(t.reshape(-1).view(self.torch.uint8).numpy())
+
+    def copy_out(self) -> None:
+        """The copy anchor: every tensor into the host buffers (pinned, one synchronize)."""
+        for b, t in zip(self.host, self.src.values(), strict=True):
+            b.copy_(t, non_blocking=self.cuda)
+        self.sync()
+
+    def raw_save(self, path: Path) -> None:
+        path.mkdir()
+        if self.cuda:
+            self.copy_out()
+        tensors = self.host if self.cuda else list(self.src.values())
+        files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, tensors)]
+        list(self.pool.map(lambda f: write_file(*f), files))
+        fsync_dir(path)
+
+    def raw_load(self, path: Path) -> None:
+        targets = self.host if self.cuda else list(self.dst.values())
+        files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, targets)]
+        list(self.pool.map(lambda f: read_file(*f), files))
+        if self.cuda:
+            for t, b in zip(self.dst.values(), self.host, strict=True):
+                t.copy_(b, non_blocking=True)
+
+    def torch_save(self, path: Path) -> None:
+        path.mkdir()
+        with open(path / "state.pt", "wb") as f:
+            self.torch.save(self.src, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(path)
+
+    def steps(self, who: str, path: Path) -> list[Callable[..., Any]]:
+        """The timed steps of ``who``'s save (the async save: the call, then the wait)."""
+        dcp, io = self.dcp, self.io.get(who, {})
+        if who == "distckpt-async":
+            return [
+                lambda: self.distckpt.save(self.src, path, async_save=True, **io),
+                lambda handle: handle.wait().timings,
+            ]
+        ops: dict[str, Callable[[], Any]] = {
+            "raw": lambda: self.raw_save(path),
+            "copy": self.copy_out,
+            "distckpt": lambda: self.distckpt.save(self.src, path, **io).timings,
+            "dcp": lambda: dcp.save(self.src, checkpoint_id=str(path), no_dist=True),
+            "dcp-T": lambda: dcp.save(
+                self.src,
+                storage_writer=dcp.FileSystemWriter(str(path), thread_count=self.workers),
+                no_dist=True,
+            ),
+            "torch.save": lambda: self.torch_save(path),
+        }
+        ops["distckpt-1"] = ops["distckpt"]
+        return [lambda: (ops[who](), self.sync())[0]]
+
+    def load(self, who: str, path: Path) -> tuple[Any, dict[str, Any]]:
+        """``who``'s load of ``path``: (distckpt's timings or None, the loaded tensors)."""
+        timings = None
+        got = self.dst
+        if who == "raw":
+            self.raw_load(path)
+        elif who.startswith("distckpt"):
+            timings = self.distckpt.load(self.dst, path, **self.io[who]).timings
+        elif who.startswith("dcp"):
+            self.dcp.load(self.dst, checkpoint_id=str(path), no_dist=True)
+        else:
+            got = self.torch.load(path / "state.pt", map_location=self.device, weights_only=True)
+        self.sync()
+        return timings, got
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def io_workers_api(distckpt: Any) -> tuple[bool, int]:
+    """Whether ``save`` and ``load`` take ``io_workers=``, and the library's default count
+    (while the library has none: the CPUs this process may use)."""
+    keyword = all(
+        "io_workers" in inspect.signature(f).parameters for f in (distckpt.save, distckpt.load)
+    )
+    try:
+        from distckpt.transfer import default_io_workers
+    except ImportError:
+        return keyword, len(os.sched_getaffinity(0))
+    return keyword, default_io_workers()
+
+
+class Driver(h.Driver):
+    """Runs the contenders in this process, directory after directory."""
+
+    name = "bench_rank"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        os.environ["DISTCKPT_PROGRESS"] = "0"
+        if self.snapshot:
+            sys.path.insert(0, self.snapshot["path"])
+        import distckpt
+
+        if self.snapshot and not distckpt.__file__.startswith(self.snapshot["path"]):
+            raise SystemExit(f"imported {distckpt.__file__}, not the snapshot")
+        self.distckpt = distckpt
+        self.keyword, default = io_workers_api(distckpt)
+        args.workers = args.workers or default
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    def describe(self) -> str:
+        a = self.args
+        kw = "" if self.keyword else " (distckpt has no io_workers= yet: not passed)"
+        return (
+            f"{a.gib:g} GiB in {a.tensors} {a.dtype} tensors on {a.device}, T = {a.workers} "
+            f"workers{kw}, dirs {a.dir}, {a.rounds} rounds"
+        )
+
+    def env(self) -> dict[str, Any]:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if self.args.device == "cuda" else None
+        return {
+            "fs": {d: h.fs_type(Path(d).parent) for d in self.args.dir},
+            "gpu": gpu,
+            "affinity": len(os.sched_getaffinity(0)),
+            "io_workers_keyword": self.keyword,
+        }
+
+    def run(self) -> None:
+        bench = Bench(self.args, self.distckpt, self.keyword)
+        try:
+            for parent in self.args.dir:
+                with h.run_dir(parent) as d:
+                    self.measure(bench, d)
+        finally:
+            bench.pool.shutdown()
+
+    def measure(self, bench: Bench, d: Path) -> None:
+        """The warm-up, then the rounds, in directory ``d``."""
+        a = self.args
+        fs = h.fs_type(d)
+        cold = a.cache == "cold" and fs != "tmpfs"
+        loads = "cold: page cache evicted" if cold else "from memory"
+        print(f"== {d} ({fs}, loads {loads})", flush=True)
+        paths = {c: d / c for c in a.contenders}
+        for who in a.contenders:  # warm-up: untimed, loads verified
+            self.save(bench, who, paths[who], -1)
+            if who == "distckpt-async" or who in LOADERS:
+                bench.reset()
+                loader = "distckpt" if who == "distckpt-async" else who
+                _, got = bench.load(loader, paths[who])
+                bench.verify(got, -1, f"{who} warm-up")
+        for rnd, order in enumerate(h.rotations(a.contenders, a.rounds)):
+            tag = {"dir": str(d), "fs": fs, "round": rnd, "bytes": bench.nbytes}
+            tag["busy_before_round"] = self.wait_idle()
+            events = [ev for who in order for ev in self.save(bench, who, paths[who], rnd)]
+            for who in (w for w in order if w in LOADERS):
+                bench.reset()
+                if cold:
+                    h.evict([paths[who]])
+                sec = h.timed(h.SOLO, lambda w=who: bench.load(w, paths[w]))
+                timings, got = sec.results[0]
+                bench.verify(got, rnd, f"{who} load")
+                del got, sec.results[:]  # torch.load's copy
+                events.append({"op": "load", "who": who, "span": sec.marks[0], **sec.fields()})
+                if timings is not None:
+                    events[-1]["timings"] = dict(timings)
+            self.events += [{**tag, **e} for e in events]
+            self.check_memory(f"{fs} round {rnd}")
+            oth = max(e["foreign_cpu"] for e in events)
+            for op in ("block", "save", "load"):
+                times = "  ".join(f"{e['who']} {e['span']:.3f}" for e in events if e["op"] == op)
+                if times:
+                    print(f" r{rnd} {op:5} {times}", flush=True)
+            print(f" r{rnd} other CPU before {tag['busy_before_round']:.0%}, timed max {oth:.0%}")
+
+    def save(self, bench: Bench, who: str, path: Path, rnd: int) -> list[dict[str, Any]]:
+        """Delete ``who``'s previous files, then its timed save; its events."""
+        shutil.rmtree(path, ignore_errors=True)
+        bench.sync()
+        sec = h.timed(h.SOLO, *bench.steps(who, path))
+        if who == "copy":
+            return [{"op": "block", "who": who, "span": sec.marks[0], **sec.fields()}]
+        ev = {"op": "save", "who": who, "span": sec.marks[-1], **sec.fields()}
+        if isinstance(sec.results[-1], dict):
+            ev["timings"] = dict(sec.results[-1])
+        if who != "distckpt-async":
+            return [ev]
+        block = {"op": "block", "who": who, "span": sec.marks[0], **sec.fields()}
+        return [block, ev]
+
+
+# --------------------------------------------------------------------------- report
+
+#: (label, op, target): "<op> thr|speedup A/B" compare throughputs, the others times.
+RATIOS: list[tuple[str, str, tuple[str, float] | None]] = [
+    *[(f"{op} thr distckpt/raw", op, None) for op in ("save", "load")],
+    *[
+        (f"{op} time distckpt/{other}", op, None)
+        for op in ("save", "load")
+        for other in ("dcp", "dcp-T", "torch.save")
+    ],
+    *[(f"{op} speedup distckpt/distckpt-1", op, (">=", 1.5)) for op in ("save", "load")],
+    ("block distckpt-async/copy", "block", None),
+    ("total distckpt-async/distckpt", "save", None),
+]
+
+
+def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (dir, op, contender): the spread of the times and GB/s; the ratios."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for e in events:
+        groups.setdefault((e["dir"], e["op"], e["who"]), []).append(e)
+    rows = []
+    for (d, op, who), es in groups.items():
+        spans = [e["span"] for e in es]
+        row = {"dir": d, "fs": es[0]["fs"], "op": op, "who": who, **h.spread(spans)}
+        row.update(GBps=es[0]["bytes"] / 1e9 / row["median_s"], spans=spans)
+        row["other_cpu_median"] = h.med([e["foreign_cpu"] for e in es])
+        tm = [e["timings"] for e in es if "timings" in e]
+        if tm:
+            row["phases_median"] = {k: h.med([t.get(k, 0.0) for t in tm]) for k in tm[0]}
+        rows.append(row)
+    ops = ("block", "save", "load")
+    rows.sort(key=lambda r: (r["dir"], ops.index(r["op"]), CONTENDERS.index(r["who"])))
+
+    ratios = []
+    for d in dict.fromkeys(r["dir"] for r in rows):
+        fs = next(r["fs"] for r in rows if r["dir"] == d)
+
+        def series(op: str, who: str, d: str = d) -> dict[Any, float]:
+            return {e["round"]: e["span"] for e in groups.get((d, op, who), [])}
+
+        for label, op, goal in RATIOS:
+            num, den = label.split()[-1].split("/")
+            thr = label.split()[1] in ("thr", "speedup")  # a throughput ratio
+            q = h.ratio(series(op, num), series(op, den), throughput=thr)
+            if q is not None:
+                ratios.append(
+                    {"label": label, "fs": fs, "dir": d, **q, **h.target(q["value"], goal)}
+                )
+    return {"rows": rows, "ratios": ratios}
+
+
+def print_report(summary: dict[str, Any]) -> None:
+    print()
+    print(
+        f"{'fs':6} {'op':5} {'who':14} {'n':>2} {'median s':>9} {'min s':>8} {'max s':>8} "
+        f"{'GB/s':>7} {'oth%':>5}"
+    )
+    for r in summary["rows"]:
+        print(
+            f"{r['fs'][:6]:6} {r['op']:5} {r['who']:14} {r['n']:>2} {r['median_s']:9.3f} "
+            f"{r['min_s']:8.3f} {r['max_s']:8.3f} {r['GBps']:7.2f} "
+            f"{100 * r['other_cpu_median']:5.0f}"
+        )
+    print()
+    print(
+        f"{'ratio':36} {'fs':6} {'of medians':>10} {'of mins':>8} {'paired med [min..max]':>24} "
+        f"{'target':>7} ok"
+    )
+    for q in summary["ratios"]:
+        print(
+            f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
+            f"{h.paired_text(q)} {q['target']:>7} {h.ok_text(q)}"
+        )
+    phases = [r for r in summary["rows"] if "phases_median" in r]
+    if phases:
+        print("\ndistckpt phases (median over rounds, s):")
+        for r in phases:
+            ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phases_median"].items())
+            print(f"  {r['fs'][:6]:6} {r['op']:5} {r['who']:14} {ph}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    import torch
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    h.common_args(p, launches=False)
+    cuda = torch.cuda.is_available()
+    p.add_argument("--gib", type=float, default=1.0, help="GiB of tensor data (default 1)")
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="T: I/O workers of raw, distckpt, dcp-T (default: the library's default)",
+    )
+    p.add_argument(
+        "--dir",
+        action="append",
+        help="parent directory of the files (a fresh run-PID-* directory inside it is used "
+        "and removed; repeat for several); default: /dev/shm/distckpt-bench (tmpfs) and "
+        "/tmp/distckpt-bench (disk)",
+    )
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    p.add_argument(
+        "--cache",
+        choices=["cold", "warm"],
+        default="cold",
+        help="on a non-tmpfs dir, evict the files before each timed load (cold, default)",
+    )
+    p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 2 rounds, tmpfs only")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.quick:
+        args.gib = 0.125
+        args.rounds = min(args.rounds, 2)
+        args.dir = args.dir or ["/dev/shm/distckpt-bench"]
+        args.wait_idle = min(args.wait_idle, 5)
+    if not args.dir:
+        args.dir = ["/dev/shm/distckpt-bench", "/tmp/distckpt-bench"]
+    return args
+
+
+if __name__ == "__main__":
+    h.main(parse(), Driver, summarize, print_report)
