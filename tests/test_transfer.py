@@ -394,13 +394,12 @@ def test_prepare_async_allocates_the_snapshot_buffers(tmp_path: Path) -> None:
         from distckpt.engine import save as save_mod
 
         params = (64 * 32 + 32) * 4
-        assert save_mod._POOL.nbytes >= 3 * params  # parameters and both Adam moments
+        assert manager.prepare_async() >= 3 * params  # parameters and both Adam moments
         before = dict(save_mod._POOL._buffers)
-        assert manager.prepare_async() == save_mod._POOL.nbytes  # nothing new
         handle = manager.save(async_save=True)
         manager.sync()
         after = save_mod._POOL._buffers
-        assert all(after[k] is v for k, v in before.items())  # the save used them
+        assert after and all(before[k] is v for k, v in after.items())  # none allocated
         assert handle.path.endswith("ckpt-1")
     state = {"w": torch.arange(6.0), "n": 3}
     assert distckpt.prepare_async(state) >= 24

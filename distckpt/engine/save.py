@@ -64,6 +64,7 @@ from distckpt.storage.fsutil import fsync_dir
 from distckpt.storage.staging import Staging, collect_garbage
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.sources import HostData, StagedData, source_for
+from distckpt.transfer.workers import TaskGroup
 from distckpt.transfer.writer import PieceJob, write_pieces
 from distckpt.values import encode
 
@@ -102,14 +103,28 @@ def _gather_leaves(state: dict[str, Any], allow_pickle: bool) -> tuple[list[Leaf
     return leaves, values
 
 
-def _describe(local: _Local) -> list[Desc]:
+def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
+    """This rank's descriptions. Replicated tensors carry their crc32c, for the
+    coordinator to check that every rank holds the same bytes (not needed, so not
+    computed, on one rank); those in host memory are checksummed by the I/O workers."""
+    checksums: dict[str, Any] = {}
+    if world > 1:
+        group = TaskGroup(workers)
+        for leaf in local.leaves:
+            source = local.sources.get(leaf.name)
+            if leaf.replicated and source is not None:
+                if source.staged:  # through the slabs, on this thread
+                    checksums[leaf.name] = source.crc()
+                else:
+                    checksums[leaf.name] = group.submit(source.crc)
+        group.wait()
     descs: list[Desc] = []
     for leaf in local.leaves:
         if leaf.tensor is None:
             kind = "value" if leaf.kind == "value" else "per_rank"
             descs.append(Desc(leaf.name, kind, value=local.values[leaf.name]))
             continue
-        checksum = local.sources[leaf.name].crc() if leaf.replicated else None
+        checksum = checksums.get(leaf.name)
         descs.append(
             Desc(
                 leaf.name,
@@ -118,7 +133,7 @@ def _describe(local: _Local) -> list[Desc]:
                 shape=leaf.shape,
                 box=leaf.box,
                 replicated=leaf.replicated,
-                checksum=checksum,
+                checksum=checksum if isinstance(checksum, int | None) else checksum.result(),
             )
         )
     return descs
@@ -344,7 +359,7 @@ def _protocol(
     payload: Any = local
     if not isinstance(local, Failure):
         try:
-            payload = _describe(local)
+            payload = _describe(local, comm.size, opts.io_workers)
         except Exception as exc:
             local_error, payload = exc, Failure.capture(exc, comm.rank)
     gathered = comm.gather(payload, root=COORDINATOR)

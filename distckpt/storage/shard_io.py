@@ -205,10 +205,21 @@ class ShardFile:
         self._end = self.table.nbytes + (0 if codec else len(parts) * (self.chunk_bytes + 4))
         self._lock = threading.Lock()
         self.finished = False
-        self.fd = create(path)
+        self._closed = False
+        self.fd = -1  # opened by the first write: a rank's shards are not all open at once
+
+    def _fd(self) -> int:
+        if self.fd < 0:
+            with self._lock:
+                if self._closed:
+                    raise ValueError(f"{self.path} is closed")
+                if self.fd < 0:
+                    self.fd = create(self.path)
+        return self.fd
 
     def write(self, linear: int, raw: np.ndarray) -> int:
         """Write inner chunk ``linear`` (its raw bytes, flat uint8); return bytes stored."""
+        fd = self._fd()
         if self.codec is None:
             crc = crc32c(raw)
             stored: np.ndarray | bytes = raw
@@ -218,7 +229,7 @@ class ShardFile:
             crc = crc32c(stored)
             with self._lock:
                 offset, self._end = self._end, self._end + len(stored) + 4
-        length = _pwrite_all(self.fd, [stored, struct.pack("<I", crc)], offset)
+        length = _pwrite_all(fd, [stored, struct.pack("<I", crc)], offset)
         self.table[linear] = crc
         self.index[linear] = (offset, length)
         return length
@@ -226,20 +237,23 @@ class ShardFile:
     def finish(self, fsync: bool = True) -> tuple[int, int]:
         """Write the shard index and the checksum table, fsync, close; (size, table crc)."""
         try:
+            fd = self._fd()
             index_bytes = self.index.tobytes()
             tail = [index_bytes, struct.pack("<I", crc32c(index_bytes))]
-            size = self._end + _pwrite_all(self.fd, tail, self._end)
-            _pwrite_all(self.fd, [self.table], 0)
+            size = self._end + _pwrite_all(fd, tail, self._end)
+            _pwrite_all(fd, [self.table], 0)
             if fsync:
-                os.fsync(self.fd)
+                os.fsync(fd)
         finally:
             self.close()
         self.finished = True
         return size, crc32c(self.table)
 
     def close(self) -> None:
-        if self.fd >= 0:
+        with self._lock:
             fd, self.fd = self.fd, -1
+            self._closed = True
+        if fd >= 0:
             os.close(fd)
 
 

@@ -125,7 +125,7 @@ class TaskGroup:
     After a task fails, tasks that have not started yet are skipped (``cancelled`` is
     set), so a failing save stops quickly; :meth:`wait` still waits for the ones running,
     so no task touches a file or a buffer once the group is done. ``on_bytes(n)`` (a
-    progress hook) is called with each finished task's return value, under a lock.
+    progress hook) is called with each finished task's return value, one call at a time.
     """
 
     def __init__(self, workers: int, on_bytes: Callable[[int], None] | None = None) -> None:
@@ -135,7 +135,6 @@ class TaskGroup:
         self._lock = threading.Lock()
         self._on_bytes = on_bytes
         self.cancelled = threading.Event()
-        self.total = 0
 
     def submit(
         self,
@@ -165,11 +164,9 @@ class TaskGroup:
         finally:
             if release is not None:
                 release()
-        if n:
+        if n and self._on_bytes is not None:
             with self._lock:
-                self.total += n
-                if self._on_bytes is not None:
-                    self._on_bytes(n)
+                self._on_bytes(n)
         return n
 
     def check(self) -> None:

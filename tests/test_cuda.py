@@ -1,0 +1,185 @@
+"""CUDA tensors in and out: staging slabs, background and lazy saves, views, RNG, FSDP2 on
+NCCL, DTensors of several ranks sharing one GPU.
+
+These tests need a CUDA GPU and skip without one. ``DISTCKPT_TEST_CUDA_ON_CPU=1`` runs the
+one-process ones on CPU tensors instead (streams become no-ops), to try the tests
+themselves on a machine without a GPU; CI runs neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch_util import SCRIPTS, check, output, run_torchrun
+from make_golden import tensor_bytes
+from test_single_process import load1, random_tensor, save1
+
+import distckpt
+from distckpt.dtypes import SUPPORTED
+
+ON_CPU = os.environ.get("DISTCKPT_TEST_CUDA_ON_CPU") == "1"
+HAVE_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAVE_CUDA else "cpu"
+pytestmark = [
+    pytest.mark.skipif(not (HAVE_CUDA or ON_CPU), reason="needs a CUDA GPU"),
+    pytest.mark.timeout(300),
+]
+needs_gpu = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def small_slabs() -> Any:
+    """Slabs of 64 KiB: every tensor here crosses several."""
+    distckpt.set_staging(slab_bytes=64 << 10, slabs=3)
+    yield
+    distckpt.set_staging()
+
+
+def other_stream() -> Any:
+    return torch.cuda.stream(torch.cuda.Stream()) if HAVE_CUDA else contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    return t.to(DEVICE)
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), what
+    assert tensor_bytes(got.cpu()) == tensor_bytes(want.cpu()), what
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    return {
+        str(dtype).replace("torch.", ""): on_device(random_tensor(dtype, (67, 515), seed + i))
+        for i, dtype in enumerate(SUPPORTED)
+    }
+
+
+@pytest.mark.parametrize("io_workers", [1, 4])
+def test_every_dtype_to_and_from_the_gpu(tmp_path: Path, io_workers: int) -> None:
+    state = _state(0)
+    save1(state, tmp_path / "ck", small_bytes=1024, inner_bytes=8192, io_workers=io_workers)
+    flat = {k: torch.empty_like(v) for k, v in state.items()}
+    load1(flat, tmp_path / "ck", io_workers=io_workers)
+    holders = {
+        k: torch.empty(v.shape[::-1], dtype=v.dtype, device=DEVICE) for k, v in state.items()
+    }
+    views = {k: h.t() for k, h in holders.items()}  # non-contiguous GPU targets
+    load1(views, tmp_path / "ck", io_workers=io_workers)
+    for k, v in state.items():
+        assert flat[k].device.type == DEVICE and views[k].device.type == DEVICE
+        same_bits(flat[k], v, k)
+        same_bits(views[k].contiguous(), v, k)
+
+
+def test_gpu_views_as_sources_and_targets(tmp_path: Path) -> None:
+    base = on_device(random_tensor(torch.float32, (300, 200), 1))
+    cplx = on_device(random_tensor(torch.complex64, (40, 30), 2))
+    state = {"t": base.t(), "strided": base[::7, 3::5], "conj": cplx.conj(), "row": base[17]}
+    want = {k: v.resolve_conj().contiguous().clone() for k, v in state.items()}
+    save1(state, tmp_path / "ck", small_bytes=256, inner_bytes=4096, io_workers=3)
+    big = torch.zeros(400, 400, device=DEVICE)
+    target = {
+        "t": big[:200, :300],
+        "strided": big[250:, 300:][: want["strided"].shape[0], : want["strided"].shape[1]],
+        "conj": torch.zeros(30, 40, dtype=torch.complex64, device=DEVICE).t(),
+        "row": torch.zeros(2, 200, device=DEVICE)[1],
+    }
+    load1(target, tmp_path / "ck", io_workers=3)
+    for k, v in want.items():
+        same_bits(target[k].contiguous(), v, k)
+    assert not big[200:250].any()  # nothing written outside the targets
+
+
+def test_background_save_keeps_the_values_of_the_call(tmp_path: Path) -> None:
+    state = _state(10)
+    want = {k: v.clone() for k, v in state.items()}
+    handle = distckpt.save(state, tmp_path / "ck", async_save=True, small_bytes=1024)
+    with other_stream(), torch.no_grad():  # training goes on at once, on another stream
+        for v in state.values():
+            v.copy_(torch.zeros_like(v.view(torch.uint8)).view(v.dtype))
+    handle.wait()
+    got = {k: torch.empty_like(v) for k, v in state.items()}
+    load1(got, tmp_path / "ck")
+    for k, v in want.items():
+        same_bits(got[k], v, k)
+
+
+def test_lazy_saves_through_the_manager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    model = model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 64, device=DEVICE), torch.randn(32, 4, device=DEVICE)
+
+    def step() -> None:
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+    step()
+    ckpt = distckpt.Checkpoint(model=model, optimizer=opt)
+    with distckpt.CheckpointManager(ckpt, tmp_path, prepare_async=True) as manager:
+        for mode in ("async", "lazy"):
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            slots = {
+                (i, k): v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()
+            }
+            path = manager.save(async_save=mode == "async", lazy=mode == "lazy").path
+            step()  # waits for a lazy save's copies before changing anything
+            with other_stream(), torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1)
+            manager.sync()
+            fresh = torch.nn.Sequential(
+                torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
+            ).to(DEVICE)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+            distckpt.Checkpoint(model=fresh, optimizer=fresh_opt).restore(path).assert_consumed()
+            for k, v in fresh.state_dict().items():
+                same_bits(v, want[k], f"{mode} {k}")
+            for i, s in enumerate(fresh_opt.state.values()):
+                for k, v in s.items():
+                    same_bits(v, slots[(i, k)], f"{mode} slot {i} {k}")
+
+
+@needs_gpu
+def test_cuda_rng_state_round_trips(tmp_path: Path) -> None:
+    torch.cuda.manual_seed(123)
+    torch.randn(10, device="cuda")
+    ckpt = distckpt.Checkpoint(rng=distckpt.RNGState())
+    path = ckpt.save(tmp_path / "ckpt")
+    after = torch.randn(1000, device="cuda")
+    torch.randn(77, device="cuda")  # move on
+    ckpt.restore(path).assert_consumed()
+    same_bits(torch.randn(1000, device="cuda"), after, "CUDA random stream")
+
+
+# --------------------------------------------------------------------------- several ranks
+
+
+@needs_gpu
+def test_fsdp2_on_nccl_through_checkpoint(tmp_path: Path) -> None:
+    proc = run_torchrun(1, SCRIPTS / "cuda_ranks.py", "fsdp", str(tmp_path), timeout=240)
+    check(proc)
+    assert "OK fsdp 0" in proc.stdout, output(proc)
+
+
+@needs_gpu
+@pytest.mark.parametrize("saved,restored", [(2, [1, 3]), (3, [1, 2])])
+def test_cuda_dtensors_of_ranks_sharing_a_gpu(
+    tmp_path: Path, saved: int, restored: list[int]
+) -> None:
+    script = SCRIPTS / "cuda_ranks.py"
+    proc = run_torchrun(saved, script, "dtensor-save", str(tmp_path), timeout=240)
+    check(proc)
+    for world in restored:
+        proc = run_torchrun(world, script, "dtensor-restore", str(tmp_path), timeout=240)
+        check(proc)
+        for rank in range(world):
+            assert f"OK dtensor-restore {rank}" in proc.stdout, output(proc)
