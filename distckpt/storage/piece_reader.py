@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import crc32c as _crc
 import numpy as np
@@ -23,17 +24,6 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.slices import Box
 from distckpt.storage.codecs import Codec
 from distckpt.storage.shard_io import EMPTY, STEP, as_bytes, crc32c, inner_grid
-
-
-def _row_run(part: Box, chunk: Box) -> tuple[int, int] | None:
-    """(first, end) rows of ``chunk`` that ``part`` covers, when ``part`` is whole rows of it
-    (it spans the chunk in every dimension but the first); else None."""
-    if part.ndim == 0:
-        return (0, 1)
-    if part.lengths[1:] != chunk.lengths[1:]:
-        return None
-    start = part.offsets[0] - chunk.offsets[0]
-    return start, start + part.lengths[0]
 
 
 class PieceReader:
@@ -92,16 +82,25 @@ class PieceReader:
     ) -> None:
         """Read one inner chunk (its bytes scattered over ``segments``, then its crc32c) and
         verify it. Reads in steps of at most :data:`STEP` bytes and checksums each step
-        while it is still in the CPU cache."""
+        while it is still in the CPU cache; the crc32c comes with the last step."""
+        steps = [
+            segment[start : start + STEP]
+            for segment in segments
+            for start in range(0, segment.nbytes, STEP)
+        ]
+        tail = bytearray(4)
         crc = 0
-        for segment in segments:
-            for start in range(0, segment.nbytes, STEP):
-                piece = segment[start : start + STEP]
-                if os.preadv(fd, [piece.data], offset) != piece.nbytes:
-                    raise self._corrupt(f"inner chunk {coord} is truncated")
-                crc = _crc.crc32c(piece.data, crc)
-                offset += piece.nbytes
-        stored = int.from_bytes(os.pread(fd, 4, offset), "little")
+        for k, step in enumerate(steps):
+            last = k == len(steps) - 1
+            buffers: list[Any] = [step.data, tail] if last else [step.data]
+            want = step.nbytes + (4 if last else 0)
+            if os.preadv(fd, buffers, offset) != want:
+                raise self._corrupt(f"inner chunk {coord} is truncated")
+            crc = _crc.crc32c(step.data, crc)
+            offset += step.nbytes
+        if not steps and os.preadv(fd, [tail], offset) != 4:
+            raise self._corrupt(f"inner chunk {coord} is truncated")
+        stored = int.from_bytes(tail, "little")
         if stored != expected or crc != stored:
             raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
 
@@ -202,25 +201,28 @@ class PieceReader:
         finally:
             os.close(fd)
 
-    def chunk_reads(
-        self, block: Sequence[int], inner: Sequence[int], src: Box
-    ) -> list[tuple[tuple[int, ...], int, Box, Box]]:
-        """The inner chunks that ``src`` (block coordinates) meets: (coord, position in
-        the shard index, chunk box, the part of ``src`` in it), in C order."""
+    def chunk_reads(self, block: Sequence[int], inner: Sequence[int], src: Box) -> list[ChunkRead]:
+        """The inner chunks that ``src`` (block coordinates) meets, in C order."""
         grid = inner_grid(block, inner)
-        first = tuple(o // i for o, i in zip(src.offsets, inner, strict=True))
-        last = tuple(
-            (o + n - 1) // i for o, n, i in zip(src.offsets, src.lengths, inner, strict=True)
-        )
-        found = []
-        for coord in itertools.product(*(range(a, b + 1) for a, b in zip(first, last))):
-            chunk_box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
-            part = chunk_box.intersect(src) if chunk_box.ndim else chunk_box
-            if part is None:
-                continue
-            linear = int(np.ravel_multi_index(coord, grid)) if grid else 0
-            found.append((coord, linear, chunk_box, part))
-        return found
+        strides = [math.prod(grid[d + 1 :]) for d in range(len(grid))]
+        per_dim = []
+        for d, (lo, n, size) in enumerate(zip(src.offsets, src.lengths, inner, strict=True)):
+            hi = lo + n
+            per_dim.append(
+                [
+                    (c * strides[d], c * size, max(lo, c * size), min(hi, (c + 1) * size))
+                    for c in range(lo // size, (hi - 1) // size + 1)
+                ]
+            )
+        return [
+            ChunkRead(
+                sum(e[0] for e in combo),
+                tuple(e[1] for e in combo),
+                tuple(e[2] for e in combo),
+                tuple(e[3] - e[2] for e in combo),
+            )
+            for combo in itertools.product(*per_dim)
+        ]
 
     def header(self, fd: int, block: Sequence[int], inner: Sequence[int]) -> ShardHeader:
         """The verified checksum table and shard index of an open shard."""
@@ -233,42 +235,44 @@ class PieceReader:
         fd: int,
         header: ShardHeader,
         inner: Sequence[int],
-        chunk: tuple[tuple[int, ...], int, Box, Box],
+        chunk: ChunkRead,
         src: Box,
         out: np.ndarray,
     ) -> int:
         """Copy the part of ``src`` in one inner chunk (from :meth:`chunk_reads`) into
         ``out`` (shaped like ``src``), verifying the chunk. Returns bytes read."""
-        coord, linear, chunk_box, part = chunk
+        linear = chunk.linear
+        coord = tuple(o // i for o, i in zip(chunk.offsets, inner, strict=True))
         chunk_bytes = math.prod(inner) * self.dtype.itemsize
         offset, length = (int(v) for v in header.index[linear])
         if not self._chunk_fits(offset, length, chunk_bytes, header.size):
             raise self._corrupt(f"inner chunk {coord} is missing or has the wrong size")
-        dst = out[part.relative_to(src).slices()]
-        rows = _row_run(part, chunk_box)
+        dst = out[_index(chunk.part, src.offsets, chunk.lengths)]
+        within = _index(chunk.part, chunk.offsets, chunk.lengths)
+        whole = tuple(chunk.lengths) == tuple(inner)
         expected = header.table[linear]
         if self.codec is not None:
             # A compressed chunk is decompressed whole: straight into the destination
             # when it needs all of it, else into scratch.
-            direct = part == chunk_box and dst.flags.c_contiguous
-            whole = as_bytes(dst) if direct else scratch(chunk_bytes, 0)
-            self._read_compressed(fd, offset, length, expected, coord, whole)
+            direct = whole and dst.flags.c_contiguous
+            target = as_bytes(dst) if direct else scratch(chunk_bytes, 0)
+            self._read_compressed(fd, offset, length, expected, coord, target)
             if not direct:
-                view = whole.view(self.dtype).reshape(tuple(inner))
-                dst[...] = view[part.relative_to(chunk_box).slices()]
-        elif rows is not None and dst.flags.c_contiguous:
+                dst[...] = target.view(self.dtype).reshape(tuple(inner))[within]
+        elif dst.flags.c_contiguous and (not inner or chunk.lengths[1:] == tuple(inner[1:])):
             # The needed rows go straight into the destination; the chunk's other rows
             # (read only to verify its checksum) into scratch: no copy.
+            first = chunk.part[0] - chunk.offsets[0] if inner else 0
             row_bytes = chunk_bytes // inner[0] if inner else chunk_bytes
-            before, after = rows[0] * row_bytes, chunk_bytes - rows[1] * row_bytes
+            before = first * row_bytes
+            after = chunk_bytes - before - dst.nbytes
             spare = scratch(before + after, 0)
             segments = [spare[:before], as_bytes(dst), spare[before : before + after]]
             self._read_verified(fd, offset, segments, expected, coord)
         else:
-            whole = scratch(chunk_bytes, 0)
-            self._read_verified(fd, offset, [whole], expected, coord)
-            view = whole.view(self.dtype).reshape(tuple(inner))
-            dst[...] = view[part.relative_to(chunk_box).slices()]
+            target = scratch(chunk_bytes, 0)
+            self._read_verified(fd, offset, [target], expected, coord)
+            dst[...] = target.view(self.dtype).reshape(tuple(inner))[within]
         return length
 
     def read_sharded(
@@ -285,6 +289,22 @@ class PieceReader:
             return total
         finally:
             os.close(fd)
+
+
+def _index(at: Sequence[int], origin: Sequence[int], lengths: Sequence[int]) -> Any:
+    """The index of the box at ``at`` of ``lengths`` in an array whose origin is at
+    ``origin``; it ends with ``...`` so a 0-d array gives a view, not a scalar."""
+    return (*(slice(a - o, a - o + n) for a, o, n in zip(at, origin, lengths, strict=True)), ...)
+
+
+class ChunkRead(NamedTuple):
+    """One inner chunk a read needs: its position in the shard index, its offsets, and
+    the part of it needed (offsets and lengths), all in block coordinates."""
+
+    linear: int
+    offsets: tuple[int, ...]
+    part: tuple[int, ...]
+    lengths: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.read_plan import Copy, plan_reads
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.index import StoredPiece
-from distckpt.storage.piece_reader import PieceReader, ShardHeader
+from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import copy_context, follow_current, record_event
 from distckpt.transfer.workers import TaskGroup
@@ -207,7 +207,7 @@ def _read_chunks(
     reader: PieceReader,
     header: ShardHeader,
     inner: tuple[int, ...],
-    chunks: list[tuple[tuple[int, ...], int, Box, Box]],
+    chunks: list[ChunkRead],
     src: Box,
     dst: np.ndarray,
     tally: _Tally,
@@ -218,7 +218,7 @@ def _read_chunks(
     finally:
         os.close(fd)
     tally.add(read)
-    return sum(c[3].numel for c in chunks) * reader.dtype.itemsize
+    return sum(math.prod(c.lengths) for c in chunks) * reader.dtype.itemsize
 
 
 def _submit_staged(

@@ -71,16 +71,26 @@ def write_pieces(
     try:
         for path, data in files:
             group.submit(_write_small_file, path, data)
-        # Everything read in place first: it never waits for a slab.
-        ordered = sorted(jobs, key=lambda j: j.data.staged)
-        for job in ordered:
-            group.check()
+        sharded: list[PieceJob] = []
+        for job in jobs:
             if any(n == 0 for n in job.data.shape):
                 results[job.id] = (0, 0)
             elif job.inner is None:
                 group.submit(_write_plain, job, results)
             else:
-                _submit_shard(group, job, results, shards)
+                sharded.append(job)
+        # Everything read in place first (it never waits for a slab); then, a window of
+        # as many shards as there are workers at a time, their runs taken in turn, so the
+        # workers write different files: writes into one file take turns in the kernel
+        # (its inode lock), on most file systems.
+        sharded.sort(key=lambda j: j.data.staged)
+        for start in range(0, len(sharded), workers):
+            window = [_plan(job, results, shards) for job in sharded[start : start + workers]]
+            for k in range(max(len(plan.runs) for plan in window)):
+                for plan in window:
+                    if k < len(plan.runs):
+                        group.check()
+                        _submit_run(group, plan, plan.runs[k])
     except BaseException as exc:
         error = exc
         group.cancelled.set()
@@ -135,12 +145,18 @@ class _Countdown:
             self._last()
 
 
-def _submit_shard(
-    group: TaskGroup,
-    job: PieceJob,
-    results: dict[int, tuple[int, int]],
-    shards: list[ShardFile],
-) -> None:
+@dataclass
+class _Plan:
+    """One shard being written: its file, its runs, and the countdown that finishes it."""
+
+    job: PieceJob
+    shard: ShardFile
+    runs: list[list[ChunkPart]]
+    countdown: _Countdown
+    pool: slabs.SlabPool | None  # staged data: the slabs it passes through
+
+
+def _plan(job: PieceJob, results: dict[int, tuple[int, int]], shards: list[ShardFile]) -> _Plan:
     assert job.inner is not None
     data = job.data
     itemsize = data.dtype.itemsize
@@ -151,33 +167,33 @@ def _submit_shard(
     def finish() -> None:
         results[job.id] = shard.finish()
 
+    pool = slabs.pool(pinned=data.device.type == "cuda") if isinstance(data, StagedData) else None
+    runs = _runs(parts, TASK_BYTES if pool is None else min(TASK_BYTES, pool.slab_bytes))
+    return _Plan(job, shard, runs, _Countdown(len(runs), finish), pool)
+
+
+def _submit_run(group: TaskGroup, plan: _Plan, run: list[ChunkPart]) -> None:
+    data = plan.job.data
     if isinstance(data, HostData):
-        runs = _runs(parts, TASK_BYTES)
-        countdown = _Countdown(len(runs), finish)
-        for run in runs:
-            group.submit(_write_run, shard, run, data.array, countdown)
+        group.submit(_write_run, plan.shard, run, data.array, plan.countdown)
         return
-    pool = slabs.pool(pinned=data.device.type == "cuda")
-    runs = _runs(parts, min(TASK_BYTES, pool.slab_bytes))
-    countdown = _Countdown(len(runs), finish)
-    for run in runs:
-        region = pool.take(sum(p.nbytes for p in run))
-        try:
-            group.check()
-            event = data.fill(region, run)
-        except BaseException:
-            region.release()
-            raise
-        group.submit(
-            _write_staged_run,
-            shard,
-            run,
-            region,
-            event,
-            data.dtype,
-            countdown,
-            release=region.release,
-        )
+    assert plan.pool is not None
+    region = plan.pool.take(sum(p.nbytes for p in run))
+    try:
+        event = data.fill(region, run)
+    except BaseException:
+        region.release()
+        raise
+    group.submit(
+        _write_staged_run,
+        plan.shard,
+        run,
+        region,
+        event,
+        data.dtype,
+        plan.countdown,
+        release=region.release,
+    )
 
 
 def _write_run(
