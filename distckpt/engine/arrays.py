@@ -36,13 +36,3 @@ def writable_view(t: torch.Tensor) -> np.ndarray | None:
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     return numpy_view(t.detach())
-
-
-def tensor_from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` sharing memory with ``arr`` (which holds that dtype)."""
-    if dtype in _NO_NUMPY:
-        int_dtype = _SAME_SIZE_INT[torch.empty((), dtype=dtype).element_size()]
-        return torch.from_numpy(arr.view(np.dtype(str(int_dtype).replace("torch.", "")))).view(
-            dtype
-        )
-    return torch.from_numpy(arr)

@@ -37,7 +37,7 @@ from distckpt.storage.index import StoredPiece
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import copy_context, follow_current, record_event
-from distckpt.transfer.workers import TaskGroup
+from distckpt.transfer.workers import TaskGroup, interleaved
 
 #: Bytes of inner chunks one task reads.
 TASK_BYTES = 8 << 20
@@ -92,28 +92,25 @@ def read_targets(
     tally = _Tally()
     headers = _read_headers(root, jobs, workers, tally)
     group = TaskGroup(workers, on_bytes)
-    error: BaseException | None = None
     used: set[slabs.SlabPool] = set()
-    try:
-        for t, copies in jobs:  # in place first: those never wait for a slab
+
+    def feed() -> None:
+        streams = []  # in place first: those never wait for a slab
+        for t, copies in jobs:
             out = t.out if t.out is not None else writable_view(_tensor(t))
             if out is not None:
-                for copy in copies:
-                    _submit_copy(group, root, t, copy, out, headers, tally)
+                streams += [_copy_tasks(root, t, copy, out, headers, tally) for copy in copies]
+        for fn, args in interleaved(streams, workers):
+            group.submit(fn, *args)
         for t, _ in jobs:
             if t.out is None and writable_view(_tensor(t)) is None:
-                used.add(_submit_staged(group, root, t, headers, tally))
-    except BaseException as exc:
-        error = exc
-        group.cancelled.set()
+                _submit_staged(group, root, t, headers, tally, used)
+
     try:
-        group.wait()
-    except BaseException as exc:
-        error = error or exc
-    for pool in used:
-        pool.drain()  # every copy into a target is complete
-    if error is not None:
-        raise error
+        group.drive(feed)
+    finally:
+        for pool in used:
+            pool.drain()  # every copy into a target is complete
     return tally.total
 
 
@@ -158,42 +155,29 @@ def _read_headers(
     return headers
 
 
-def _submit_copy(
-    group: TaskGroup,
+def _copy_tasks(
     root: Path,
     t: ReadTarget,
     copy: Copy[StoredPiece],
     out: np.ndarray,
     headers: dict[str, ShardHeader],
     tally: _Tally,
-    release: Callable[[], None] | None = None,
-) -> int:
-    """Submit the reads of one copy into ``out`` (the target's array, or a band's);
-    returns the number of tasks (each calls ``release`` once, read or skipped)."""
+) -> list[tuple[Callable[..., int], tuple[Any, ...]]]:
+    """The read tasks (function, arguments) of one copy into ``out`` (the target's array,
+    or a band's): a plain chunk, or runs of inner chunks of at most :data:`TASK_BYTES`."""
     piece = copy.piece
     reader = _reader(root, t, piece)
     dst = out[copy.dst.slices()]
     if piece.inner is None:
-        group.submit(_read_plain, reader, piece.block, copy.src, dst, tally, release=release)
-        return 1
+        return [(_read_plain, (reader, piece.block, copy.src, dst, tally))]
     inner = piece.inner
     chunks = reader.chunk_reads(piece.block, inner, copy.src)
     per_task = max(1, TASK_BYTES // max(1, math.prod(inner) * reader.dtype.itemsize))
-    tasks = 0
-    for start in range(0, len(chunks), per_task):
-        group.submit(
-            _read_chunks,
-            reader,
-            headers[reader.path],
-            inner,
-            chunks[start : start + per_task],
-            copy.src,
-            dst,
-            tally,
-            release=release,
-        )
-        tasks += 1
-    return tasks
+    header = headers[reader.path]
+    return [
+        (_read_chunks, (reader, header, inner, chunks[k : k + per_task], copy.src, dst, tally))
+        for k in range(0, len(chunks), per_task)
+    ]
 
 
 def _read_plain(
@@ -227,11 +211,14 @@ def _submit_staged(
     t: ReadTarget,
     headers: dict[str, ShardHeader],
     tally: _Tally,
-) -> slabs.SlabPool:
-    """Read a target that cannot be written in place, band by band through the slabs."""
+    used: set[slabs.SlabPool],
+) -> None:
+    """Read a target that cannot be written in place, band by band through the slabs
+    (noting the slab pool in ``used``: its copies must be complete before returning)."""
     tensor = _tensor(t)
     dtype = dtypes.numpy_dtype(t.entry["dtype"])
     pool = slabs.pool(pinned=tensor.device.type == "cuda")
+    used.add(pool)
     # The copies run on the workers, onto a side stream that must first see the work
     # queued on this (the caller's) current stream, such as the target's initialisation.
     follow_current(tensor.device)
@@ -247,10 +234,11 @@ def _submit_staged(
         count = 0
         try:
             for copy in copies:
-                count += _submit_copy(group, root, t, copy, staged, headers, tally, landing.done)
+                for fn, args in _copy_tasks(root, t, copy, staged, headers, tally):
+                    group.submit(fn, *args, release=landing.done)
+                    count += 1
         finally:
             landing.expect(count)
-    return pool
 
 
 class _Landing:

@@ -18,11 +18,12 @@ name). ``$DISTCKPT_IO_WORKERS`` overrides the default; the ``io_workers`` keywor
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -102,6 +103,20 @@ def resolve(io_workers: int | None, comm: Any = None) -> int:
     return default_io_workers(local_ranks(comm))
 
 
+def interleaved(streams: Iterable[Sequence[T]], width: int) -> Iterator[T]:
+    """The items of ``streams``, ``width`` streams at a time taken in turn: the first item
+    of each stream of that window, then the second of each, and so on; then the next
+    window. Fed to the workers in this order, each worker mostly keeps to one stream
+    (one file): a file's writes take turns in the kernel anyway (its inode lock), and a
+    file read by one worker at a time is read sequentially."""
+    it = iter(streams)
+    while window := list(itertools.islice(it, width)):
+        for k in range(max(len(s) for s in window)):
+            for stream in window:
+                if k < len(stream):
+                    yield stream[k]
+
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -168,6 +183,23 @@ class TaskGroup:
             with self._lock:
                 self._on_bytes(n)
         return n
+
+    def drive(self, feed: Callable[[], None]) -> None:
+        """Run ``feed`` (which submits the tasks), then wait for every task. If ``feed`` or
+        a task fails, the tasks not started are skipped and, once every running one has
+        stopped, the first error is raised (``feed``'s first)."""
+        error: BaseException | None = None
+        try:
+            feed()
+        except BaseException as exc:
+            error = exc
+            self.cancelled.set()
+        try:
+            self.wait()
+        except BaseException as exc:
+            error = error or exc
+        if error is not None:
+            raise error
 
     def check(self) -> None:
         """Raise now if a task has already failed (waiting for the running ones first)."""

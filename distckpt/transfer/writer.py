@@ -33,7 +33,7 @@ from distckpt.storage.piece_reader import scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, stored_chunk
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import HostData, StagedData
-from distckpt.transfer.workers import TaskGroup
+from distckpt.transfer.workers import TaskGroup, interleaved
 
 #: Bytes of inner chunks one task writes (and one staging copy moves).
 TASK_BYTES = 8 << 20
@@ -67,41 +67,31 @@ def write_pieces(
     group = TaskGroup(workers, on_bytes)
     results: dict[int, tuple[int, int]] = {}
     shards: list[ShardFile] = []
-    error: BaseException | None = None
-    try:
+
+    def feed() -> None:
         for path, data in files:
             group.submit(_write_small_file, path, data)
         sharded: list[PieceJob] = []
         for job in jobs:
             if any(n == 0 for n in job.data.shape):
                 results[job.id] = (0, 0)
-            elif job.inner is None:
-                group.submit(_write_plain, job, results)
+            elif job.inner is None:  # small: a device tensor comes over whole, from here
+                group.submit(_write_plain, job.id, job.path, job.data.host(), results)
             else:
                 sharded.append(job)
-        # Everything read in place first (it never waits for a slab); then, a window of
-        # as many shards as there are workers at a time, their runs taken in turn, so the
-        # workers write different files: writes into one file take turns in the kernel
-        # (its inode lock), on most file systems.
+        # Everything read in place first: it never waits for a slab.
         sharded.sort(key=lambda j: j.data.staged)
-        for start in range(0, len(sharded), workers):
-            window = [_plan(job, results, shards) for job in sharded[start : start + workers]]
-            for k in range(max(len(plan.runs) for plan in window)):
-                for plan in window:
-                    if k < len(plan.runs):
-                        group.check()
-                        _submit_run(group, plan, plan.runs[k])
-    except BaseException as exc:
-        error = exc
-        group.cancelled.set()
+        plans = (_plan(job, results, shards) for job in sharded)
+        runs = ([(plan, run) for run in plan.runs] for plan in plans)
+        for plan, run in interleaved(runs, workers):
+            group.check()
+            _submit_run(group, plan, run)
+
     try:
-        group.wait()
-    except BaseException as exc:
-        error = error or exc
-    for shard in shards:
-        shard.close()  # those not finished (a failure): finished ones are closed
-    if error is not None:
-        raise error
+        group.drive(feed)
+    finally:
+        for shard in shards:
+            shard.close()  # those not finished (a failure): finished ones are closed
     return results
 
 
@@ -110,9 +100,10 @@ def _write_small_file(path: str, data: bytes) -> int:
     return 0
 
 
-def _write_plain(job: PieceJob, results: dict[int, tuple[int, int]]) -> int:
-    data = job.data.host()
-    results[job.id] = shard_io.write_plain(job.path, data)
+def _write_plain(
+    piece: int, path: str, data: np.ndarray, results: dict[int, tuple[int, int]]
+) -> int:
+    results[piece] = shard_io.write_plain(path, data)
     return int(data.nbytes)
 
 
