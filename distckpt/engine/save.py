@@ -107,17 +107,19 @@ def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
     """This rank's descriptions. Replicated tensors carry their crc32c, for the
     coordinator to check that every rank holds the same bytes (not needed, so not
     computed, on one rank); those in host memory are checksummed by the I/O workers."""
-    checksums: dict[str, Any] = {}
+    checksums: dict[str, int] = {}
     if world > 1:
         group = TaskGroup(workers)
+        pending = {}
         for leaf in local.leaves:
             source = local.sources.get(leaf.name)
             if leaf.replicated and source is not None:
                 if source.staged:  # through the slabs, on this thread
                     checksums[leaf.name] = source.crc()
                 else:
-                    checksums[leaf.name] = group.submit(source.crc)
+                    pending[leaf.name] = group.submit(source.crc)
         group.wait()
+        checksums.update((name, future.result()) for name, future in pending.items())
     descs: list[Desc] = []
     for leaf in local.leaves:
         if leaf.tensor is None:
@@ -133,7 +135,7 @@ def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
                 shape=leaf.shape,
                 box=leaf.box,
                 replicated=leaf.replicated,
-                checksum=checksum if isinstance(checksum, int | None) else checksum.result(),
+                checksum=checksum,
             )
         )
     return descs

@@ -204,7 +204,6 @@ class ShardFile:
         self._slot = {p.linear: k for k, p in enumerate(parts)}
         self._end = self.table.nbytes + (0 if codec else len(parts) * (self.chunk_bytes + 4))
         self._lock = threading.Lock()
-        self.finished = False
         self._closed = False
         self.fd = -1  # opened by the first write: a rank's shards are not all open at once
 
@@ -246,7 +245,6 @@ class ShardFile:
                 os.fsync(fd)
         finally:
             self.close()
-        self.finished = True
         return size, crc32c(self.table)
 
     def close(self) -> None:

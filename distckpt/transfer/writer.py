@@ -91,7 +91,7 @@ def write_pieces(
         group.drive(feed)
     finally:
         for shard in shards:
-            shard.close()  # those not finished (a failure): finished ones are closed
+            shard.close()  # after a failure, those not finished (a finished one is closed)
     return results
 
 
