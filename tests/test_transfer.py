@@ -403,3 +403,31 @@ def test_prepare_async_allocates_the_snapshot_buffers(tmp_path: Path) -> None:
         assert handle.path.endswith("ckpt-1")
     state = {"w": torch.arange(6.0), "n": 3}
     assert distckpt.prepare_async(state) >= 24
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def _save_and_load_in_child(path: str) -> None:
+    state = {"w": torch.arange(4096.0).reshape(64, 64).t()}  # staged, on the workers
+    save1(state, Path(path), small_bytes=0, inner_bytes=1024, io_workers=2)
+    got = {"w": torch.zeros(64, 64)}
+    load1(got, Path(path), io_workers=2)
+    os._exit(0 if torch.equal(got["w"], state["w"]) else 3)
+
+
+def test_a_forked_child_saves_with_fresh_workers(tmp_path: Path) -> None:
+    """A process forked after a save (a data loader worker, a forked evaluation) has none
+    of its parent's I/O threads: its saves and loads start their own, and do not hang."""
+    import multiprocessing
+
+    save1({"w": torch.ones(64, 64)}, tmp_path / "parent", small_bytes=0, io_workers=2)
+    child = multiprocessing.get_context("fork").Process(
+        target=_save_and_load_in_child, args=(str(tmp_path / "child"),)
+    )
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in its save or load")
+    assert child.exitcode == 0

@@ -165,6 +165,17 @@ _pools: dict[bool, SlabPool] = {}
 _config: dict[str, int] = {}
 
 
+def _forget_pools() -> None:
+    """In a forked child: the parent's slabs may be in use by its threads; new ones."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
 def set_staging(slab_bytes: int | None = None, slabs: int | None = None) -> None:
     """Size the staging pool (bytes per slab, number of slabs) for the next save or load.
 

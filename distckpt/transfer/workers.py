@@ -121,6 +121,17 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _forget_pools() -> None:
+    """In a forked child: its parent's threads are not there; start afresh if needed."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
 def pool(workers: int) -> ThreadPoolExecutor:
     """The process's pool of ``workers`` I/O threads (kept for the next save or load)."""
     with _pools_lock:
