@@ -36,7 +36,7 @@ from distckpt.storage import codecs, shard_io, zarr_meta
 from distckpt.storage.piece_reader import PieceReader
 from distckpt.storage.staging import leftovers
 from distckpt.transfer import reader as reader_mod
-from distckpt.transfer import workers
+from distckpt.transfer import slabs, workers
 from distckpt.transfer import writer as writer_mod
 from distckpt.transfer.slabs import SlabPool
 from distckpt.transfer.sources import HostData
@@ -76,12 +76,18 @@ def test_chunk_parts_partition_the_data(seed: int) -> None:
     arbitrary = tuple(rng.choice([d for d in range(1, b + 1) if b % d == 0]) for b in block)
     for inner in (planned, arbitrary):
         parts = shard_io.chunk_parts(data, block, inner, itemsize)
-        seen = np.concatenate([_flat_index(p.part, data) for p in parts])
+        boxes = [Box(p.offsets, p.lengths) for p in parts]
+        seen = np.concatenate([_flat_index(b, data) for b in boxes])
         assert sorted(seen.tolist()) == list(range(math.prod(data)))
-        for p in parts:
-            flat = _flat_index(p.part, data)
+        for p, box in zip(parts, boxes, strict=True):
+            assert p.whole == (p.lengths == inner)
+            assert p.linear == np.ravel_multi_index(
+                tuple(o // i for o, i in zip(p.offsets, inner)),
+                tuple(b // i for b, i in zip(block, inner)),
+            )
+            flat = _flat_index(box, data)
             contiguous = bool(np.all(np.diff(flat) == 1))
-            assert (p.start is not None) == contiguous or p.part.numel == 1
+            assert (p.start is not None) == contiguous or box.numel == 1
             if p.start is not None:
                 assert p.start == flat[0] * itemsize
         if inner == planned:
@@ -198,6 +204,104 @@ def test_slab_pool_packs_blocks_and_waits_for_fences() -> None:
     assert got and fence.synced and got[0].tensor.data_ptr() == a.tensor.data_ptr()
     for region in (c, got[0], big):
         region.release()
+
+
+def test_an_interrupted_wait_still_waits_for_the_running_tasks() -> None:
+    """Ctrl-C while a save waits for its workers: the tasks not started are skipped, the
+    running ones finish before the interruption is raised (so no file is closed, and no
+    buffer reused, under a worker)."""
+    import signal
+
+    group = TaskGroup(2)
+    finished: list[int] = []
+
+    def slow(i: int) -> int:
+        time.sleep(0.5)
+        finished.append(i)
+        return 0
+
+    for i in range(6):
+        group.submit(slow, i)
+    main = threading.main_thread().ident
+    assert main is not None
+    threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        group.wait()
+    assert sorted(finished) == [0, 1]  # the two running ones ended before wait() did
+    time.sleep(0.6)
+    assert sorted(finished) == [0, 1]  # and nothing ran after
+
+
+def test_groups_of_other_sizes_do_not_stop_each_other() -> None:
+    first = TaskGroup(2)
+    second = TaskGroup(3)  # another size while the first is in use
+    assert first.submit(lambda: 1).result() == 1
+    assert second.submit(lambda: 2).result() == 2
+    first.wait()
+    second.wait()
+    third = TaskGroup(2)  # once unused, other sizes may go; this one still runs
+    assert third.submit(lambda: 3).result() == 3
+    third.wait()
+
+
+def test_a_failing_staged_checksum_frees_its_slabs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distckpt.transfer.sources import StagedData
+
+    distckpt.set_staging(slab_bytes=4096, slabs=2)
+    try:
+        data = StagedData(random_tensor(torch.float32, (64, 64), 1).t(), "w")
+        real = slabs.Region.typed
+        calls = itertools.count()
+
+        def typed(self: Any, *a: Any) -> Any:
+            if next(calls) == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real(self, *a)
+
+        monkeypatch.setattr(slabs.Region, "typed", typed)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            data.crc()
+        monkeypatch.undo()
+        pool = slabs.pool(pinned=False)
+        assert [s.holders for s in pool._slabs] == [0, 0]
+        want = shard_io.crc32c(data.tensor.contiguous().numpy())
+        assert data.crc() == want  # and the next one does not wait forever
+        distckpt.set_staging(slab_bytes=4096, slabs=1)
+        assert StagedData(data.tensor, "w").crc() == want  # one slab: no overlap, no wait
+    finally:
+        distckpt.set_staging()
+
+
+def test_only_one_region_larger_than_a_slab_at_a_time() -> None:
+    pool = SlabPool(256, 2, pinned=False)
+    first = pool.take(1000)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take(2000)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # waits for the first
+    first.release()
+    waiter.join(5)
+    assert got and got[0].nbytes == 2000
+    got[0].release()
+
+
+def test_an_absent_chunk_in_a_shard_index_is_reported_as_corruption(
+    tmp_path: Path, tiny: None
+) -> None:
+    w = random_tensor(torch.float32, (64, 64), 4)
+    save1({"w": w}, tmp_path / "ck", small_bytes=0, inner_bytes=512)
+    files = (tmp_path / "ck" / "w").rglob("*")
+    (shard,) = [p for p in files if p.is_file() and p.name != "zarr.json"]
+    data = bytearray(shard.read_bytes())
+    nchunks = 32
+    index = np.frombuffer(data[-(nchunks * 16 + 4) : -4], dtype="<u8").copy().reshape(-1, 2)
+    index[3] = (shard_io.EMPTY, shard_io.EMPTY)  # chunk 3 absent, the index itself valid
+    raw = index.tobytes()
+    data[-(nchunks * 16 + 4) :] = raw + shard_io.crc32c(raw).to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"inner chunk \(3, 0\) is missing"):
+        load1({"w": torch.zeros(64, 64)}, tmp_path / "ck", io_workers=2)
 
 
 # --------------------------------------------------------------------------- round trips

@@ -108,18 +108,20 @@ def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
     coordinator to check that every rank holds the same bytes (not needed, so not
     computed, on one rank); those in host memory are checksummed by the I/O workers."""
     checksums: dict[str, int] = {}
-    if world > 1:
-        group = TaskGroup(workers)
-        pending = {}
+    pending: dict[str, Any] = {}
+    group = TaskGroup(workers)
+
+    def feed() -> None:
         for leaf in local.leaves:
             source = local.sources.get(leaf.name)
-            if leaf.replicated and source is not None:
+            if world > 1 and leaf.replicated and source is not None:
                 if source.staged:  # through the slabs, on this thread
                     checksums[leaf.name] = source.crc()
                 else:
                     pending[leaf.name] = group.submit(source.crc)
-        group.wait()
-        checksums.update((name, future.result()) for name, future in pending.items())
+
+    group.drive(feed)
+    checksums.update((name, future.result()) for name, future in pending.items())
     descs: list[Desc] = []
     for leaf in local.leaves:
         if leaf.tensor is None:

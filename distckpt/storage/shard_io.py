@@ -38,12 +38,11 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import crc32c as _crc
 import numpy as np
 
-from distckpt.slices import Box
 from distckpt.storage.codecs import Codec
 
 EMPTY = 2**64 - 1
@@ -94,30 +93,32 @@ def _pwrite_all(fd: int, buffers: Sequence[np.ndarray | bytes], offset: int) -> 
     return total
 
 
-@dataclass(frozen=True)
-class ChunkPart:
+class ChunkPart(NamedTuple):
     """One inner chunk of a shard that holds data, and where that data comes from.
 
-    ``box`` is the chunk and ``part`` the data it holds, both in block coordinates (the
-    piece's data starts at the block's origin); they differ only at the edge of the array,
-    where the rest of the chunk is zeros. ``start`` is the byte offset of ``part`` in the
-    data's C order when ``part`` is one contiguous run of it (always, for the inner chunks
-    distckpt plans), else None.
+    ``offsets`` is the chunk's origin in block coordinates, and the data it holds is the
+    box of ``lengths`` from there (the piece's data starts at the block's origin); that
+    part is smaller than the chunk (``whole`` False) only at the edge of the array, where
+    the rest of the chunk is zeros. ``start`` is the byte offset of the part in the data's C order
+    when the part is one contiguous run of it (always, for the inner chunks distckpt
+    plans), else None. Plain tuples: a shard of a large tensor has thousands of these.
     """
 
     linear: int  # position in the shard index (C order over the inner grid)
-    box: Box
-    part: Box
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    whole: bool
     start: int | None
-    nbytes: int  # bytes of ``part``
-
-    @property
-    def whole(self) -> bool:
-        return self.part == self.box
+    nbytes: int  # bytes of the part
 
     @property
     def end(self) -> int | None:
         return None if self.start is None else self.start + self.nbytes
+
+    @property
+    def slices(self) -> Any:
+        """The part's index into the data (ends with ``...``: a view even when 0-d)."""
+        return (*(slice(a, a + n) for a, n in zip(self.offsets, self.lengths, strict=True)), ...)
 
 
 def chunk_parts(
@@ -131,48 +132,65 @@ def chunk_parts(
     """
     data_shape = tuple(data_shape)
     grid = inner_grid(block, inner)
-    data_box = Box.full(data_shape)
-    present = [range(-(-n // i)) for n, i in zip(data_shape, inner, strict=True)]
+    ndim = len(data_shape)
+    grid_strides = [math.prod(grid[d + 1 :]) for d in range(ndim)]
+    data_strides = [math.prod(data_shape[d + 1 :]) * itemsize for d in range(ndim)]
+    per_dim = [  # (linear step, chunk origin, part length) of each chunk meeting the data
+        [(c * grid_strides[d], c * size, min(size, n - c * size)) for c in range(-(-n // size))]
+        for d, (n, size) in enumerate(zip(data_shape, inner, strict=True))
+    ]
+    inner_t = tuple(inner)
     parts: list[ChunkPart] = []
-    for coord in itertools.product(*present):
-        box = Box(tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner))
-        part = box.intersect(data_box) if box.ndim else box
-        if part is None:
-            continue
-        linear = int(np.ravel_multi_index(coord, grid)) if grid else 0
+    for combo in itertools.product(*per_dim):
+        offsets = tuple(e[1] for e in combo)
+        lengths = tuple(e[2] for e in combo)
+        nbytes = math.prod(lengths) * itemsize
         parts.append(
             ChunkPart(
-                linear, box, part, _run_start(part, data_shape, itemsize), part.numel * itemsize
+                sum(e[0] for e in combo),
+                offsets,
+                lengths,
+                lengths == inner_t,
+                _run_start(offsets, lengths, data_shape, data_strides),
+                nbytes,
             )
         )
     return parts
 
 
-def _run_start(part: Box, data_shape: tuple[int, ...], itemsize: int) -> int | None:
-    """Byte offset of ``part`` in C-ordered data of ``data_shape`` if it is one run."""
-    if part.ndim == 0:
-        return 0
-    first = next((d for d, n in enumerate(part.lengths) if n > 1), part.ndim - 1)
-    for d in range(first + 1, part.ndim):
-        if part.offsets[d] != 0 or part.lengths[d] != data_shape[d]:
+def _run_start(
+    at: tuple[int, ...],
+    lengths: tuple[int, ...],
+    data_shape: tuple[int, ...],
+    data_strides: list[int],
+) -> int | None:
+    """Byte offset of the box (``at``, ``lengths``) in C-ordered data of ``data_shape``
+    if the box is one contiguous run of it, else None."""
+    first = next((d for d, n in enumerate(lengths) if n > 1), len(lengths) - 1)
+    for d in range(first + 1, len(lengths)):
+        if at[d] != 0 or lengths[d] != data_shape[d]:
             return None
-    return int(np.ravel_multi_index(part.offsets, data_shape)) * itemsize
+    return sum(a * s for a, s in zip(at, data_strides, strict=True))
 
 
-def stored_chunk(data: np.ndarray, chunk: ChunkPart, scratch: np.ndarray) -> np.ndarray:
-    """The stored (raw, C-ordered) bytes of ``chunk``, given ``data``, its part's values.
+def stored_chunk(
+    data: np.ndarray, chunk: ChunkPart, inner: Sequence[int], scratch: np.ndarray
+) -> np.ndarray:
+    """The stored (raw, C-ordered) bytes of ``chunk`` (of shape ``inner``), given
+    ``data``, its part's values.
 
     A whole chunk whose data is contiguous is returned without a copy; otherwise the
     chunk is assembled in ``scratch`` (flat uint8, at least one chunk), zeros around the
     part."""
     if chunk.whole and data.flags.c_contiguous:
         return as_bytes(data)
-    shape = chunk.box.lengths
+    shape = tuple(inner)
     nbytes = math.prod(shape) * data.dtype.itemsize
     out = scratch[:nbytes]
     if not chunk.whole:
         out.fill(0)
-    out.view(data.dtype).reshape(shape)[chunk.part.relative_to(chunk.box).slices()] = data
+    within: Any = (*(slice(0, n) for n in chunk.lengths), ...)  # from the chunk's origin
+    out.view(data.dtype).reshape(shape)[within] = data
     return out
 
 
@@ -197,6 +215,7 @@ class ShardFile:
     ) -> None:
         self.path = path
         self.codec = codec
+        self.inner = tuple(inner)
         self.chunk_bytes = math.prod(inner) * itemsize
         nchunks = math.prod(inner_grid(block, inner))
         self.index = np.full((nchunks, 2), EMPTY, dtype="<u8")
@@ -277,7 +296,7 @@ def write_sharded(
     try:
         scratch = np.empty(shard.chunk_bytes, dtype=np.uint8)
         for chunk in parts:
-            shard.write(chunk.linear, stored_chunk(data[chunk.part.slices()], chunk, scratch))
+            shard.write(chunk.linear, stored_chunk(data[chunk.slices], chunk, inner, scratch))
         return shard.finish(fsync)
     finally:
         shard.close()

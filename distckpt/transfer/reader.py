@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from distckpt.planning.read_plan import Copy, plan_reads
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.index import StoredPiece
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
+from distckpt.storage.shard_io import EMPTY
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import copy_context, follow_current, record_event
 from distckpt.transfer.workers import TaskGroup, interleaved
@@ -94,13 +95,17 @@ def read_targets(
     group = TaskGroup(workers, on_bytes)
     used: set[slabs.SlabPool] = set()
 
-    def feed() -> None:
-        streams = []  # in place first: those never wait for a slab
+    def in_place() -> Iterator[list[tuple[Callable[..., int], tuple[Any, ...]]]]:
+        """The tasks of each copy into a target read in place, listed as they are fed."""
         for t, copies in jobs:
             out = t.out if t.out is not None else writable_view(_tensor(t))
             if out is not None:
-                streams += [_copy_tasks(root, t, copy, out, headers, tally) for copy in copies]
-        for fn, args in interleaved(streams, workers):
+                for copy in copies:
+                    yield _copy_tasks(root, t, copy, out, headers, tally)
+
+    def feed() -> None:
+        # In place first: those never wait for a slab.
+        for fn, args in interleaved(in_place(), workers):
             group.submit(fn, *args)
         for t, _ in jobs:
             if t.out is None and writable_view(_tensor(t)) is None:
@@ -188,13 +193,22 @@ def _read_plain(
 
 
 def _will_need(fd: int, header: ShardHeader, chunks: list[ChunkRead]) -> None:
-    """Ask the kernel to start reading the task's whole byte range now: the task then
-    reads it an inner chunk at a time (checksumming each while it is in the CPU cache)
-    without waiting on the device for each (a no-op where the file is in memory)."""
-    spans = [(int(header.index[c.linear][0]), int(header.index[c.linear][1])) for c in chunks]
-    first = min(offset for offset, _ in spans)
-    end = max(offset + length for offset, length in spans)
-    if end > first and hasattr(os, "posix_fadvise"):
+    """Ask the kernel to start reading the task's chunks now, each run of adjacent ones
+    at once: the task then reads them a chunk at a time (checksumming each while it is in
+    the CPU cache) without waiting on the device for each. A no-op where the file is in
+    memory; entries that cannot be right are left to the read to report."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    spans = sorted((int(header.index[c.linear][0]), int(header.index[c.linear][1])) for c in chunks)
+    runs: list[list[int]] = []
+    for offset, length in spans:
+        if offset == EMPTY or offset + length > header.size:
+            continue
+        if runs and runs[-1][1] == offset:
+            runs[-1][1] = offset + length
+        else:
+            runs.append([offset, offset + length])
+    for first, end in runs:
         os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
 
 
@@ -237,18 +251,18 @@ def _submit_staged(
     for band in c_order_bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
         group.check()
         nbytes = band.numel * dtype.itemsize
-        region = pool.take(nbytes)
-        staged = region.array[:nbytes].view(dtype).reshape(band.lengths)
-        offsets = tuple(o + b for o, b in zip(t.box.offsets, band.offsets, strict=True))
-        where = Box(offsets, band.lengths)
-        copies = list(plan_reads(where, t.pieces))
-        landing = _Landing(group, region, tensor, band)
+        landing = _Landing(group, pool.take(nbytes), tensor, band)
         count = 0
         try:
-            for copy in copies:
+            staged = landing.region.array[:nbytes].view(dtype).reshape(band.lengths)
+            offsets = tuple(o + b for o, b in zip(t.box.offsets, band.offsets, strict=True))
+            for copy in plan_reads(Box(offsets, band.lengths), t.pieces):
                 for fn, args in _copy_tasks(root, t, copy, staged, headers, tally):
                     group.submit(fn, *args, release=landing.done)
                     count += 1
+        except BaseException:
+            landing.abandon()  # nothing lands from a band not wholly read
+            raise
         finally:
             landing.expect(count)
 
@@ -256,18 +270,22 @@ def _submit_staged(
 class _Landing:
     """Copies a band from its slab region into the target once all its reads are done
     (each task calls :meth:`done`, read or skipped), then releases the region; after a
-    failure it only releases it."""
+    failure (or :meth:`abandon`) it only releases it."""
 
     def __init__(
         self, group: TaskGroup, region: slabs.Region, tensor: torch.Tensor, band: Box
     ) -> None:
         self._group = group
-        self._region = region
+        self.region = region
         self._tensor = tensor
         self._band = band
         self._lock = threading.Lock()
         self._done = 0
         self._expected: int | None = None
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        self._abandoned = True
 
     def done(self) -> None:
         with self._lock:
@@ -287,11 +305,11 @@ class _Landing:
     def _land(self) -> None:
         fence = None
         try:
-            if not self._group.cancelled.is_set():
+            if not (self._abandoned or self._group.cancelled.is_set()):
                 tensor, band = self._tensor, self._band
-                source = self._region.typed(0, tensor.dtype, band.lengths)
+                source = self.region.typed(0, tensor.dtype, band.lengths)
                 with copy_context(tensor.device, wait=False), torch.no_grad():
                     tensor[band.slices()].copy_(source, non_blocking=tensor.device.type == "cuda")
                     fence = record_event(tensor.device)
         finally:
-            self._region.release(fence)
+            self.region.release(fence)

@@ -10,8 +10,8 @@ The pool holds ``slabs`` slabs of ``slab_bytes`` each (default 4 x 64 MiB; pinne
 CUDA is available), allocated on first use and kept for the life of the process, so host
 memory for staging is bounded by the pool whatever the state's size. Configure it with
 :func:`set_staging` or ``$DISTCKPT_SLAB_MIB`` and ``$DISTCKPT_SLABS``; allocate it ahead
-of the first save with :func:`prepare`. A single inner chunk larger than a slab gets a
-buffer of its own for that save.
+of the first save with :func:`prepare`. An inner chunk larger than a slab (with
+``inner_bytes`` above the slab size) gets a buffer of its own, one at a time.
 
 Regions are handed out in order, packed into the current slab; a slab is reused once
 every region in it was released and the device copies that read or fill them (their
@@ -94,6 +94,7 @@ class SlabPool:
         self.pinned = pinned
         self._slabs = [_Slab() for _ in range(count)]
         self._current = 0
+        self._oversize = False  # a buffer larger than a slab is out
         self._cond = threading.Condition()
 
     @property
@@ -116,9 +117,20 @@ class SlabPool:
                     slab.tensor.zero_()
 
     def take(self, nbytes: int) -> Region:
-        """A region of ``nbytes``; blocks until a slab is free when all are in use."""
-        if nbytes > self.slab_bytes:  # one inner chunk bigger than a slab
-            return Region(self, None, self._alloc(nbytes))
+        """A region of ``nbytes``; blocks until a slab is free when all are in use.
+
+        A region larger than a slab (an inner chunk bigger than a slab) is a buffer of
+        its own, and only one such buffer exists at a time: the next one waits."""
+        if nbytes > self.slab_bytes:
+            with self._cond:
+                while self._oversize:
+                    self._cond.wait()
+                self._oversize = True
+            try:
+                return Region(self, None, self._alloc(nbytes))
+            except BaseException:
+                self._release(None, None)
+                raise
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
         with self._cond:
             slab = self._slabs[self._current]
@@ -143,6 +155,9 @@ class SlabPool:
         if slab is None:
             if fence is not None:
                 fence.synchronize()  # a one-off buffer: free it only after its copy
+            with self._cond:
+                self._oversize = False
+                self._cond.notify_all()
             return
         with self._cond:
             if fence is not None:

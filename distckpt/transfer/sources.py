@@ -60,7 +60,7 @@ def record_event(device: torch.device) -> Any:
     """An event after the copies queued so far on ``device``'s side stream (None on CPU)."""
     if device.type != "cuda":
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)  # waiting workers sleep, not spin
     event.record(side_stream(device))
     return event
 
@@ -118,33 +118,54 @@ class StagedData:
             else:
                 offset = 0
                 for p in parts:
-                    dst = region.typed(offset, self.tensor.dtype, p.part.lengths)
-                    dst.copy_(self.tensor[p.part.slices()], non_blocking=cuda)
+                    dst = region.typed(offset, self.tensor.dtype, p.lengths)
+                    dst.copy_(self._values(p.slices), non_blocking=cuda)
                     offset += p.nbytes
             return record_event(self.device)
 
+    def _values(self, index: tuple[Any, ...]) -> torch.Tensor:
+        """The values of ``tensor[index]``, conjugate and negative views resolved where
+        the tensor is: an asynchronous device-to-host ``copy_`` from such a view would
+        resolve it on the host before the bytes arrive."""
+        part = self.tensor[index]
+        return part.resolve_conj().resolve_neg() if part.is_conj() or part.is_neg() else part
+
     def crc(self) -> int:
-        """crc32c of the tensor's bytes in C order, streamed through the slabs (the next
-        band is copied while the previous one is checksummed)."""
+        """crc32c of the tensor's bytes in C order, streamed through the slabs: with two
+        slabs or more, the next band is copied while the previous one is checksummed."""
         pool = slabs.pool(pinned=self.device.type == "cuda")
         itemsize = self.dtype.itemsize
         crc = 0
-        pending: tuple[Region, Any] | None = None
-        for band in [*c_order_bands(self.shape, itemsize, pool.slab_bytes), None]:
-            issued = None
-            if band is not None and not band.empty:
+        copied: list[tuple[Region, Any]] = []  # in flight, oldest first
+
+        def checksum_oldest() -> None:
+            nonlocal crc
+            region, event = copied[0]
+            if event is not None:
+                event.synchronize()
+            crc = crc32c(region.array, crc)
+            copied.pop(0)
+            region.release()
+
+        try:
+            for band in c_order_bands(self.shape, itemsize, pool.slab_bytes):
+                if band.empty:
+                    continue
+                if copied and pool.count == 1:  # one slab: it must be free for the next
+                    checksum_oldest()
                 region = pool.take(band.numel * itemsize)
+                copied.append((region, None))
                 with copy_context(self.device):
                     dst = region.typed(0, self.tensor.dtype, band.lengths)
-                    dst.copy_(self.tensor[band.slices()], non_blocking=True)
-                    issued = (region, record_event(self.device))
-            if pending is not None:
-                done, event = pending
-                if event is not None:
-                    event.synchronize()
-                crc = crc32c(done.array, crc)
-                done.release()
-            pending = issued
+                    dst.copy_(self._values(band.slices()), non_blocking=True)
+                    copied[-1] = (region, record_event(self.device))
+                if len(copied) > 1:
+                    checksum_oldest()
+            while copied:
+                checksum_oldest()
+        finally:
+            for region, event in copied:  # after a failure
+                region.release(event)
         return crc
 
 

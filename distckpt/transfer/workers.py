@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -118,6 +119,7 @@ def interleaved(streams: Iterable[Sequence[T]], width: int) -> Iterator[T]:
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
+_users: dict[int, int] = {}  # task groups using each pool now
 _pools_lock = threading.Lock()
 
 
@@ -125,6 +127,7 @@ def _forget_pools() -> None:
     """In a forked child: its parent's threads are not there; start afresh if needed."""
     global _pools_lock
     _pools.clear()
+    _users.clear()
     _pools_lock = threading.Lock()
 
 
@@ -132,17 +135,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def pool(workers: int) -> ThreadPoolExecutor:
-    """The process's pool of ``workers`` I/O threads (kept for the next save or load)."""
+def _acquire(workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` I/O threads, kept for the next save or load;
+    pools of other sizes that nobody uses are shut down."""
     with _pools_lock:
+        for size in [n for n, users in _users.items() if not users and n != workers]:
+            _pools.pop(size).shutdown(wait=False)
+            del _users[size]
         found = _pools.get(workers)
         if found is None:
-            for other in _pools.values():  # one size at a time: release the others
-                other.shutdown(wait=False)
-            _pools.clear()
-            found = ThreadPoolExecutor(workers, thread_name_prefix="distckpt-io")
-            _pools[workers] = found
+            found = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="distckpt-io")
+        _users[workers] = _users.get(workers, 0) + 1
         return found
+
+
+def _release(workers: int) -> None:
+    with _pools_lock:
+        if _users.get(workers):
+            _users[workers] -= 1
 
 
 class TaskGroup:
@@ -150,13 +160,16 @@ class TaskGroup:
 
     After a task fails, tasks that have not started yet are skipped (``cancelled`` is
     set), so a failing save stops quickly; :meth:`wait` still waits for the ones running,
-    so no task touches a file or a buffer once the group is done. ``on_bytes(n)`` (a
-    progress hook) is called with each finished task's return value, one call at a time.
+    so no task touches a file or a buffer once the group is done (even when the waiting
+    thread is interrupted). ``on_bytes(n)`` (a progress hook) is called with each
+    finished task's return value, one call at a time. A group holds its pool of threads
+    until its last :meth:`wait`.
     """
 
     def __init__(self, workers: int, on_bytes: Callable[[int], None] | None = None) -> None:
         self.workers = workers
-        self._pool = pool(workers)
+        self._pool = _acquire(workers)
+        self._held = True
         self._futures: list[Future[Any]] = []
         self._lock = threading.Lock()
         self._on_bytes = on_bytes
@@ -170,6 +183,8 @@ class TaskGroup:
     ) -> Future[Any]:
         """Run ``fn(*args)`` on a worker; ``release()`` runs after it, or instead of it
         when the task is skipped, in every case (it frees what the task held)."""
+        if not self._held:  # waited for already: hold the pool again
+            self._pool, self._held = _acquire(self.workers), True
         future = self._pool.submit(self._run, fn, args, release)
         self._futures.append(future)
         return future
@@ -181,18 +196,17 @@ class TaskGroup:
         release: Callable[[], None] | None,
     ) -> int | None:
         try:
-            if self.cancelled.is_set():
-                return None
-            n = fn(*args)
+            try:
+                n = None if self.cancelled.is_set() else fn(*args)
+            finally:
+                if release is not None:
+                    release()
+            if n and self._on_bytes is not None:
+                with self._lock:
+                    self._on_bytes(n)
         except BaseException:
             self.cancelled.set()
             raise
-        finally:
-            if release is not None:
-                release()
-        if n and self._on_bytes is not None:
-            with self._lock:
-                self._on_bytes(n)
         return n
 
     def drive(self, feed: Callable[[], None]) -> None:
@@ -218,12 +232,24 @@ class TaskGroup:
             self.wait()
 
     def wait(self) -> None:
-        """Wait for every task; raise the first failure in submission order."""
-        error: BaseException | None = None
-        for future in self._futures:
-            exc = future.exception()
-            if exc is not None and error is None:
-                error = exc
-        self._futures.clear()
-        if error is not None:
-            raise error
+        """Wait for every task; raise the first failure in submission order. Interrupted
+        (KeyboardInterrupt) while waiting, it skips the tasks not started, still waits for
+        the running ones, then raises the interruption."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                futures.wait(self._futures)
+                break
+            except BaseException as exc:
+                self.cancelled.set()
+                interrupted = interrupted or exc
+        done, self._futures = self._futures, []
+        if self._held:
+            _release(self.workers)
+            self._held = False
+        if interrupted is not None:
+            raise interrupted
+        for future in done:
+            failure = future.exception()
+            if failure is not None:
+                raise failure

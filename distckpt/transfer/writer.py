@@ -170,21 +170,22 @@ def _submit_run(group: TaskGroup, plan: _Plan, run: list[ChunkPart]) -> None:
         return
     assert plan.pool is not None
     region = plan.pool.take(sum(p.nbytes for p in run))
+    event = None
     try:
         event = data.fill(region, run)
+        group.submit(
+            _write_staged_run,
+            plan.shard,
+            run,
+            region,
+            event,
+            data.dtype,
+            plan.countdown,
+            release=lambda: region.release(event),
+        )
     except BaseException:
-        region.release()
+        region.release(event)
         raise
-    group.submit(
-        _write_staged_run,
-        plan.shard,
-        run,
-        region,
-        event,
-        data.dtype,
-        plan.countdown,
-        release=region.release,
-    )
 
 
 def _write_run(
@@ -192,7 +193,7 @@ def _write_run(
 ) -> int:
     buf = scratch(shard.chunk_bytes, 0)
     for part in run:
-        shard.write(part.linear, stored_chunk(data[part.part.slices()], part, buf))
+        shard.write(part.linear, stored_chunk(data[part.slices], part, shard.inner, buf))
     countdown.done()
     return sum(p.nbytes for p in run)
 
@@ -210,8 +211,8 @@ def _write_staged_run(
     buf = scratch(shard.chunk_bytes, 0)
     offset = 0
     for part in run:
-        values = region.array[offset : offset + part.nbytes].view(dtype).reshape(part.part.lengths)
-        shard.write(part.linear, stored_chunk(values, part, buf))
+        values = region.array[offset : offset + part.nbytes].view(dtype).reshape(part.lengths)
+        shard.write(part.linear, stored_chunk(values, part, shard.inner, buf))
         offset += part.nbytes
     countdown.done()
     return offset
