@@ -78,7 +78,7 @@ def read_targets(
 ) -> int:
     """Fill every target, verifying every checksum read; returns the bytes read from
     storage (as stored). ``on_bytes(n)`` counts the target bytes filled."""
-    jobs = []
+    jobs: list[tuple[ReadTarget, list[Copy[StoredPiece]], np.ndarray | None]] = []
     for t in targets:
         if t.box.empty:
             continue
@@ -89,7 +89,9 @@ def read_targets(
                 f"variable {t.name!r}: the stored pieces do not cover slice {t.box} "
                 f"of shape {t.entry['shape']}"
             )
-        jobs.append((t, copies))
+        # Read in place where the target allows it, else through the slabs (None).
+        out = t.out if t.out is not None else writable_view(_tensor(t))
+        jobs.append((t, copies, out))
     tally = _Tally()
     headers = _read_headers(root, jobs, workers, tally)
     group = TaskGroup(workers, on_bytes)
@@ -97,8 +99,7 @@ def read_targets(
 
     def in_place() -> Iterator[list[tuple[Callable[..., int], tuple[Any, ...]]]]:
         """The tasks of each copy into a target read in place, listed as they are fed."""
-        for t, copies in jobs:
-            out = t.out if t.out is not None else writable_view(_tensor(t))
+        for t, copies, out in jobs:
             if out is not None:
                 for copy in copies:
                     yield _copy_tasks(root, t, copy, out, headers, tally)
@@ -107,8 +108,8 @@ def read_targets(
         # In place first: those never wait for a slab.
         for fn, args in interleaved(in_place(), workers):
             group.submit(fn, *args)
-        for t, _ in jobs:
-            if t.out is None and writable_view(_tensor(t)) is None:
+        for t, _, out in jobs:
+            if out is None:
                 _submit_staged(group, root, t, headers, tally, used)
 
     try:
@@ -131,7 +132,7 @@ def _reader(root: Path, t: ReadTarget, piece: StoredPiece) -> PieceReader:
 
 def _read_headers(
     root: Path,
-    jobs: list[tuple[ReadTarget, list[Copy[StoredPiece]]]],
+    jobs: list[tuple[ReadTarget, list[Copy[StoredPiece]], np.ndarray | None]],
     workers: int,
     tally: _Tally,
 ) -> dict[str, ShardHeader]:
@@ -149,7 +150,7 @@ def _read_headers(
 
     group = TaskGroup(workers)
     seen: set[str] = set()
-    for t, copies in jobs:
+    for t, copies, _ in jobs:
         for copy in copies:
             piece = copy.piece
             if piece.inner is None or piece.file in seen:

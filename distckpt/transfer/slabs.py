@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from distckpt.transfer.workers import positive_int
+
 MiB = 1 << 20
 DEFAULT_SLAB_BYTES = 64 * MiB
 DEFAULT_SLABS = 4
@@ -38,15 +40,7 @@ ALIGN = 64  # every region starts at a multiple of this (any dtype's alignment)
 
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number") from None
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
+    return positive_int(raw, name) if raw else default
 
 
 @dataclass

@@ -78,17 +78,18 @@ def default_io_workers(local: int | None = None) -> int:
     """The worker count a rank uses when nothing says otherwise (see the module doc)."""
     raw = os.environ.get(ENV, "").strip()
     if raw:
-        return _parse(raw, ENV)
+        return positive_int(raw, ENV)
     local = local if local is not None else (local_ranks_from_env() or 1)
     cpus = os.cpu_count() or 1
     return max(1, min(_affinity(), cpus // max(1, local), MAX_DEFAULT))
 
 
-def _parse(raw: object, what: str) -> int:
+def positive_int(raw: object, what: str) -> int:
+    """``raw`` as a whole number of at least 1; ValueError naming ``what`` otherwise."""
     try:
         n = int(str(raw))
     except ValueError:
-        raise ValueError(f"{what}={raw!r} is not a number of I/O workers") from None
+        raise ValueError(f"{what}={raw!r} is not a whole number") from None
     if n < 1:
         raise ValueError(f"{what} must be at least 1, got {n}")
     return n
@@ -98,7 +99,7 @@ def resolve(io_workers: int | None, comm: Any = None) -> int:
     """``io_workers`` if given, else ``$DISTCKPT_IO_WORKERS``, else the default for this
     rank (which may ask ``comm`` how many ranks share the node: call it on every rank)."""
     if io_workers is not None:
-        return _parse(io_workers, "io_workers")
+        return positive_int(io_workers, "io_workers")
     if os.environ.get(ENV, "").strip():
         return default_io_workers()
     return default_io_workers(local_ranks(comm))
