@@ -443,15 +443,7 @@ def print_report(summary: dict[str, Any]) -> None:
             f"{100 * r['other_cpu_median']:5.0f}"
         )
     print()
-    print(
-        f"{'ratio':36} {'fs':6} {'of medians':>10} {'of mins':>8} {'paired med [min..max]':>24} "
-        f"{'target':>7} ok"
-    )
-    for q in summary["ratios"]:
-        print(
-            f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
-            f"{h.paired_text(q)} {q['target']:>7} {h.ok_text(q)}"
-        )
+    h.print_fs_ratios(summary["ratios"])
     phases = [r for r in summary["rows"] if "phases_median" in r]
     if phases:
         print("\ndistckpt phases (median over rounds, s):")

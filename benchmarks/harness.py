@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,6 +108,19 @@ def paired_text(q: Mapping[str, Any]) -> str:
 
 def ok_text(q: Mapping[str, Any]) -> str:
     return "" if q.get("ok") is None else ("yes" if q["ok"] else "NO")
+
+
+def print_fs_ratios(ratios: Iterable[Mapping[str, Any]]) -> None:
+    """The table of ratios by file system: of medians, of mins, paired, target."""
+    print(
+        f"{'ratio':36} {'fs':6} {'of medians':>10} {'of mins':>8} {'paired med [min..max]':>24} "
+        f"{'target':>7} ok"
+    )
+    for q in ratios:
+        print(
+            f"{q['label']:36} {q['fs'][:6]:6} {q['value']:10.3f} {q['of_mins']:8.3f} "
+            f"{paired_text(q)} {q['target']:>7} {ok_text(q)}"
+        )
 
 
 # --------------------------------------------------------------------------- the machine
