@@ -130,24 +130,6 @@ class PieceReader:
             return False
         return length > 4 if self.codec is not None else length == chunk_bytes + 4
 
-    def _read_header(self, fd: int, nchunks: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(file size, checksum table, shard index as (nchunks, 2) offsets and lengths) of
-        a shard, each verified: the table against the checkpoint index, the shard index
-        against its own crc32c."""
-        size = os.fstat(fd).st_size
-        index_len = nchunks * 16 + 4
-        if size < index_len:
-            raise self._corrupt(f"shard is truncated ({size} bytes)")
-        raw_table = os.pread(fd, nchunks * 4, 0)
-        if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
-            raise self._corrupt("shard checksum table does not match the checkpoint index")
-        table = np.frombuffer(raw_table, dtype="<u4")
-        raw_index = os.pread(fd, index_len, size - index_len)
-        if crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:], "little"):
-            raise self._corrupt("shard index fails its crc32c checksum")
-        index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
-        return size, table, index
-
     def verify_sharded(
         self,
         block: Sequence[int],
@@ -170,8 +152,9 @@ class PieceReader:
         data_box = Box.full(lengths)
         fd = self._open()
         try:
-            size, table, index = self._read_header(fd, nchunks)
-            total = index_len + nchunks * 4
+            header = self.header(fd, block, inner)
+            size, table, index = header.size, header.table, header.index
+            total = header.nbytes
             if on_bytes is not None:
                 on_bytes(total)
             end = nchunks * 4
@@ -225,10 +208,23 @@ class PieceReader:
         ]
 
     def header(self, fd: int, block: Sequence[int], inner: Sequence[int]) -> ShardHeader:
-        """The verified checksum table and shard index of an open shard."""
+        """The file size, checksum table and shard index ((nchunks, 2) offsets and
+        lengths) of an open shard, each verified: the table against the checkpoint index,
+        the shard index against its own crc32c."""
         nchunks = math.prod(inner_grid(block, inner))
-        size, table, index = self._read_header(fd, nchunks)
-        return ShardHeader(size, table, index, nchunks * 16 + 4 + nchunks * 4)
+        size = os.fstat(fd).st_size
+        index_len = nchunks * 16 + 4
+        if size < index_len:
+            raise self._corrupt(f"shard is truncated ({size} bytes)")
+        raw_table = os.pread(fd, nchunks * 4, 0)
+        if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
+            raise self._corrupt("shard checksum table does not match the checkpoint index")
+        table = np.frombuffer(raw_table, dtype="<u4")
+        raw_index = os.pread(fd, index_len, size - index_len)
+        if crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:], "little"):
+            raise self._corrupt("shard index fails its crc32c checksum")
+        index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
+        return ShardHeader(size, table, index, index_len + nchunks * 4)
 
     def read_chunk(
         self,
