@@ -78,6 +78,10 @@ class Box:
         """
         return (*(slice(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True)), ...)
 
+    def shifted(self, origin: Sequence[int]) -> Box:
+        """This box moved by ``origin`` (from a frame at ``origin`` into the outer one)."""
+        return Box(tuple(o + b for o, b in zip(self.offsets, origin, strict=True)), self.lengths)
+
     def contains(self, other: Box) -> bool:
         return all(
             so <= oo and oo + on <= so + sn
@@ -197,3 +201,31 @@ def c_order_bands(shape: Sequence[int], itemsize: int, limit: int) -> Iterator[B
                 (*lead, start, *([0] * (len(shape) - d - 1))),
                 ((1,) * d + (min(step, shape[d] - start),) + shape[d + 1 :]),
             )
+
+
+def byte_runs(shape: Sequence[int], box: Box, itemsize: int) -> Iterator[tuple[int, int]]:
+    """``(offset, length)`` in bytes of the contiguous runs that ``box`` occupies in a
+    C-order array of ``shape``, in C order: concatenated, they are the box's own C-order
+    bytes. Trailing dimensions the box spans whole merge into one run::
+
+        >>> list(byte_runs((4, 6), Box((1, 2), (2, 3)), 1))
+        [(8, 3), (14, 3)]
+        >>> list(byte_runs((4, 6), Box((1, 0), (2, 6)), 1))
+        [(6, 12)]
+    """
+    shape = tuple(int(n) for n in shape)
+    if box.empty:
+        return
+    k = len(shape) - 1  # the innermost dimension the box does not span whole
+    while k >= 0 and box.offsets[k] == 0 and box.lengths[k] == shape[k]:
+        k -= 1
+    if k < 0:
+        yield 0, math.prod(shape) * itemsize
+        return
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+    length = box.lengths[k] * strides[k]
+    base = box.offsets[k] * strides[k]
+    for lead in itertools.product(
+        *(range(o, o + n) for o, n in zip(box.offsets[:k], box.lengths[:k]))
+    ):
+        yield base + sum(i * s for i, s in zip(lead, strides, strict=False)), length

@@ -384,9 +384,9 @@ def test_export_safetensors_memory_is_bounded(
     sizes: list[int] = []
     real = export_mod.read_region
 
-    def counting(root: Any, name: str, entry: Any, box: Box, out: np.ndarray) -> int:
+    def counting(root: Any, name: str, entry: Any, box: Box, out: np.ndarray, **kw: Any) -> int:
         sizes.append(out.nbytes)
-        return real(root, name, entry, box, out)
+        return real(root, name, entry, box, out, **kw)
 
     monkeypatch.setattr(export_mod, "read_region", counting)
     written: list[int] = []

@@ -121,18 +121,8 @@ def _load_local(
     names = {leaf.name for leaf in leaves}
     result.missing = sorted(n for n in names if n not in stored)
     result.unexpected = sorted(n for n in stored if n not in names)
-    if strict and (result.missing or result.unexpected):
-        parts = []
-        if result.missing:
-            parts.append("missing from the checkpoint: " + ", ".join(result.missing))
-        if result.unexpected:
-            parts.append("in the checkpoint but not in the state: " + ", ".join(result.unexpected))
-        raise MissingVariablesError(
-            f"{result.path}: names do not match (pass strict=False for a partial restore); "
-            + "; ".join(parts),
-            result.missing,
-            result.unexpected,
-        )
+    if strict:
+        check_names(result.path, result.missing, result.unexpected)
     saved_world = int(index.get("world_size", world))
     # Check every leaf before reading anything.
     jobs: list[tuple[Leaf, dict[str, Any]]] = []
@@ -145,7 +135,7 @@ def _load_local(
             entry = _per_rank_entry(leaf.name, entry, rank, world, saved_world)
             if world != saved_world:
                 moved.append(leaf.name)
-        jobs.append((leaf, _check(leaf, entry)))
+        jobs.append((leaf, check_leaf(leaf, entry)))
         if entry.get("kind") == "tensor":  # an unknown codec fails before any read
             for piece in entry["pieces"]:
                 index_mod.StoredPiece.from_json(piece, leaf.name)
@@ -158,7 +148,7 @@ def _load_local(
             saved_world,
             ", ".join(moved),
         )
-    targets = [(leaf, entry, _target(leaf, entry)) for leaf, entry in jobs]
+    targets = [(leaf, entry, target_box(leaf, entry)) for leaf, entry in jobs]
     total = sum(
         box.numel * dtypes.itemsize(entry["dtype"]) for _, entry, box in targets if box is not None
     )
@@ -167,7 +157,7 @@ def _load_local(
     fresh: list[tuple[Leaf, torch.Tensor]] = []
     for leaf, entry, box in targets:
         if box is None:
-            _assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
+            assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
             tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
             reads.append(ReadTarget(leaf.name, entry, box, tensor))
@@ -178,12 +168,31 @@ def _load_local(
     with progress(f"loading {result.path.name} (rank 0's share)", total, rank=rank) as bar:
         result.bytes_read = read_targets(result.path, reads, workers=workers, on_bytes=bar.update)
     for leaf, tensor in fresh:
-        _assign(leaf, tensor)
+        assign(leaf, tensor)
     result.timings["plan"] = t_plan - t0
     result.timings["read"] = time.perf_counter() - t_plan
 
 
-def _target(leaf: Leaf, entry: dict[str, Any]) -> Box | None:
+def check_names(
+    path: Path, missing: list[str], unexpected: list[str], source: str = "checkpoint"
+) -> None:
+    """Raise :class:`MissingVariablesError` listing every name on one side only."""
+    if not (missing or unexpected):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing from the {source}: " + ", ".join(missing))
+    if unexpected:
+        parts.append(f"in the {source} but not in the state: " + ", ".join(unexpected))
+    raise MissingVariablesError(
+        f"{path}: names do not match (pass strict=False for a partial restore); "
+        + "; ".join(parts),
+        missing,
+        unexpected,
+    )
+
+
+def target_box(leaf: Leaf, entry: dict[str, Any]) -> Box | None:
     """The box of the stored tensor that ``leaf`` takes; None for a value."""
     if entry["kind"] == "value":
         return None
@@ -210,7 +219,7 @@ def _per_rank_entry(
     return ranks[str(source)]
 
 
-def _check(leaf: Leaf, entry: dict[str, Any]) -> dict[str, Any]:
+def check_leaf(leaf: Leaf, entry: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
     """Raise a clear error when the stored entry cannot fill ``leaf``."""
     kind = entry.get("kind")
     if leaf.tensor is None:
@@ -222,13 +231,13 @@ def _check(leaf: Leaf, entry: dict[str, Any]) -> dict[str, Any]:
         return entry
     if kind != "tensor":
         raise ShapeMismatchError(
-            f"variable {leaf.name!r} is a tensor in the state but a {kind} in the checkpoint"
+            f"variable {leaf.name!r} is a tensor in the state but a {kind} in the {source}"
         )
     stored_shape = list(entry["shape"])
     if list(leaf.shape) != stored_shape:
         raise ShapeMismatchError(
             f"variable {leaf.name!r}: shape in the state {list(leaf.shape)} does not match the "
-            f"shape stored in checkpoint: {stored_shape}"
+            f"shape stored in {source}: {stored_shape}"
         )
     stored_dtype = entry["dtype"]
     assert leaf.tensor is not None
@@ -236,12 +245,12 @@ def _check(leaf: Leaf, entry: dict[str, Any]) -> dict[str, Any]:
     if mine != stored_dtype:
         raise ShapeMismatchError(
             f"variable {leaf.name!r}: dtype in the state {mine} does not match the dtype stored "
-            f"in checkpoint: {stored_dtype}"
+            f"in {source}: {stored_dtype}"
         )
     return entry
 
 
-def _assign(leaf: Leaf, value: Any) -> None:
+def assign(leaf: Leaf, value: Any) -> None:
     parent = leaf.parent
     if leaf.kind == "per_rank":
         parent.value = value

@@ -138,7 +138,9 @@ def _fail(errors: list[str]) -> None:
         )
 
 
-class _Balancer:
+class Balancer:
+    """Picks, among the ranks that could write some bytes, the one with the least so far."""
+
     def __init__(self, world_size: int) -> None:
         self.load = [0] * world_size
 
@@ -162,18 +164,9 @@ def make_save_plan(
     involved; nothing is written before this has passed.
     """
     world = len(descs_by_rank)
-    by_name: dict[str, list[tuple[int, Desc]]] = defaultdict(list)
-    for rank, descs in enumerate(descs_by_rank):
-        for d in descs:
-            by_name[d.name].append((rank, d))
-
     codecs.check(compression)
-    errors: list[str] = []
-    for name, held in by_name.items():
-        errors.extend(_validate(name, held))
-    _fail(errors)
-
-    balancer = _Balancer(world)
+    by_name = validate(descs_by_rank)
+    balancer = Balancer(world)
     small_writers = _small_writers(by_name, world, small_bytes)
     variables: list[VarPlan] = []
     next_id = 0
@@ -225,6 +218,20 @@ def make_save_plan(
     return SavePlan(token=token, world_size=world, variables=variables, groups=_groups(variables))
 
 
+def validate(descs_by_rank: Sequence[Sequence[Desc]]) -> dict[str, list[tuple[int, Desc]]]:
+    """Every variable's descriptions by rank, in order of first appearance, once they are
+    consistent; else :class:`ValidationError` naming every inconsistent variable."""
+    by_name: dict[str, list[tuple[int, Desc]]] = defaultdict(list)
+    for rank, descs in enumerate(descs_by_rank):
+        for d in descs:
+            by_name[d.name].append((rank, d))
+    errors: list[str] = []
+    for name, held in by_name.items():
+        errors.extend(_validate(name, held))
+    _fail(errors)
+    return by_name
+
+
 def _nbytes(d: Desc) -> int:
     if d.dtype is None or d.shape is None:
         return 0
@@ -263,15 +270,15 @@ def _validate(name: str, held: list[tuple[int, Desc]]) -> list[str]:
                 "values and distckpt.PerRank for per-rank state"
             ]
     shape = d0.shape or ()
-    owners = _owners(held)
-    boxes = [b for b in owners if not b.empty]
+    holders = owners(held)
+    boxes = [b for b in holders if not b.empty]
     if regular_grid(shape, boxes) is not None or (not boxes and math.prod(shape) == 0):
         return []
     pair = find_overlap(boxes)
     if pair is not None:
         a, b = pair
         return [
-            f"{name!r}: slices {a} (rank {owners[a][0]}) and {b} (rank {owners[b][0]}) "
+            f"{name!r}: slices {a} (rank {holders[a][0]}) and {b} (rank {holders[b][0]}) "
             "overlap partially; ranks must hold identical or disjoint boxes"
         ]
     covered = sum(b.numel for b in boxes)
@@ -284,7 +291,7 @@ def _validate(name: str, held: list[tuple[int, Desc]]) -> list[str]:
     return []
 
 
-def _owners(held: list[tuple[int, Desc]]) -> dict[Box, list[int]]:
+def owners(held: list[tuple[int, Desc]]) -> dict[Box, list[int]]:
     """Distinct boxes and the ranks holding each (replicas share a box)."""
     owners: dict[Box, list[int]] = defaultdict(list)
     for r, d in held:
@@ -315,7 +322,7 @@ def _small_writers(
 def _plan_tensor(
     var: VarPlan,
     held: list[tuple[int, Desc]],
-    balancer: _Balancer,
+    balancer: Balancer,
     next_id: int,
     small_writers: list[int],
     *,
@@ -326,16 +333,16 @@ def _plan_tensor(
     assert var.dtype is not None and var.shape is not None
     shape, dtype = var.shape, var.dtype
     itemsize = dtypes.itemsize(dtype)
-    owners = {b: rs for b, rs in _owners(held).items() if not b.empty}
+    held_by = {b: rs for b, rs in owners(held).items() if not b.empty}
     total = math.prod(shape) * itemsize
-    if total <= small_bytes or not owners:
+    if total <= small_bytes or not held_by:
         # One plain chunk, assembled by one writer from the holders' boxes.
         var.layout = "small"
         full = Box.full(shape)
-        whole = [rs for b, rs in owners.items() if b == full]
+        whole = [rs for b, rs in held_by.items() if b == full]
         writer = balancer.pick(whole[0] if whole else small_writers, total)
         sources = tuple(
-            (writer if writer in rs else rs[0], box) for box, rs in sorted(owners.items())
+            (writer if writer in rs else rs[0], box) for box, rs in sorted(held_by.items())
         )
         block = tuple(max(1, n) for n in shape)
         var.pieces.append(
@@ -354,7 +361,7 @@ def _plan_tensor(
             )
         )
         return next_id + 1
-    boxes = sorted(owners)
+    boxes = sorted(held_by)
     grid = regular_grid(shape, boxes)
     if grid is not None:
         var.layout = "regular"
@@ -363,7 +370,7 @@ def _plan_tensor(
         meta = _meta(shape, dtype, grid, inner, codec)
         # Biggest boxes first for the balance; the first piece's writer writes zarr.json.
         for i, box in enumerate(sorted(boxes, key=lambda b: (-b.numel, b))):
-            writer = balancer.pick(owners[box], box.numel * itemsize)
+            writer = balancer.pick(held_by[box], box.numel * itemsize)
             coord = tuple(o // c for o, c in zip(box.offsets, grid, strict=True))
             var.pieces.append(
                 Piece(
@@ -385,7 +392,7 @@ def _plan_tensor(
         return next_id
     var.layout = "boxes"
     for k, box in enumerate(boxes):
-        writer = balancer.pick(owners[box], box.numel * itemsize)
+        writer = balancer.pick(held_by[box], box.numel * itemsize)
         var.pieces.append(
             _single_block_piece(
                 next_id,

@@ -6,8 +6,9 @@
 * :mod:`~distckpt.tools.runs`: the checkpoints of a run directory (``distckpt ls``);
 * :mod:`~distckpt.tools.summary`: the variables of one checkpoint (``distckpt inspect``);
 * :mod:`~distckpt.tools.verify`: re-reading and checking every stored byte;
-* :mod:`~distckpt.tools.export`, :mod:`~distckpt.tools.safetensors_file`: one-file
-  exports (safetensors, streamed; ``torch.save``);
+* :mod:`~distckpt.tools.export`: one-file
+  exports (safetensors, streamed; ``torch.save``); Hugging Face directories are
+  :mod:`distckpt.hf`;
 * :mod:`~distckpt.tools.importer`: DCP directories, ``torch.save`` and safetensors files
   into a committed checkpoint;
 * :mod:`~distckpt.tools.diff`: comparing two checkpoints with bounded memory.

@@ -33,9 +33,9 @@ from distckpt import dtypes
 from distckpt.engine.arrays import writable_view
 from distckpt.engine.load import read_region
 from distckpt.errors import ConversionError, UnsupportedValueError
+from distckpt.hf.safetensors import TensorHeader, header
 from distckpt.slices import Box
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
-from distckpt.tools.safetensors_file import TensorHeader, header
 from distckpt.tools.slabs import DEFAULT_SLAB_BYTES, slabs
 from distckpt.values import decode
 
@@ -115,28 +115,39 @@ def _export_safetensors(
         name: json.dumps(v.value, ensure_ascii=False) for name, v in sorted(catalog.values.items())
     }
     head = header([TensorHeader(v.name, v.dtype, v.shape, v.nbytes) for v in tensors], metadata)
-    buffer = np.empty(0, dtype=np.uint8)
     with _replacing(target) as f:
         f.write(head)
         for var in tensors:
-            itemsize = var.numpy_dtype.itemsize
-            for box in slabs(var.shape, itemsize, max_slab_bytes):
-                nbytes = box.numel * itemsize
-                if buffer.nbytes < nbytes:
-                    buffer = np.empty(nbytes, dtype=np.uint8)
-                raw = buffer[:nbytes]
-                read_region(catalog.root, var.name, var.entry, box, _shaped(raw, var, box))
+            for raw in tensor_slabs(catalog, var, max_slab_bytes):
                 f.write(raw.data)
-                report.bytes_written += nbytes
+                report.bytes_written += raw.nbytes
                 if on_bytes is not None:
-                    on_bytes(nbytes)
+                    on_bytes(raw.nbytes)
+                report.largest_buffer = max(report.largest_buffer, raw.nbytes)
             report.tensors += 1
     report.values = len(metadata)
-    report.largest_buffer = buffer.nbytes
 
 
-def _shaped(raw: np.ndarray, var: TensorVar, box: Box) -> np.ndarray:
-    return raw.view(var.numpy_dtype).reshape(box.lengths)
+def tensor_slabs(
+    catalog: Catalog,
+    var: TensorVar,
+    max_slab_bytes: int = DEFAULT_SLAB_BYTES,
+    *,
+    io_workers: int | None = None,
+) -> Iterator[np.ndarray]:
+    """The C-order bytes of the stored tensor ``var``, as consecutive flat uint8 arrays of
+    at most ``max_slab_bytes`` (or one element), read and verified a slab at a time into
+    one buffer that each next slab reuses: use each before asking for the next."""
+    itemsize = var.numpy_dtype.itemsize
+    buffer = np.empty(0, dtype=np.uint8)
+    for box in slabs(var.shape, itemsize, max_slab_bytes):
+        nbytes = box.numel * itemsize
+        if buffer.nbytes < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+        raw = buffer[:nbytes]
+        shaped = raw.view(var.numpy_dtype).reshape(box.lengths)
+        read_region(catalog.root, var.name, var.entry, box, shaped, io_workers=io_workers)
+        yield raw
 
 
 def _export_torch(

@@ -252,12 +252,11 @@ def _submit_staged(
     for band in c_order_bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
         group.check()
         nbytes = band.numel * dtype.itemsize
-        landing = _Landing(group, pool.take(nbytes), tensor, band)
+        landing = Landing(group, pool.take(nbytes), tensor, band)
         count = 0
         try:
             staged = landing.region.array[:nbytes].view(dtype).reshape(band.lengths)
-            offsets = tuple(o + b for o, b in zip(t.box.offsets, band.offsets, strict=True))
-            for copy in plan_reads(Box(offsets, band.lengths), t.pieces):
+            for copy in plan_reads(band.shifted(t.box.offsets), t.pieces):
                 for fn, args in _copy_tasks(root, t, copy, staged, headers, tally):
                     group.submit(fn, *args, release=landing.done)
                     count += 1
@@ -268,7 +267,7 @@ def _submit_staged(
             landing.expect(count)
 
 
-class _Landing:
+class Landing:
     """Copies a band from its slab region into the target once all its reads are done
     (each task calls :meth:`done`, read or skipped), then releases the region; after a
     failure (or :meth:`abandon`) it only releases it."""

@@ -20,7 +20,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.engine.arrays import numpy_view
-from distckpt.slices import c_order_bands
+from distckpt.slices import Box, c_order_bands
 from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.transfer import slabs
 from distckpt.transfer.slabs import Region
@@ -130,6 +130,14 @@ class StagedData:
         part = self.tensor[index]
         return part.resolve_conj().resolve_neg() if part.is_conj() or part.is_neg() else part
 
+    def stage(self, region: Region, band: Box) -> Any:
+        """Copy the box ``band`` of the tensor into ``region``, C order; returns the event
+        after which the region holds it (None: it does now)."""
+        with copy_context(self.device):
+            dst = region.typed(0, self.tensor.dtype, band.lengths)
+            dst.copy_(self._values(band.slices()), non_blocking=True)
+            return record_event(self.device)
+
     def crc(self) -> int:
         """crc32c of the tensor's bytes in C order, streamed through the slabs: with two
         slabs or more, the next band is copied while the previous one is checksummed."""
@@ -155,10 +163,7 @@ class StagedData:
                     checksum_oldest()
                 region = pool.take(band.numel * itemsize)
                 copied.append((region, None))
-                with copy_context(self.device):
-                    dst = region.typed(0, self.tensor.dtype, band.lengths)
-                    dst.copy_(self._values(band.slices()), non_blocking=True)
-                    copied[-1] = (region, record_event(self.device))
+                copied[-1] = (region, self.stage(region, band))
                 if len(copied) > 1:
                     checksum_oldest()
             while copied:

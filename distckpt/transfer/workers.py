@@ -254,3 +254,19 @@ class TaskGroup:
             failure = future.exception()
             if failure is not None:
                 raise failure
+
+
+class Countdown:
+    """Calls ``last()`` when ``done()`` has been called ``n`` times (from any thread)."""
+
+    def __init__(self, n: int, last: Callable[[], None]) -> None:
+        self._left = n
+        self._last = last
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            final = self._left == 0
+        if final:
+            self._last()

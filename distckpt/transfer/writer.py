@@ -19,7 +19,6 @@ the error is raised; the staging directory is then removed by the save.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from distckpt.storage.piece_reader import scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, stored_chunk
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import HostData, StagedData
-from distckpt.transfer.workers import TaskGroup, interleaved
+from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
 
 #: Bytes of inner chunks one task writes (and one staging copy moves).
 TASK_BYTES = 8 << 20
@@ -120,22 +119,6 @@ def _runs(parts: Sequence[ChunkPart], limit: int) -> list[list[ChunkPart]]:
     return runs
 
 
-class _Countdown:
-    """Calls ``last()`` when ``done()`` has been called ``n`` times."""
-
-    def __init__(self, n: int, last: Callable[[], None]) -> None:
-        self._left = n
-        self._last = last
-        self._lock = threading.Lock()
-
-    def done(self) -> None:
-        with self._lock:
-            self._left -= 1
-            final = self._left == 0
-        if final:
-            self._last()
-
-
 @dataclass
 class _Plan:
     """One shard being written: its file, its runs, and the countdown that finishes it."""
@@ -143,7 +126,7 @@ class _Plan:
     job: PieceJob
     shard: ShardFile
     runs: list[list[ChunkPart]]
-    countdown: _Countdown
+    countdown: Countdown
     pool: slabs.SlabPool | None  # staged data: the slabs it passes through
 
 
@@ -160,7 +143,7 @@ def _plan(job: PieceJob, results: dict[int, tuple[int, int]], shards: list[Shard
 
     pool = slabs.pool(pinned=data.device.type == "cuda") if isinstance(data, StagedData) else None
     runs = _runs(parts, TASK_BYTES if pool is None else min(TASK_BYTES, pool.slab_bytes))
-    return _Plan(job, shard, runs, _Countdown(len(runs), finish), pool)
+    return _Plan(job, shard, runs, Countdown(len(runs), finish), pool)
 
 
 def _submit_run(group: TaskGroup, plan: _Plan, run: list[ChunkPart]) -> None:
@@ -189,7 +172,7 @@ def _submit_run(group: TaskGroup, plan: _Plan, run: list[ChunkPart]) -> None:
 
 
 def _write_run(
-    shard: ShardFile, run: list[ChunkPart], data: np.ndarray, countdown: _Countdown
+    shard: ShardFile, run: list[ChunkPart], data: np.ndarray, countdown: Countdown
 ) -> int:
     buf = scratch(shard.chunk_bytes, 0)
     for part in run:
@@ -204,7 +187,7 @@ def _write_staged_run(
     region: slabs.Region,
     event: Any,
     dtype: np.dtype,
-    countdown: _Countdown,
+    countdown: Countdown,
 ) -> int:
     if event is not None:
         event.synchronize()

@@ -1,0 +1,196 @@
+"""A Hugging Face weights directory: which tensor lies in which safetensors file, and
+how a set of tensors is cut into files of bounded size.
+
+Reading, :func:`open_weights` accepts, in this order:
+
+* a directory with one ``*.safetensors.index.json`` (``model.safetensors.index.json`` as
+  ``save_pretrained`` writes it): its ``weight_map`` names each tensor's file;
+* a directory with ``*.safetensors`` files and no index (``model.safetensors``): every
+  tensor of every file;
+* one ``.safetensors`` file.
+
+Writing follows ``save_pretrained``: tensors are packed into files in the order given,
+a new file starting when the next tensor would exceed ``max_bytes`` (a tensor larger
+than that gets a file of its own); one file is ``model.safetensors`` with no index,
+several are ``model-00001-of-00003.safetensors`` ... with a
+``model.safetensors.index.json`` holding ``{"metadata": {"total_size": N},
+"weight_map": {name: file}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distckpt import dtypes
+from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from distckpt.hf.safetensors import StoredTensor, TensorHeader, read_header
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"
+SUFFIX = ".safetensors"
+#: ``save_pretrained``'s default file size.
+DEFAULT_MAX_BYTES = 5 * 10**9
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Every tensor of a weights directory, by name, and its metadata (first file's)."""
+
+    root: Path
+    tensors: dict[str, StoredTensor]
+    metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_weights(path: str | os.PathLike[str]) -> Weights:
+    """The tensors of the Hugging Face weights at ``path`` (see the module doc); reads
+    the index and every file's header, nothing else."""
+    root = Path(path)
+    if root.is_file():
+        return _from_files(root.parent, [root], None)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such file or directory")
+    indexes = sorted(root.glob("*" + INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise CorruptCheckpointError(
+            f"{root}: several weight indexes ({', '.join(p.name for p in indexes)}); "
+            "name the one to read"
+        )
+    if indexes:
+        weight_map = _read_index(indexes[0])
+        files = sorted({root / f for f in weight_map.values()})
+        return _from_files(root, files, (indexes[0], weight_map))
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"{root}: no *.safetensors files and no {INDEX}")
+    return _from_files(root, files, None)
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        doc = json.loads(path.read_bytes())
+        weight_map = doc["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{path}: not a weights index ({exc})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(f"{path}: weight_map is not a map of names to files")
+    for name, file in weight_map.items():
+        # Untrusted: a file outside the directory is never read.
+        if file != os.path.basename(file) or file in ("", ".", ".."):
+            raise CorruptCheckpointError(f"{path}: {name!r} names the file {file!r}")
+    return dict(weight_map)
+
+
+def _from_files(
+    root: Path, files: Sequence[Path], index: tuple[Path, dict[str, str]] | None
+) -> Weights:
+    tensors: dict[str, StoredTensor] = {}
+    metadata: dict[str, str] = {}
+    for file in files:
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{root}: the index names {file.name}, which is missing")
+        found, meta = read_header(file)
+        metadata = metadata or meta
+        for t in found:
+            if index is not None and index[1].get(t.name) != file.name:
+                continue  # the index says it lives elsewhere (or nowhere)
+            if t.name in tensors:
+                raise CorruptCheckpointError(
+                    f"{root}: {t.name!r} is in both {Path(tensors[t.name].path).name} and "
+                    f"{file.name}"
+                )
+            tensors[t.name] = t
+    if index is not None:
+        absent = sorted(n for n in index[1] if n not in tensors)
+        if absent:
+            raise CorruptCheckpointError(
+                f"{index[0]}: {len(absent)} tensors are not in the files it names: "
+                + ", ".join(absent[:8])
+            )
+    return Weights(root, tensors, metadata)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a size such as ``"5GB"``, ``"500MiB"`` (as ``save_pretrained``)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = _SIZE.match(str(size))
+        unit = m[2].upper() if m else ""
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"bad size {size!r}: give bytes or e.g. '5GB', '500MiB'")
+        value = int(float(m[1]) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"a file size must be positive, got {size!r}")
+    return value
+
+
+@dataclass
+class OutFile:
+    """One safetensors file to write: its name, tensors (in file order) and header."""
+
+    name: str
+    tensors: list[TensorHeader] = field(default_factory=list)
+    header: bytes = b""
+    offsets: dict[str, int] = field(default_factory=dict)  # tensor -> offset in the file
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+
+def plan_files(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    max_bytes: int,
+    metadata: dict[str, str] | None = None,
+) -> list[OutFile]:
+    """``(name, dtype, shape)`` packed into files of at most ``max_bytes`` of data, in
+    order (see the module doc), each with its header and every tensor's offset. Pure."""
+    from distckpt.hf.safetensors import header
+
+    groups: list[list[TensorHeader]] = []
+    size = max_bytes
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+        if size + nbytes > max_bytes and (not groups or groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(TensorHeader(name, dtype, tuple(shape), nbytes))
+        size += nbytes
+    groups = groups or [[]]
+    out = []
+    for k, group in enumerate(groups):
+        name = (
+            WEIGHTS if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        )
+        head = header(group, metadata if metadata is not None else {"format": "pt"})
+        offsets, at = {}, len(head)
+        for t in group:
+            offsets[t.name] = at
+            at += t.nbytes
+        out.append(OutFile(name, group, head, offsets))
+    return out
+
+
+def index_document(files: Sequence[OutFile]) -> bytes:
+    """The ``model.safetensors.index.json`` of ``files``."""
+    doc = {
+        "metadata": {"total_size": sum(t.nbytes for f in files for t in f.tensors)},
+        "weight_map": {t.name: f.name for f in files for t in f.tensors},
+    }
+    return (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode()
