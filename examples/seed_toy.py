@@ -1,13 +1,15 @@
 """TensorFlow's training-checkpoint guide, in PyTorch with distckpt.
 
 A one-layer ``Net`` learns ``y = 5x + [0, 1, 2, 3, 4]`` from the inputs 0..9, two
-samples a batch, with Adam(0.1) on the mean absolute error. Every run trains 50 steps
-and saves every 10; a second run restores the newest checkpoint (model, optimizer
-moments, the step counter and the data position) and carries on exactly where the
-first stopped::
+samples a batch, with Adam(0.1) on the mean absolute error. As in the guide, the script
+trains twice in one process: the first run trains 50 steps and saves every 10 through a
+``CheckpointManager`` that keeps 3; then brand-new objects (net, optimizer, iterator,
+checkpoint and a new manager on the same directory, which takes it over from the first)
+restore the newest checkpoint (model, optimizer moments, the step counter and the data
+position) and carry on exactly where the first stopped::
 
-    python examples/seed_toy.py               # Initializing from scratch. ... ckpt-1..5
-    python examples/seed_toy.py               # Restored from ./tf_ckpts/ckpt-5 ... ckpt-6..10
+    python examples/seed_toy.py               # Initializing from scratch. ... ckpt-1..5,
+                                              # Restored from ./tf_ckpts/ckpt-5 ... ckpt-6..10
     python examples/seed_toy.py --dir /tmp/x  # another run directory
 
 The checkpoint keys printed at the end are the object-graph names: ``net/l1/weight``,
@@ -51,19 +53,20 @@ def train_step(net: Net, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.T
     return loss.item()
 
 
-def train_and_checkpoint(directory: str, steps: int = 50) -> str | None:
-    """Restore the newest checkpoint in ``directory`` if any, train, save every 10 steps."""
-    torch.manual_seed(0)
-    inputs, labels = toy_dataset()
-    net = Net()
-    opt = torch.optim.Adam(net.parameters(), lr=0.1)
-    iterator = distckpt.SampleCursor(size=10, batch_size=2)  # batches of 2, repeating
-    ckpt = distckpt.Checkpoint(step=torch.tensor(1), optimizer=opt, net=net, iterator=iterator)
+def train_and_checkpoint(net: Net, manager: distckpt.CheckpointManager, steps: int = 50) -> None:
+    """The guide's loop: restore the newest checkpoint if any, train, save every 10 steps.
 
-    latest = distckpt.latest_checkpoint(directory)
-    ckpt.restore(latest)
-    if latest:
-        print(f"Restored from {latest}")
+    The guide's ``ckpt``, ``opt`` and ``iterator`` are the manager's checkpoint and the
+    optimizer and data iterator it tracks.
+    """
+    ckpt = manager.checkpoint
+    opt: torch.optim.Optimizer = ckpt.optimizer
+    iterator: distckpt.SampleCursor = ckpt.iterator
+    inputs, labels = toy_dataset()
+
+    ckpt.restore(manager.latest_checkpoint)
+    if manager.latest_checkpoint:
+        print(f"Restored from {manager.latest_checkpoint}")
     else:
         print("Initializing from scratch.")
 
@@ -72,18 +75,36 @@ def train_and_checkpoint(directory: str, steps: int = 50) -> str | None:
         loss = train_step(net, opt, inputs[batch], labels[batch])
         ckpt.step.add_(1)
         if int(ckpt.step) % 10 == 0:
-            path = ckpt.save(f"{directory}/ckpt")
-            print(f"Saved checkpoint for step {int(ckpt.step)}: {path}")
+            save_path = manager.save()
+            print(f"Saved checkpoint for step {int(ckpt.step)}: {save_path}")
             print(f"loss {loss:1.2f}")
-    return distckpt.latest_checkpoint(directory)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="./tf_ckpts", help="run directory (default ./tf_ckpts)")
-    parser.add_argument("--steps", type=int, default=50, help="training steps in this run")
+    parser.add_argument("--steps", type=int, default=50, help="training steps in each run")
     args = parser.parse_args()
-    latest = train_and_checkpoint(args.dir, args.steps)
+    torch.manual_seed(0)
+
+    net = Net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    iterator = distckpt.SampleCursor(size=10, batch_size=2)  # batches of 2, repeating
+    ckpt = distckpt.Checkpoint(step=torch.tensor(1), optimizer=opt, net=net, iterator=iterator)
+    manager = distckpt.CheckpointManager(ckpt, args.dir, max_to_keep=3)
+    train_and_checkpoint(net, manager, args.steps)
+
+    # The guide's second run: everything new, the same directory. The new manager takes
+    # the directory over from the first; restoring brings back where it stopped.
+    net = Net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    iterator = distckpt.SampleCursor(size=10, batch_size=2)
+    ckpt = distckpt.Checkpoint(step=torch.tensor(1), optimizer=opt, net=net, iterator=iterator)
+    manager = distckpt.CheckpointManager(ckpt, args.dir, max_to_keep=3)
+    train_and_checkpoint(net, manager, args.steps)
+
+    print(manager.checkpoints)  # the three newest
+    latest = manager.latest_checkpoint
     if latest:
         print(f"Variables in {latest}:")
         for name, shape, dtype in distckpt.list_variables(latest):

@@ -1,13 +1,16 @@
-"""distckpt.CheckpointManager: retention, adoption, schedules and the directory lock.
+"""distckpt.CheckpointManager: retention, adoption, schedules, the directory lock and the
+takeover by a newer manager in the same process.
 
 One process (``SingleComm``); time is faked with an injected clock.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -247,11 +250,107 @@ def test_directory_none_uses_temp_dir(caplog: pytest.LogCaptureFixture) -> None:
         shutil.rmtree(manager.directory)
 
 
-def test_second_manager_is_refused(tmp_path: Path) -> None:
-    first = CheckpointManager(_ckpt(), tmp_path, comm=COMM)
-    with pytest.raises(DirectoryLockedError, match="in use by another checkpoint manager"):
-        CheckpointManager(_ckpt(), tmp_path, comm=COMM)
+def test_new_manager_in_the_same_process_takes_over(tmp_path: Path) -> None:
+    lock = tmp_path / LOCK_FILE
+    first = CheckpointManager(_ckpt(1.0), tmp_path, comm=COMM)
+    token = json.loads(lock.read_text())["token"]
+    assert first.save() == str(tmp_path / "ckpt-1")
+    ckpt = _ckpt()
+    second = CheckpointManager(ckpt, tmp_path, comm=COMM)
+    # The lock object passed over without a release: the file still holds the same token.
+    assert second._lock is not None and second._lock.token == token
+    assert json.loads(lock.read_text())["token"] == token
+    assert _names(second.checkpoints) == ["ckpt-1"]
+    assert second.restore_or_initialize() == str(tmp_path / "ckpt-1")
+    assert torch.equal(ckpt.w, torch.full((3,), 1.0))
+    assert second.save() == str(tmp_path / "ckpt-2")
+
+    with pytest.raises(DirectoryLockedError, match="replaced by a newer"):
+        first.save()
+    assert first.restore_or_initialize() == str(tmp_path / "ckpt-1")  # reading is harmless
     first.close()
+    assert json.loads(lock.read_text())["token"] == token
+    del first
+    gc.collect()
+    assert json.loads(lock.read_text())["token"] == token
+    assert second.save() == str(tmp_path / "ckpt-3")
+    second.close()
+    assert not lock.exists()
+
+    # A closed manager is not taken over: the next one acquires the lock afresh.
+    with CheckpointManager(_ckpt(), tmp_path, comm=COMM) as third:
+        assert json.loads(lock.read_text())["token"] not in (token, None)
+        assert _names(third.checkpoints) == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert not lock.exists()
+
+
+def test_takeover_waits_for_the_older_background_save(tmp_path: Path) -> None:
+    first = CheckpointManager(_ckpt(2.0), tmp_path, comm=COMM)
+    handle = first.save(async_save=True)
+    second = CheckpointManager(_ckpt(), tmp_path, comm=COMM)
+    try:
+        assert handle.done()
+        assert second.latest_checkpoint == handle.path == str(tmp_path / "ckpt-1")
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
+    finally:
+        second.close()
+        first.close()
+
+
+def test_takeover_logs_the_older_background_save_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Failed:
+        def wait(self) -> None:
+            raise OSError("disk full")
+
+    first = CheckpointManager(_ckpt(), tmp_path, comm=COMM)
+    first._pending = Failed()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="distckpt.training.manager"):
+        second = CheckpointManager(_ckpt(), tmp_path, comm=COMM)
+    try:
+        assert "disk full" in caplog.text and str(tmp_path) in caplog.text
+        assert second.save() == str(tmp_path / "ckpt-1")
+    finally:
+        second.close()
+        first.close()
+
+
+_HOLDER = """
+import sys
+import torch
+from distckpt.comm import SingleComm
+from distckpt.training import Checkpoint, CheckpointManager
+
+manager = CheckpointManager(Checkpoint(w=torch.zeros(3)), sys.argv[1], comm=SingleComm())
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+manager.close()
+"""
+
+
+def test_manager_of_another_process_is_refused(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        readable, _, _ = select.select([holder.stdout], [], [], 60)
+        assert readable, "the other process did not start its manager within 60 s"
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DirectoryLockedError, match="in use by another checkpoint manager"):
+            CheckpointManager(_ckpt(), tmp_path, comm=COMM)
+    finally:
+        holder.stdin.close()
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait(timeout=60)
+    assert holder.returncode == 0
     assert not (tmp_path / LOCK_FILE).exists()
     with CheckpointManager(_ckpt(), tmp_path, comm=COMM):
         assert (tmp_path / LOCK_FILE).exists()

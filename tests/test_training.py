@@ -3,11 +3,14 @@
 One process (``SingleComm``) for the object-graph behaviour: partial and delayed
 restore, restore statuses, optimizer state by parameter name, tied weights, wrapper
 prefixes, RNG and data positions, the ``latest`` pointer. One multi-rank test: an FSDP2
-model and its Adam state saved on 4 ranks and restored on 2 (torchrun, gloo, CPU).
+model and its Adam state saved on 4 ranks and restored on 2 (torchrun, gloo, CPU). And
+``examples/seed_toy.py``, the guide's walk-through, run as a script: its second run (new
+objects, a new manager on the same directory) ends bit for bit where one run would.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import random
@@ -15,11 +18,12 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
-from launch_util import SCRIPTS, check, output, run_torchrun
+from launch_util import REPO_ROOT, SCRIPTS, check, output, run_single, run_torchrun
 from torch import nn
 
 import distckpt
@@ -38,6 +42,7 @@ from distckpt.training import (
     UnmatchedError,
     latest_checkpoint,
 )
+from distckpt.training.lock import LOCK_FILE
 
 pytestmark = pytest.mark.timeout(120)
 COMM = SingleComm()
@@ -476,6 +481,63 @@ def test_save_counter_numbering_and_latest_pointer(tmp_path: Path) -> None:
     shutil.rmtree(run / "ckpt-4")
     with pytest.raises(CheckpointNotFoundError, match="ckpt-4"):
         latest_checkpoint(run)
+
+
+# ---------------------------------------------------------------- examples/seed_toy.py
+
+SEED_TOY = REPO_ROOT / "examples" / "seed_toy.py"
+
+
+def _seed_toy() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("seed_toy", SEED_TOY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_seed_toy_runs_the_guide_twice_in_one_process(tmp_path: Path) -> None:
+    run = tmp_path / "tf_ckpts"
+    proc = run_single(SEED_TOY, "--dir", str(run), timeout=120)
+    check(proc)
+    lines = proc.stdout.splitlines()
+    restored_at = lines.index(f"Restored from {run / 'ckpt-5'}")
+    first, second = lines[:restored_at], lines[restored_at + 1 :]
+    assert first[0] == "Initializing from scratch.", output(proc)
+    saved = re.compile(r"Saved checkpoint for step (\d+): (\S+)$")
+
+    def saves(part: list[str]) -> list[tuple[int, str]]:
+        return [(int(m[1]), m[2]) for line in part if (m := saved.match(line))]
+
+    assert saves(first) == [(10 * k, str(run / f"ckpt-{k}")) for k in range(1, 6)], output(proc)
+    assert saves(second) == [(10 * k, str(run / f"ckpt-{k}")) for k in range(6, 11)], output(proc)
+    assert str([str(run / f"ckpt-{k}") for k in (8, 9, 10)]) in second, output(proc)
+    on_disk = sorted(p.name for p in run.iterdir() if p.name.startswith("ckpt"))
+    assert on_disk == ["ckpt-10", "ckpt-8", "ckpt-9"]
+    assert not (run / LOCK_FILE).exists()  # released at exit
+
+    # One uninterrupted run with the example's code: 99 updates take the step counter
+    # from 1 to 100, where the interrupted run saved ckpt-10.
+    toy = _seed_toy()
+    torch.manual_seed(0)
+    net = toy.Net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    iterator = SampleCursor(size=10, batch_size=2)
+    ckpt = Checkpoint(step=torch.tensor(1), optimizer=opt, net=net, iterator=iterator)
+    with distckpt.CheckpointManager(ckpt, tmp_path / "straight", max_to_keep=3, comm=COMM) as m:
+        toy.train_and_checkpoint(net, m, steps=99)
+    assert int(ckpt.step) == 100
+
+    net2 = toy.Net()
+    opt2 = torch.optim.Adam(net2.parameters(), lr=0.1)
+    iterator2 = SampleCursor(size=10, batch_size=2)
+    ckpt2 = Checkpoint(step=torch.tensor(1), optimizer=opt2, net=net2, iterator=iterator2)
+    ckpt2.restore(run / "ckpt-10", COMM).assert_consumed()
+    assert int(ckpt2.step) == 100 and iterator2.position == iterator.position
+    for a, b in zip(net.parameters(), net2.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in opt.state[a].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt2.state[b][key])), key
 
 
 # ---------------------------------------------------------------- multi-rank

@@ -10,7 +10,9 @@ and its process is gone. Taking over renames the stale file out of the way first
 two processes that both found it stale only one wins.
 
 The lock is released by :meth:`DirectoryLock.release` (the manager's ``close()`` and
-context-manager exit) and at interpreter exit.
+context-manager exit) and at interpreter exit. A newer manager of the same directory in
+the same process is handed the :class:`DirectoryLock` object itself instead (see
+:mod:`distckpt.training.manager`), so the file is never released in between.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ STALE_SECONDS = 60.0
 
 
 class DirectoryLockedError(CheckpointError):
-    """Another live checkpoint manager holds the run directory's lock (or took it over)."""
+    """Another live checkpoint manager holds the run directory's lock, took it over, or
+    (in this process) replaced the manager that tries to save."""
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -36,8 +36,19 @@ manager's construction) removes.
 **Ranks.** Every method is collective: call it on every rank. Decisions that depend on
 time (``save_interval_secs``, ``keep_checkpoint_every_n_hours``) and on the directory's
 contents are made on rank 0 and broadcast. Only rank 0 writes the pointer, deletes, and
-holds the directory's lock (:mod:`distckpt.training.lock`): a second manager on the same
-directory fails with :class:`~distckpt.training.lock.DirectoryLockedError`.
+holds the directory's lock (:mod:`distckpt.training.lock`): a manager on the same
+directory in another process fails with
+:class:`~distckpt.training.lock.DirectoryLockedError`.
+
+**Replacing a manager.** Within one process a new manager on a directory (the same
+``os.path.realpath``) takes it over from the older one that is still open, as
+TensorFlow's guide does for its second run and a notebook cell does when run twice. The
+new manager first waits for the older one's background save (a failure there is logged
+as a warning, not raised), then the lock passes from the older manager to the new one
+without being released in between. From then on the older manager refuses to save, on
+every rank, with :class:`~distckpt.training.lock.DirectoryLockedError`; it can still
+restore, and its ``close()`` leaves the lock to the new manager. A closed manager is not
+replaced: the new one takes the lock as usual.
 """
 
 from __future__ import annotations
@@ -70,6 +81,10 @@ from distckpt.training.pointer import FORMAT, VERSION, pointer_path, read_pointe
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "DirectoryLockedError"]
+
+# This process's newest manager of each directory, by real path, on every rank: the one a
+# new manager of that directory takes over from.
+_managers: weakref.WeakValueDictionary[str, CheckpointManager] = weakref.WeakValueDictionary()
 
 
 def _step_value(step: Any) -> int:
@@ -108,6 +123,11 @@ class CheckpointManager:
     state that exists (see :meth:`prepare_async`).
     ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
     ``time.time``) is read on rank 0 only. Collective.
+
+    An open manager of the same directory in this process is replaced: it finishes its
+    background save and hands its lock over, and refuses to save from then on (see
+    "Replacing a manager" in :mod:`distckpt.training.manager`). One in another process
+    makes this raise :class:`~distckpt.training.lock.DirectoryLockedError`.
     """
 
     def __init__(
@@ -152,7 +172,9 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._last_save_time: float | None = None
         self._lock: DirectoryLock | None = None
+        self._release_when_dropped: weakref.finalize | None = None
         self._closed = False
+        self._replaced = False
         self._pending: AsyncSave | None = None
         self._allow_pickle = allow_pickle
         self._compression = compression
@@ -166,22 +188,36 @@ class CheckpointManager:
                 "CheckpointManager: no directory given; using temporary directory %s", directory
             )
         self._directory = os.fspath(directory)
+        key = os.path.realpath(self._directory)
+        older = _managers.get(key)
+        if older is not None and older._closed:
+            older = None
+        if older is not None:
+            older._finish_for_successor()
 
         error: BaseException | None = None
         state: dict[str, Any] | None = None
+        handed_over = None if older is None else older._lock_to_hand_over()
         if comm.rank == 0:
             try:
-                self._lock = DirectoryLock(self._directory, stale_seconds=lock_stale_seconds)
-                self._lock.acquire()
+                if handed_over is not None:
+                    self._lock = handed_over
+                else:
+                    self._lock = DirectoryLock(self._directory, stale_seconds=lock_stale_seconds)
+                    self._lock.acquire()
                 collect_garbage(self._directory)
                 state = self._recover()
             except BaseException as exc:
                 error = exc
-                if self._lock is not None:
+                if self._lock is not None and self._lock is not handed_over:
                     self._lock.release()
+                self._lock = None  # a lock handed over stays with the older manager
         raise_if_any_failed(comm, error)
+        if older is not None:
+            older._give_way(lock_handed_over=handed_over is not None)
         if self._lock is not None:  # a manager dropped without close() frees its directory
-            weakref.finalize(self, self._lock.release)
+            self._release_when_dropped = weakref.finalize(self, self._lock.release)
+        _managers[key] = self
         self._set_state(comm.broadcast(state))
         if prepare_async:
             self.prepare_async()
@@ -193,6 +229,38 @@ class CheckpointManager:
         state before its first step) get theirs at the first save that has them: call
         this again after the first step to allocate those too."""
         return self._checkpoint.prepare_async()
+
+    def _finish_for_successor(self) -> None:
+        """Wait for the background save before a newer manager takes over. Local."""
+        try:
+            self.sync()
+        except Exception as exc:
+            log.warning(
+                "the background save of the replaced CheckpointManager of %s failed: %s",
+                self._directory,
+                exc,
+            )
+
+    def _lock_to_hand_over(self) -> DirectoryLock | None:
+        """This manager's lock (rank 0; None elsewhere), unless another process took it
+        over meanwhile."""
+        lock = self._lock
+        if lock is None or not lock.held:
+            return None
+        try:
+            lock.check()
+        except DirectoryLockedError:
+            return None  # lost: the successor acquires (and is refused) as usual
+        return lock
+
+    def _give_way(self, lock_handed_over: bool) -> None:
+        """A newer manager of this directory took over: refuse saves from now on, and
+        leave the lock, if handed over, to the newer manager. Every rank."""
+        self._replaced = True
+        if lock_handed_over:
+            if self._release_when_dropped is not None:
+                self._release_when_dropped.detach()
+            self._lock = self._release_when_dropped = None
 
     # ------------------------------------------------------------ properties
 
@@ -367,6 +435,12 @@ class CheckpointManager:
         """
         if self._closed:
             raise ValueError("this CheckpointManager is closed")
+        if self._replaced:
+            raise DirectoryLockedError(
+                f"this CheckpointManager of {self._directory} was replaced by a newer "
+                "CheckpointManager on the same directory in this process; save through the "
+                "new one"
+            )
         self.sync()
         comm = self._comm
         decision: dict[str, Any] | None = None
@@ -498,7 +572,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for a background save, then release the directory's lock (rank 0).
 
-        Idempotent. Raises the background save's error, if it failed unseen.
+        Idempotent. Raises the background save's error, if it failed unseen. A manager
+        replaced by a newer one no longer holds the lock and leaves it alone.
         """
         if self._closed:
             return
