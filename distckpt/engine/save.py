@@ -63,7 +63,7 @@ from distckpt.storage.codecs import Compression
 from distckpt.storage.fsutil import fsync_dir
 from distckpt.storage.staging import Staging, collect_garbage
 from distckpt.transfer import workers as transfer_workers
-from distckpt.transfer.sources import HostData, StagedData, source_for
+from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.workers import TaskGroup
 from distckpt.transfer.writer import PieceJob, write_pieces
 from distckpt.values import encode
@@ -88,7 +88,7 @@ class _Local:
     """This rank's leaves, where to read each tensor (by name), and its encoded values."""
 
     leaves: list[Leaf]
-    sources: dict[str, HostData | StagedData]
+    sources: dict[str, Source]
     values: dict[str, Any]
 
 
@@ -283,19 +283,7 @@ def save(
     )
     error: BaseException | None = None
     if not async_save:
-        local: _Local | Failure
-        try:
-            codecs.check(compression)
-            leaves, values = _gather_leaves(state, allow_pickle)
-            sources = {
-                leaf.name: source_for(leaf.tensor, leaf.name)
-                for leaf in leaves
-                if leaf.tensor is not None
-            }
-            local = _Local(leaves, sources, values)
-        except Exception as exc:
-            local, error = Failure.capture(exc, comm.rank), exc
-        return _protocol(comm, local, options, error=error)
+        return _save_blocking(state, comm, options, allow_pickle, source_for)
 
     t0 = time.perf_counter()
     bg_comm = background_comm(comm)  # collective the first time
@@ -319,7 +307,7 @@ def save(
         else:
             try:
                 snapshot.finish(snap)
-                sources: dict[str, HostData | StagedData] = {
+                sources: dict[str, Source] = {
                     name: HostData(array) for name, array in snap.arrays.items()
                 }
                 local = _Local(snap.leaves, sources, values)
@@ -333,6 +321,56 @@ def save(
     handle = background.start(str(options.final), body)
     log.debug("background save of %s started; the caller was blocked %.4fs", options.final, blocked)
     return handle
+
+
+def _save_blocking(
+    state: dict[str, Any],
+    comm: Communicator,
+    options: _Options,
+    allow_pickle: bool,
+    source_of: Callable[[Any, str], Source],
+) -> SaveResult:
+    local: _Local | Failure
+    error: BaseException | None = None
+    try:
+        codecs.check(options.compression)
+        leaves, values = _gather_leaves(state, allow_pickle)
+        sources = {
+            leaf.name: source_of(leaf.tensor, leaf.name)
+            for leaf in leaves
+            if leaf.tensor is not None
+        }
+        local = _Local(leaves, sources, values)
+    except Exception as exc:
+        local, error = Failure.capture(exc, comm.rank), exc
+    return _protocol(comm, local, options, error=error)
+
+
+def save_from(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    source_of: Callable[[Any, str], Source],
+    comm: Communicator | None = None,
+    *,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    io_workers: int | None = None,
+) -> SaveResult:
+    """A blocking :func:`save` that reads each tensor leaf through ``source_of(tensor,
+    name)``: an import's state holds meta tensors (their shapes and dtypes) whose bytes
+    come from the source files (:class:`~distckpt.transfer.sources.FileData`) as the
+    writer asks for them, through the staging slabs, so the state is never in memory."""
+    background.finish_pending()
+    comm = comm or auto()
+    options = _Options(
+        Path(path).absolute(),
+        overwrite,
+        DEFAULT_SMALL_BYTES,
+        DEFAULT_INNER_BYTES,
+        None,
+        transfer_workers.resolve(io_workers, comm),
+    )
+    return _save_blocking(state, comm, options, allow_pickle, source_of)
 
 
 def prepare_async(state: dict[str, Any]) -> int:
@@ -505,9 +543,7 @@ def _exchange(
     return received, failure
 
 
-def _assemble(
-    piece: Piece, local: _Local, received: dict[int, bytes], rank: int
-) -> HostData | StagedData:
+def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int) -> Source:
     if len(piece.sources) == 1 and piece.sources[0][0] == rank and piece.sources[0][1] == piece.box:
         return local.sources[piece.var]
     out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(piece.dtype))

@@ -1,23 +1,30 @@
-"""``distckpt import``: DCP directories, ``torch.save`` files and safetensors files into a
-committed distckpt checkpoint, saved by this one process with :func:`distckpt.save`.
+"""``distckpt import``: DCP directories, ``torch.save`` files, safetensors files and
+Hugging Face weights directories into a committed distckpt checkpoint, saved by this one
+process.
 
 Sources, by what ``src`` is:
 
 * a directory with a ``.metadata`` file: a ``torch.distributed.checkpoint`` (DCP)
   checkpoint. Its metadata (and any non-tensor value in it) is a pickle, and unpickling
-  runs code from the file, so it is read only with ``allow_pickle=True``.
+  runs code from the file, so it is read only with ``allow_pickle=True``. It is read with
+  DCP's public API (``FileSystemReader.read_metadata`` and ``dcp.load`` into tensors made
+  from the metadata) and held in memory while it is saved.
+* a directory of ``*.safetensors`` files (Hugging Face weights, with or without
+  ``model.safetensors.index.json``), or one ``.safetensors`` file: parsed by distckpt
+  (:mod:`distckpt.hf.safetensors`; no pickle) and **streamed**: each tensor's bytes go from
+  the file through the staging slabs into the checkpoint as the writer asks for them, so
+  memory stays within the slab pool (4 x 64 MiB by default) whatever the model's size.
 * ``.pt``, ``.pth``, ``.bin``: a ``torch.save`` file, read with
   ``torch.load(weights_only=True)`` (tensors and plain containers, no code runs), or
-  with ``weights_only=False`` when ``allow_pickle=True``.
-* ``.safetensors``: read with the safetensors package (no pickle).
+  with ``weights_only=False`` when ``allow_pickle=True``; memory-mapped where the file's
+  format allows (then its pages are the page cache's, not the process's own memory).
 
 Names: a nested dict is saved as it is, so its keys join with ``/`` (``{"model":
 {"l1.weight": t}}`` becomes ``model/l1.weight``; see :mod:`distckpt.naming`). A
 safetensors tensor name is taken as a distckpt name: split at ``/`` (so ``a/b`` exported
-by ``distckpt export`` comes back as ``a/b``). A safetensors ``__metadata__`` entry becomes
-a value: the Python value its string holds when that string is distckpt's typed JSON (as
-``distckpt export`` writes them), else the string itself. The whole source is held in
-memory while it is saved.
+by ``distckpt export`` comes back as ``a/b``). A single safetensors file's
+``__metadata__`` entries become values: the Python value a string holds when it is
+distckpt's typed JSON (as ``distckpt export`` writes them), else the string itself.
 """
 
 from __future__ import annotations
@@ -30,11 +37,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from distckpt import dtypes
 from distckpt.comm import SingleComm
-from distckpt.engine.save import SaveResult, save
+from distckpt.engine.save import SaveResult, save_from
 from distckpt.errors import ConversionError, UnsupportedValueError
+from distckpt.hf.directory import open_weights
+from distckpt.transfer.sources import FileData, Source, source_for
 from distckpt.values import decode
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -54,29 +65,43 @@ def import_checkpoint(
     import_checkpoint("model.safetensors", "run/ckpt-0")
     """
     source = Path(src)
-    state = read_source(source, allow_pickle=allow_pickle)
-    return save(state, out, SingleComm(), overwrite=overwrite, allow_pickle=allow_pickle)
+    files: dict[int, FileData] = {}
+    state = read_source(source, allow_pickle=allow_pickle, files=files)
+
+    def source_of(tensor: torch.Tensor, name: str) -> Source:
+        found = files.get(id(tensor))
+        return found if found is not None else source_for(tensor, name)
+
+    return save_from(
+        state, out, source_of, SingleComm(), overwrite=overwrite, allow_pickle=allow_pickle
+    )
 
 
-def read_source(source: Path, *, allow_pickle: bool = False) -> dict[str, Any]:
-    """The state held by ``source``, as a dict ready for :func:`distckpt.save`."""
+def read_source(
+    source: Path, *, allow_pickle: bool = False, files: dict[int, FileData] | None = None
+) -> dict[str, Any]:
+    """The state held by ``source``, as a dict ready for :func:`distckpt.save`. With
+    ``files``, safetensors tensors are left in their files: the state holds meta tensors
+    and ``files`` maps each one's ``id`` to where its bytes are."""
     if source.is_dir():
-        if not (source / DCP_METADATA).is_file():
-            raise ConversionError(
-                f"{source} is a directory without a {DCP_METADATA} file: not a "
-                "torch.distributed.checkpoint directory"
-            )
-        return _read_dcp(source, allow_pickle)
+        if (source / DCP_METADATA).is_file():
+            return _read_dcp(source, allow_pickle)
+        if any(source.glob("*.safetensors")):
+            return _read_safetensors(source, files, metadata=False)
+        raise ConversionError(
+            f"{source} is a directory without a {DCP_METADATA} file or *.safetensors files: "
+            "not a torch.distributed.checkpoint or Hugging Face weights directory"
+        )
     if not source.exists():
         raise ConversionError(f"{source} does not exist")
     suffix = source.suffix.lower()
     if suffix == ".safetensors":
-        return _read_safetensors(source)
+        return _read_safetensors(source, files, metadata=True)
     if suffix in TORCH_SUFFIXES:
         return _read_torch(source, allow_pickle)
     raise ConversionError(
-        f"cannot import {source.name!r}: expected a DCP directory, a .safetensors file, "
-        "or a torch.save file (" + ", ".join(TORCH_SUFFIXES) + ")"
+        f"cannot import {source.name!r}: expected a DCP directory, a Hugging Face weights "
+        "directory, a .safetensors file, or a torch.save file (" + ", ".join(TORCH_SUFFIXES) + ")"
     )
 
 
@@ -86,13 +111,26 @@ def _read_dcp(source: Path, allow_pickle: bool) -> dict[str, Any]:
             f"{source} is a torch.distributed.checkpoint directory, whose {DCP_METADATA} is a "
             "pickle: reading it runs code from the file. Pass --allow-pickle if you trust it"
         )
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
+        reader = dcp.FileSystemReader(str(source))
+        metadata = reader.read_metadata()
+        # The state DCP saved, rebuilt from its metadata: tensors of the stored shapes and
+        # dtypes to load into, placeholders for the other values (DCP replaces them).
+        state: dict[str, Any] = {}
+        paths = metadata.planner_data or {}
+        for key, meta in metadata.state_dict_metadata.items():
+            value: Any = meta
+            if isinstance(meta, TensorStorageMetadata):
+                value = torch.empty(meta.size, dtype=meta.properties.dtype)
+            _set_path(state, tuple(paths.get(key, (key,))), value)
         with warnings.catch_warnings():
-            # "torch.distributed is unavailable ... assuming a single process": intended.
             warnings.simplefilter("ignore", UserWarning)
-            state = _load_state_dict_from_keys(checkpoint_id=str(source))
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except ConversionError:
+        raise
     except Exception as exc:  # DCP raises CheckpointException and plain errors alike
         raise ConversionError(
             f"{source}: cannot read the DCP checkpoint: {_first_line(exc)}"
@@ -100,9 +138,33 @@ def _read_dcp(source: Path, allow_pickle: bool) -> dict[str, Any]:
     return _as_state(state, source)
 
 
+def _set_path(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """``state[path[0]][path[1]]... = value``, creating dicts (lists for int keys) on the
+    way: the containers DCP flattened."""
+    node: Any = state
+    for key, nxt in zip(path[:-1], path[1:], strict=True):
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if isinstance(nxt, int) else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+    if isinstance(node, list):
+        while len(node) <= path[-1]:
+            node.append(None)
+    node[path[-1]] = value
+
+
 def _read_torch(source: Path, allow_pickle: bool) -> dict[str, Any]:
     try:
-        state = torch.load(source, map_location="cpu", weights_only=not allow_pickle)
+        try:  # memory-mapped: the tensors stay in the page cache
+            state = torch.load(source, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(source, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         if allow_pickle:
             raise ConversionError(f"{source}: cannot unpickle: {_first_line(exc)}") from None
@@ -117,18 +179,23 @@ def _read_torch(source: Path, allow_pickle: bool) -> dict[str, Any]:
     return _as_state(state, source)
 
 
-def _read_safetensors(source: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(source), framework="pt") as f:
-            metadata = f.metadata() or {}
-            flat: dict[str, Any] = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    except Exception as exc:  # safetensors raises its own SafetensorError, not exported
-        raise ConversionError(
-            f"{source}: not a readable safetensors file: {_first_line(exc)}"
-        ) from None
-    for name, text in metadata.items():
+def _read_safetensors(
+    source: Path, files: dict[int, FileData] | None, *, metadata: bool
+) -> dict[str, Any]:
+    """The tensors of a safetensors file or weights directory: meta tensors noted in
+    ``files`` (streamed when saved), or read whole when ``files`` is None."""
+    weights = open_weights(source)
+    flat: dict[str, Any] = {}
+    for name, stored in weights.tensors.items():
+        data = FileData(stored.path, stored.offset, stored.shape, stored.dtype, name)
+        dtype = dtypes.torch_dtype(stored.dtype)
+        if files is None:
+            raw = torch.from_numpy(data.host().reshape(-1).view(np.uint8))
+            flat[name] = raw.view(dtype).reshape(stored.shape)
+        else:
+            flat[name] = torch.empty(stored.shape, dtype=dtype, device="meta")
+            files[id(flat[name])] = data
+    for name, text in (weights.metadata if metadata else {}).items():
         if name in flat:
             raise ConversionError(f"{source}: {name!r} is both a tensor and a metadata entry")
         flat[name] = _metadata_value(text)

@@ -6,13 +6,15 @@
   (a non-contiguous view, a conjugate or negative view). Its inner chunks are copied
   into staging slabs (:mod:`distckpt.transfer.slabs`) a slab at a time, for GPU tensors
   asynchronously on a side stream, while the workers write the slabs copied before.
+* :class:`FileData`: a tensor in a file (an import), read into the slabs likewise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,9 +22,9 @@ import torch
 
 from distckpt import dtypes
 from distckpt.engine.arrays import numpy_view
-from distckpt.slices import Box, c_order_bands
+from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
-from distckpt.transfer import slabs
+from distckpt.transfer import ranges, slabs
 from distckpt.transfer.slabs import Region
 
 _streams: dict[torch.device, Any] = {}
@@ -172,6 +174,53 @@ class StagedData:
             for region, event in copied:  # after a failure
                 region.release(event)
         return crc
+
+
+class FileData:
+    """A tensor stored whole, C order, at ``offset`` of the file ``path`` (a safetensors
+    file being imported): read as the writer asks for it, a run of inner chunks at a time
+    into a staging slab, so it is never whole in memory."""
+
+    staged = True
+    device = torch.device("cpu")
+
+    def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: str, name: str):
+        self.path, self.offset, self.name = path, offset, name
+        self.shape = tuple(shape)
+        self.dtype = dtypes.numpy_dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+    def _read(self, runs: Iterator[tuple[int, int]], out: np.ndarray, nbytes: int) -> None:
+        for task in ranges.split(runs, self.offset, max(1, nbytes)):
+            ranges.read_runs(self.path, task, out, repr(self.name))
+
+    def host(self) -> np.ndarray:
+        """A whole copy (small tensors only: those stored as one plain chunk)."""
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        self._read(iter([(0, self.nbytes)]), out, self.nbytes)
+        return out.view(self.dtype).reshape(self.shape)
+
+    def fill(self, region: Region, parts: Sequence[ChunkPart]) -> None:
+        """Read the data of ``parts`` into ``region``, back to back."""
+        itemsize = self.dtype.itemsize
+        runs = (
+            run for p in parts for run in byte_runs(self.shape, Box(p.offsets, p.lengths), itemsize)
+        )
+        self._read(runs, region.array, sum(p.nbytes for p in parts))
+
+    def crc(self) -> int:
+        """crc32c of the tensor's bytes, read a task's worth at a time."""
+        crc = 0
+        buffer = np.empty(min(self.nbytes, ranges.TASK_BYTES), dtype=np.uint8)
+        for start in range(0, self.nbytes, buffer.nbytes):
+            n = min(buffer.nbytes, self.nbytes - start)
+            self._read(iter([(start, n)]), buffer, n)
+            crc = crc32c(buffer[:n], crc)
+        return crc
+
+
+#: Where a save reads one tensor.
+Source = HostData | StagedData | FileData
 
 
 def source_for(tensor: torch.Tensor, name: str) -> HostData | StagedData:

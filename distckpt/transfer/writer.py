@@ -31,7 +31,7 @@ from distckpt.storage.fsutil import write_file
 from distckpt.storage.piece_reader import scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, stored_chunk
 from distckpt.transfer import slabs
-from distckpt.transfer.sources import HostData, StagedData
+from distckpt.transfer.sources import HostData, Source
 from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
 
 #: Bytes of inner chunks one task writes (and one staging copy moves).
@@ -44,7 +44,7 @@ class PieceJob:
 
     id: int
     path: str
-    data: HostData | StagedData
+    data: Source
     block: tuple[int, ...]
     inner: tuple[int, ...] | None  # None: one plain chunk
     codec: Codec | None = None
@@ -141,7 +141,7 @@ def _plan(job: PieceJob, results: dict[int, tuple[int, int]], shards: list[Shard
     def finish() -> None:
         results[job.id] = shard.finish()
 
-    pool = slabs.pool(pinned=data.device.type == "cuda") if isinstance(data, StagedData) else None
+    pool = None if isinstance(data, HostData) else slabs.pool(pinned=data.device.type == "cuda")
     runs = _runs(parts, TASK_BYTES if pool is None else min(TASK_BYTES, pool.slab_bytes))
     return _Plan(job, shard, runs, Countdown(len(runs), finish), pool)
 
