@@ -30,6 +30,7 @@ from distckpt.errors import (  # noqa: E402
     UnsupportedValueError,
     ValidationError,
 )
+from distckpt.hf import export_hf, load_hf, save_hf  # noqa: E402
 from distckpt.items import PerRank, Shard  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
 from distckpt.training import (  # noqa: E402
@@ -91,12 +92,15 @@ __all__ = [
     "Variable",
     "comm",
     "default_io_workers",
+    "export_hf",
     "latest_checkpoint",
     "list_variables",
     "load",
+    "load_hf",
     "prepare_async",
     "prepare_staging",
     "register_zarr_dtypes",
     "save",
+    "save_hf",
     "set_staging",
 ]

@@ -4,7 +4,9 @@
     distckpt inspect CKPT [--json]      the variables of a checkpoint
     distckpt verify CKPT                re-read every byte and check every checksum
     distckpt export CKPT OUT            one .safetensors (streamed) or .pt file
-    distckpt import SRC OUT             a DCP directory, .pt/.pth/.bin or .safetensors file
+    distckpt export CKPT DIR --hf       Hugging Face weights: safetensors files and an index
+    distckpt import SRC OUT             a DCP or Hugging Face directory, .pt/.pth/.bin or
+                                        .safetensors file (safetensors streamed)
     distckpt diff A B                   which variables differ, and how
     distckpt gc DIR                     remove leftovers of aborted saves, nothing else
 
@@ -99,6 +101,11 @@ def _export(args: argparse.Namespace) -> int:
     from distckpt.tools.catalog import open_catalog
     from distckpt.tools.export import export
 
+    if args.hf:
+        return _export_hf(args)
+    if args.prefix or args.max_shard_size:
+        raise CheckpointError("--prefix and --max-shard-size apply to --hf exports only")
+
     total = sum(var.nbytes for var in open_catalog(args.checkpoint).tensors.values())
     with progress(f"exporting {args.out}", total, threshold=0) as bar:
         report = export(
@@ -118,11 +125,35 @@ def _export(args: argparse.Namespace) -> int:
     return OK
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from distckpt.comm import SingleComm
+    from distckpt.hf import export_hf
+    from distckpt.hf.directory import DEFAULT_MAX_BYTES
+
+    try:
+        result = export_hf(
+            args.checkpoint,
+            args.out,
+            SingleComm(),
+            prefix=args.prefix,
+            max_shard_size=args.max_shard_size or DEFAULT_MAX_BYTES,
+            overwrite=args.overwrite,
+        )
+    except ValueError as exc:  # a bad --max-shard-size
+        raise CheckpointError(str(exc)) from None
+    print(f"wrote {result.path}: {result.files_written} file(s), {result.bytes_written} bytes")
+    return OK
+
+
 def _import(args: argparse.Namespace) -> int:
     from distckpt.tools.importer import import_checkpoint
 
     result = import_checkpoint(
-        args.source, args.out, allow_pickle=args.allow_pickle, overwrite=args.overwrite
+        args.source,
+        args.out,
+        allow_pickle=args.allow_pickle,
+        overwrite=args.overwrite,
+        prefix=args.prefix,
     )
     print(f"saved {result.path}")
     return OK
@@ -185,7 +216,23 @@ def _parser() -> argparse.ArgumentParser:
         ".pt/.pth (torch.save of a flat dict; holds the whole checkpoint in memory)",
     )
     p.add_argument("checkpoint")
-    p.add_argument("out", help="the file to write; its suffix picks the format")
+    p.add_argument(
+        "out", help="the file to write (its suffix picks the format), or with --hf a directory"
+    )
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help="write Hugging Face weights into the directory OUT: safetensors files of at most "
+        "--max-shard-size and model.safetensors.index.json (streamed, bounded memory)",
+    )
+    p.add_argument(
+        "--prefix",
+        default="",
+        help="--hf: export the variables under this prefix, without it (e.g. 'net/')",
+    )
+    p.add_argument(
+        "--max-shard-size", default=None, help="--hf: bytes per file, e.g. 5GB (the default)"
+    )
     p.add_argument("--slab-mib", type=_positive, default=64, help="MiB read at once (default 64)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument(
@@ -194,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
     p = sub.add_parser(
         "import",
-        help="save a DCP directory, a torch.save file or a .safetensors file as a checkpoint",
+        help="save a DCP directory, a Hugging Face weights directory, a torch.save file or a "
+        ".safetensors file as a checkpoint",
     )
     p.add_argument("source")
     p.add_argument("out", help="the checkpoint to create")
@@ -205,6 +253,7 @@ def _parser() -> argparse.ArgumentParser:
         "code from the file, so use it only for files you trust",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--prefix", default="", help="put every name under this prefix (e.g. net/)")
     p.set_defaults(func=_import)
     p = sub.add_parser("diff", help="which variables of two checkpoints differ")
     p.add_argument("a")

@@ -59,14 +59,19 @@ def import_checkpoint(
     *,
     allow_pickle: bool = False,
     overwrite: bool = False,
+    prefix: str = "",
 ) -> SaveResult:
-    """Read ``src`` (see the module docstring) and save it as a checkpoint at ``out``::
+    """Read ``src`` (see the module docstring) and save it as a checkpoint at ``out``,
+    every name under ``prefix`` (``"net/"``: restorable by ``Checkpoint(net=model)``)::
 
     import_checkpoint("model.safetensors", "run/ckpt-0")
+    import_checkpoint("Llama-3.2-1B/", "run/ckpt-0", prefix="net/")
     """
     source = Path(src)
     files: dict[int, FileData] = {}
     state = read_source(source, allow_pickle=allow_pickle, files=files)
+    for key in reversed([k for k in prefix.split("/") if k]):
+        state = {key: state}
 
     def source_of(tensor: torch.Tensor, name: str) -> Source:
         found = files.get(id(tensor))
