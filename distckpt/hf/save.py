@@ -47,7 +47,7 @@ from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import background
 from distckpt.engine.save import SaveResult
-from distckpt.errors import CheckpointExists
+from distckpt.errors import CheckpointExists, ValidationError
 from distckpt.hf import names as names_mod
 from distckpt.hf.directory import (
     DEFAULT_MAX_BYTES,
@@ -65,7 +65,7 @@ from distckpt.storage.shard_io import as_bytes
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.sources import HostData, StagedData, source_for
-from distckpt.transfer.workers import Countdown, TaskGroup
+from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
 
 log = logging.getLogger("distckpt")
 
@@ -134,6 +134,12 @@ def save_hf(
         descs = Failure.capture(exc, comm.rank)
 
     def plan(gathered: list[Any]) -> _Plan:
+        sources: dict[str, str] = {}
+        for rank_descs in gathered:
+            for d in rank_descs:
+                first = sources.setdefault(d.name, d.value)
+                if first != d.value:
+                    raise ValidationError(f"both {first!r} and {d.value!r} map to {d.name!r}")
         by_name = validate(gathered)
         tensors = [(n, held[0][1].dtype, held[0][1].shape) for n, held in by_name.items()]
         files = plan_files(tensors, max_bytes)  # type: ignore[arg-type]
@@ -192,6 +198,10 @@ def export_hf(
         for var in catalog.tensors.values():
             name = to_weights(var.name)
             if name is not None:
+                if name in sources:
+                    raise ValidationError(
+                        f"both {sources[name]!r} and {var.name!r} map to {name!r}"
+                    )
                 tensors.append((name, var.dtype, var.shape))
                 sources[name] = var.name
         files = plan_files(tensors, max_bytes)
@@ -353,17 +363,25 @@ def _write_boxes(
 
     def feed() -> None:
         nonlocal written
+        # Host data first, file by file in turns: one file's writes take turns in the
+        # kernel (its inode lock), so each worker keeps mostly to a file of its own.
+        streams: dict[str, list[tuple[int, list[ranges.Run], Any]]] = {}
+        staged: list[tuple[StagedData, _Write, int]] = []
         for w in work:
-            leaf = local[w.local]
-            source = source_for(leaf.tensor, w.local)
+            source = source_for(local[w.local].tensor, w.local)
             fd = files.fd(w.file)
             itemsize = dtypes.itemsize(w.dtype)
             written += w.box.numel * itemsize
             if isinstance(source, HostData):
                 flat = as_bytes(source.array).reshape(-1)
+                stream = streams.setdefault(w.file, [])
                 for task in ranges.split(byte_runs(w.shape, w.box, itemsize), w.offset):
-                    group.submit(ranges.write_runs, fd, task, flat)
-                continue
+                    stream.append((fd, task, flat))
+            else:
+                staged.append((source, w, fd))
+        for fd, task, flat in interleaved(streams.values(), workers):
+            group.submit(ranges.write_runs, fd, task, flat)
+        for source, w, fd in staged:
             _submit_staged(group, source, w, fd, used)
 
     ok = False
