@@ -164,10 +164,10 @@ def plan_files(
     from distckpt.hf.safetensors import header
 
     groups: list[list[TensorHeader]] = []
-    size = max_bytes
+    size = 0
     for name, dtype, shape in tensors:
         nbytes = math.prod(shape) * dtypes.itemsize(dtype)
-        if size + nbytes > max_bytes and (not groups or groups[-1]):
+        if not groups or (size + nbytes > max_bytes and groups[-1]):
             groups.append([])
             size = 0
         groups[-1].append(TensorHeader(name, dtype, tuple(shape), nbytes))

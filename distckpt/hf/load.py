@@ -68,6 +68,8 @@ def load_hf(
 
     ``prefix`` is put before every weights name to find it in the state; ``rename`` maps
     a weights name to the state's name, or to None to skip it (give one or neither).
+    Only the state's tensors (and ``None`` placeholders) under ``prefix`` count: Python
+    values and :class:`~distckpt.PerRank` entries are left as they are.
     ``strict=True`` fails listing every name on one side only; ``strict=False`` loads
     what matches and reports the rest in the result (``missing``, ``unexpected``). A
     state tensor that shares its memory with another loaded one (tied embeddings) is
@@ -76,7 +78,7 @@ def load_hf(
     """
     background.finish_pending()
     comm = comm or auto()
-    to_state = names_mod.for_loading(prefix, rename)
+    names_mod.for_loading(prefix, rename)  # checks the pair before any communication
     result = LoadResult(Path(path).absolute())
     t0 = time.perf_counter()
     weights: Weights | Failure | None = None
@@ -92,7 +94,7 @@ def load_hf(
             weights.raise_here(comm.rank)
         assert isinstance(weights, Weights)
         workers = transfer_workers.resolve(io_workers, comm)
-        _load_local(state, weights, to_state, result, strict, workers, comm.rank)
+        _load_local(state, weights, (prefix, rename), result, strict, workers, comm.rank)
     except Exception as exc:
         error = exc
     raise_if_any_failed(comm, error)
@@ -122,13 +124,15 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
 def _load_local(
     state: dict[str, Any],
     weights: Weights,
-    to_state: names_mod.Rename,
+    naming: tuple[str, names_mod.Rename | None],
     result: LoadResult,
     strict: bool,
     workers: int,
     rank: int,
 ) -> None:
     t0 = time.perf_counter()
+    prefix, rename = naming
+    to_state = names_mod.for_loading(prefix, rename)
     stored: dict[str, StoredTensor] = {}
     for name, tensor in weights.tensors.items():
         mapped = to_state(name)
@@ -139,7 +143,14 @@ def _load_local(
                 f"{weights.root}: both {stored[mapped].name!r} and {name!r} map to {mapped!r}"
             )
         stored[mapped] = tensor
-    leaves = flatten(state)
+    # Only tensors (and None placeholders for new ones) can come from weights: Python
+    # values and per-rank entries are not theirs to fill, nor names outside the prefix.
+    leaves = [
+        leaf
+        for leaf in flatten(state)
+        if (leaf.kind == "tensor" or (leaf.kind == "value" and leaf.value is None))
+        and (rename is not None or leaf.name.startswith(prefix))
+    ]
     found = [leaf for leaf in leaves if leaf.name in stored]
     # Tied weights: a leaf sharing its memory with a loaded one is filled by it.
     loaded_views = {_alias_key(leaf.tensor) for leaf in found if leaf.tensor is not None}

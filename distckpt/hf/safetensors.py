@@ -154,10 +154,11 @@ def _entry(path: str, name: str, spec: Any, start: int, size: int) -> StoredTens
     where = f"{path}: tensor {name!r}"
     if not isinstance(spec, dict):
         raise CorruptCheckpointError(f"{where}: its header entry is not an object")
-    dtype = FROM_SAFETENSORS.get(spec.get("dtype"))  # type: ignore[arg-type]
+    named = spec.get("dtype")
+    dtype = FROM_SAFETENSORS.get(named) if isinstance(named, str) else None
     if dtype is None:
         raise CorruptCheckpointError(
-            f"{where}: dtype {spec.get('dtype')!r} is not one distckpt reads ("
+            f"{where}: dtype {named!r} is not one distckpt reads ("
             + ", ".join(sorted(FROM_SAFETENSORS))
             + ")"
         )

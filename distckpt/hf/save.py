@@ -308,14 +308,25 @@ def _prepare(root: Path, plan: _Plan, overwrite: bool) -> None:
             f"{root} already holds weights ({', '.join(p.name for p in old[:3])}); pass "
             "overwrite=True to replace them"
         )
+    if not any(f.tensors for f in plan.files):
+        raise ValidationError(
+            f"no tensor to write to {root}: none of the state's names is under the prefix, "
+            "or the rename function left every one out"
+        )
     root.mkdir(parents=True, exist_ok=True)
-    for f in plan.files:
-        fd = os.open(_tmp(root, f.name, plan.token), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.pwrite(fd, f.header, 0)
-            os.ftruncate(fd, f.size)
-        finally:
-            os.close(fd)
+    try:
+        for f in plan.files:
+            path = _tmp(root, f.name, plan.token)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.pwrite(fd, f.header, 0)
+                os.ftruncate(fd, f.size)
+            finally:
+                os.close(fd)
+    except BaseException:
+        for f in plan.files:
+            _tmp(root, f.name, plan.token).unlink(missing_ok=True)
+        raise
 
 
 def _finish(root: Path, plan: _Plan, overwrite: bool) -> None:
