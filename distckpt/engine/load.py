@@ -91,6 +91,13 @@ def load(
         _load_local(state, result, comm.rank, comm.size, strict, allow_pickle, workers)
     except Exception as exc:
         error = exc
+    return settle(comm, result, error, t0)
+
+
+def settle(
+    comm: Communicator, result: LoadResult, error: BaseException | None, t0: float
+) -> LoadResult:
+    """The end of a load on every rank: raise if any rank failed, else time and log it."""
     raise_if_any_failed(comm, error)
     result.timings["total"] = time.perf_counter() - t0
     if comm.rank == 0:

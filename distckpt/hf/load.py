@@ -25,11 +25,18 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
-from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import Failure
 from distckpt.engine import background
 from distckpt.engine.arrays import writable_view
-from distckpt.engine.load import LoadResult, assign, check_leaf, check_names, target_box
+from distckpt.engine.load import (
+    LoadResult,
+    assign,
+    check_leaf,
+    check_names,
+    settle,
+    target_box,
+)
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
 from distckpt.hf.directory import Weights, open_weights
@@ -97,17 +104,7 @@ def load_hf(
         _load_local(state, weights, (prefix, rename), result, strict, workers, comm.rank)
     except Exception as exc:
         error = exc
-    raise_if_any_failed(comm, error)
-    result.timings["total"] = time.perf_counter() - t0
-    if comm.rank == 0:
-        log.info(
-            "loaded %s: %d tensors, %d bytes read by rank 0 in %.3fs",
-            result.path,
-            len(result.loaded),
-            result.bytes_read,
-            result.timings["total"],
-        )
-    return result
+    return settle(comm, result, error, t0)
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
