@@ -68,3 +68,9 @@ class RemoteError(CheckpointError):
 class ConversionError(CheckpointError, ValueError):
     """A file cannot be imported or exported as asked: an unknown format, a dtype or value
     the target format cannot hold, or a source that cannot be read safely."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage service refused or failed an operation for good (no such bucket, access
+    denied, no credentials, retries exhausted); the message names the location and the
+    operation, never a credential."""

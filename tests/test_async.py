@@ -192,7 +192,7 @@ def test_manager_failed_async_save_is_raised_and_counter_restored(
 ) -> None:
     import errno
 
-    from distckpt.storage import shard_io
+    from distckpt.storage.posix import PosixStore
 
     model, opt = _model()
     ckpt = distckpt.Checkpoint(model=model, optimizer=opt)
@@ -203,7 +203,7 @@ def test_manager_failed_async_save_is_raised_and_counter_restored(
         def full(*args: object, **kwargs: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(shard_io, "create", full)
+        monkeypatch.setattr(PosixStore, "create", full)
         manager.save(async_save=True)
         with pytest.raises(OSError, match="No space left"):
             manager.sync()

@@ -596,6 +596,10 @@ def test_full_disk_keeps_committed_checkpoints(
             return real(fd, buffers, offset)
 
         monkeypatch.setattr(os, "pwritev", pwritev)
+    elif where == "create":
+        from distckpt.storage.posix import PosixStore
+
+        monkeypatch.setattr(PosixStore, "create", _enospc)
     else:
         monkeypatch.setattr(shard_io, where, _enospc)
     for path, overwrite in ((tmp_path / "ck", True), (tmp_path / "new", False)):

@@ -34,6 +34,7 @@ from distckpt.planning.layout import inner_chunks
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage import codecs, shard_io, zarr_meta
 from distckpt.storage.piece_reader import PieceReader
+from distckpt.storage.posix import PosixStore
 from distckpt.storage.staging import leftovers
 from distckpt.transfer import reader as reader_mod
 from distckpt.transfer import slabs, workers
@@ -374,20 +375,20 @@ def test_parallel_shards_with_edges_open_in_zarr(tmp_path: Path, tiny: None) -> 
         rows = [(0, 8), (8, 13)]
         jobs = [
             writer_mod.PieceJob(
-                i, str(root / zarr_meta.chunk_key((i, 0))), HostData(full[a:b]), block, inner, codec
+                i, zarr_meta.chunk_key((i, 0)), HostData(full[a:b]), block, inner, codec
             )
             for i, (a, b) in enumerate(rows)
         ]
-        for job in jobs:
-            Path(job.path).parent.mkdir(exist_ok=True)
-        written = writer_mod.write_pieces(jobs, workers=3)
+        store = PosixStore(root)
+        store.prepare(job.key for job in jobs)
+        written = writer_mod.write_pieces(store, jobs, workers=3)
         got = np.asarray(zarr.open_array(str(root), mode="r")[...])
         assert got.tobytes() == full.tobytes(), choice
         for job, (a, b) in zip(jobs, rows, strict=True):
             size, crc = written[job.id]
-            assert size == os.path.getsize(job.path)
+            assert size == os.path.getsize(root / job.key)
             out = np.zeros((b - a, 37), dtype=full.dtype)
-            PieceReader("w", job.path, full.dtype, crc, codec).read_sharded(
+            PieceReader("w", store, job.key, full.dtype, crc, codec).read_sharded(
                 block, inner, Box.full(out.shape), out
             )
             assert out.tobytes() == full[a:b].tobytes()

@@ -451,19 +451,21 @@ def write_compressed(
     """An array written through distckpt's own shard writer, one file per shard, each
     inner chunk compressed (edge shards: absent and zero-padded inner chunks)."""
     from distckpt.storage import codecs, shard_io, zarr_meta
+    from distckpt.storage.posix import PosixStore
 
     codec = codecs.make(choice, data.dtype.itemsize)
     assert codec is not None
     path.mkdir(parents=True)
     meta = zarr_meta.array_meta(data.shape, name, shard, inner, compressor=codec.to_json())
     (path / "zarr.json").write_bytes(zarr_meta.dumps(meta))
+    store = PosixStore(path)
     n_shards = [-(-s // c) for s, c in zip(data.shape, shard, strict=True)]
     for idx in np.ndindex(*n_shards):
         box = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, shard, strict=True))
         part = np.ascontiguousarray(data[box])
-        shard_io.write_sharded(
-            str(path / zarr_meta.chunk_key(idx)), part, shard, inner, codec=codec, fsync=False
-        )
+        key = zarr_meta.chunk_key(idx)
+        store.prepare([key])
+        shard_io.write_sharded(store, key, part, shard, inner, codec=codec, fsync=False)
 
 
 @pytest.mark.parametrize("choice", ["zstd", "blosc-lz4"])

@@ -1,24 +1,21 @@
-"""The commit of one save: the index, the group metadata, and the rename into place.
+"""The commit of one save: the group metadata and the index.
 
 Runs on the coordinator once every rank reported its pieces durable. The index is the root
 group's ``zarr.json`` attribute ``distckpt`` (see :mod:`distckpt.storage.index`); nothing
-is visible under the final name before the rename.
+is a checkpoint under the final name before the transaction commits it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from distckpt import __version__
-from distckpt.errors import CheckpointExists
 from distckpt.planning.save_plan import Piece, SavePlan
 from distckpt.storage import index as index_mod
 from distckpt.storage import zarr_meta
-from distckpt.storage.fsutil import fsync_dir, write_file
-from distckpt.storage.staging import Staging
+from distckpt.storage.transaction import Transaction
 
 
 def _tensor_entry(
@@ -34,12 +31,10 @@ def _tensor_entry(
     }
 
 
-def commit(
-    plan: SavePlan, reports: list[Any], staging: Staging, final: Path, overwrite: bool
-) -> None:
+def commit(plan: SavePlan, reports: list[Any], txn: Transaction) -> None:
     """Coordinator, step 5 of the save protocol: with every rank's report (``{piece id:
-    (size, crc)}``) in, write the group metadata and the index, fsync them, and rename the
-    staging directory to ``final`` (atomically replacing it with ``overwrite``)."""
+    (size, crc)}``) in, write the group metadata and then the index through the save's
+    transaction (:mod:`distckpt.storage.transaction`), which makes it the checkpoint."""
     written: dict[int, tuple[int, int]] = {}
     for report in reports:
         written.update(report)
@@ -86,19 +81,10 @@ def commit(
         "world_size": plan.world_size,
         "variables": variables,
     }
-    root = staging.path
-    for group in plan.groups:
-        if group == "":
-            continue
-        (root / group).mkdir(parents=True, exist_ok=True)
-        write_file(root / group / zarr_meta.ZARR_JSON, zarr_meta.dumps(zarr_meta.group_meta()))
-    for group in sorted(plan.groups, key=lambda g: -g.count("/")):
-        if group:
-            fsync_dir(root / group)
+    files = {
+        f"{group}/{zarr_meta.ZARR_JSON}": zarr_meta.dumps(zarr_meta.group_meta())
+        for group in plan.groups
+        if group != ""
+    }
     doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
-    write_file(
-        root / zarr_meta.ZARR_JSON, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    )
-    if final.exists() and not overwrite and index_mod.is_committed(final):
-        raise CheckpointExists(f"{final} was committed by another save while this one ran")
-    staging.commit(overwrite=overwrite)
+    txn.commit(files, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())

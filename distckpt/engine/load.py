@@ -36,6 +36,7 @@ from distckpt.items import Leaf, flatten
 from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
+from distckpt.storage.backend import Store, location, resolve
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.reader import ReadTarget, read_targets
 from distckpt.values import decode
@@ -50,7 +51,7 @@ class LoadResult:
     ``plan`` (read the index, match and check every leaf), ``read`` (read, verify and copy
     into the targets) and ``total`` (both, and the final agreement between ranks)."""
 
-    path: Path
+    path: Path | str  # a path, or the URL of an object store prefix
     loaded: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
@@ -83,12 +84,13 @@ def load(
     """
     background.finish_pending()  # also raises the error of a save nobody waited for
     comm = comm or auto()
-    result = LoadResult(Path(path).absolute())
+    store = resolve(path)
+    result = LoadResult(location(store))
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
         workers = transfer_workers.resolve(io_workers, comm)
-        _load_local(state, result, comm.rank, comm.size, strict, allow_pickle, workers)
+        _load_local(state, store, result, comm.rank, comm.size, strict, allow_pickle, workers)
     except Exception as exc:
         error = exc
     return settle(comm, result, error, t0)
@@ -114,6 +116,7 @@ def settle(
 
 def _load_local(
     state: dict[str, Any],
+    store: Store,
     result: LoadResult,
     rank: int,
     world: int,
@@ -122,7 +125,7 @@ def _load_local(
     workers: int,
 ) -> None:
     t0 = time.perf_counter()
-    index = index_mod.read_index(result.path)
+    index = index_mod.read_index(store)
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}
@@ -172,8 +175,8 @@ def _load_local(
         else:
             reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor))
         result.loaded.append(leaf.name)
-    with progress(f"loading {result.path.name} (rank 0's share)", total, rank=rank) as bar:
-        result.bytes_read = read_targets(result.path, reads, workers=workers, on_bytes=bar.update)
+    with progress(f"loading {store.name} (rank 0's share)", total, rank=rank) as bar:
+        result.bytes_read = read_targets(store, reads, workers=workers, on_bytes=bar.update)
     for leaf, tensor in fresh:
         assign(leaf, tensor)
     result.timings["plan"] = t_plan - t0
@@ -181,7 +184,7 @@ def _load_local(
 
 
 def check_names(
-    path: Path, missing: list[str], unexpected: list[str], source: str = "checkpoint"
+    path: Path | str, missing: list[str], unexpected: list[str], source: str = "checkpoint"
 ) -> None:
     """Raise :class:`MissingVariablesError` listing every name on one side only."""
     if not (missing or unexpected):
@@ -271,7 +274,7 @@ def assign(leaf: Leaf, value: Any) -> None:
 
 
 def read_region(
-    root: Path,
+    root: str | os.PathLike[str] | Store,
     name: str,
     entry: dict[str, Any],
     target: Box,
@@ -287,4 +290,4 @@ def read_region(
     an inner chunk or two per I/O worker."""
     workers = transfer_workers.resolve(io_workers)
     read = ReadTarget(name, entry, target, out=out)
-    return read_targets(root, [read], workers=workers, on_bytes=on_bytes)
+    return read_targets(resolve(root), [read], workers=workers, on_bytes=on_bytes)

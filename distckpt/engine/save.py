@@ -45,7 +45,6 @@ from distckpt.engine import background, snapshot
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.commit import commit
 from distckpt.engine.snapshot import BufferPool
-from distckpt.errors import CheckpointExists
 from distckpt.items import Leaf, flatten
 from distckpt.planning.save_plan import (
     DEFAULT_INNER_BYTES,
@@ -58,10 +57,9 @@ from distckpt.planning.save_plan import (
 )
 from distckpt.progress import progress
 from distckpt.storage import codecs, shard_io, zarr_meta
-from distckpt.storage import index as index_mod
+from distckpt.storage.backend import Store, location, resolve
 from distckpt.storage.codecs import Compression
-from distckpt.storage.fsutil import fsync_dir
-from distckpt.storage.staging import Staging, collect_garbage
+from distckpt.storage.transaction import Transaction, begin, save_root
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.workers import TaskGroup
@@ -77,7 +75,7 @@ COORDINATOR = 0
 class SaveResult:
     """What one rank did in a save: where it went, bytes written, seconds per phase."""
 
-    path: Path
+    path: Path | str  # a path, or the URL of an object store prefix
     bytes_written: int = 0
     files_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -145,7 +143,7 @@ def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
 
 @dataclass
 class _Options:
-    final: Path
+    final: Store
     overwrite: bool
     small_bytes: int
     inner_bytes: int
@@ -272,7 +270,7 @@ def save(
     background.finish_pending()
     comm = comm or auto()
     options = _Options(
-        Path(path).absolute(),
+        resolve(path),
         overwrite,
         small_bytes,
         inner_bytes,
@@ -318,7 +316,7 @@ def save(
         result.timings["snapshot"] = blocked
         return result
 
-    handle = background.start(str(options.final), body)
+    handle = background.start(options.final.url, body)
     log.debug("background save of %s started; the caller was blocked %.4fs", options.final, blocked)
     return handle
 
@@ -363,7 +361,7 @@ def save_from(
     background.finish_pending()
     comm = comm or auto()
     options = _Options(
-        Path(path).absolute(),
+        resolve(path),
         overwrite,
         DEFAULT_SMALL_BYTES,
         DEFAULT_INNER_BYTES,
@@ -392,7 +390,7 @@ def _protocol(
     """Steps 1 to 5 of the protocol, from this rank's leaves or the failure that replaced
     them (``error``, the local exception, is re-raised as itself on this rank)."""
     final = opts.final
-    result = SaveResult(final)
+    result = SaveResult(location(final))
     stored_bytes = 0  # by every rank: known to the coordinator
     t0 = time.perf_counter()
 
@@ -406,7 +404,7 @@ def _protocol(
             local_error, payload = exc, Failure.capture(exc, comm.rank)
     gathered = comm.gather(payload, root=COORDINATOR)
     t_describe = time.perf_counter()
-    staging: Staging | None = None
+    staging: Transaction | None = None
     decision: Any = None
     try:
         if comm.rank == COORDINATOR:
@@ -449,7 +447,7 @@ def _protocol(
             if outcome is None:
                 stored_bytes = sum(size for report in reports for size, _ in report.values())
                 try:
-                    commit(plan, reports, staging, final, opts.overwrite)
+                    commit(plan, reports, staging)
                     staging = None  # committed: nothing left to abort
                 except Exception as exc:
                     local_error, outcome = exc, Failure.capture(exc, comm.rank)
@@ -482,7 +480,7 @@ def _protocol(
     if comm.rank == COORDINATOR:
         log.info(
             "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s)",
-            final,
+            final.url,
             len(plan.variables),
             stored_bytes,
             comm.size,
@@ -492,20 +490,9 @@ def _protocol(
     return result
 
 
-def _plan(gathered: list[Any], final: Path, world: int, opts: _Options) -> tuple[SavePlan, Staging]:
-    overwrite = opts.overwrite
-    if final.exists() and not overwrite:
-        if index_mod.is_committed(final):
-            raise CheckpointExists(
-                f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"
-            )
-        if any(final.iterdir()):
-            raise CheckpointExists(
-                f"{final} exists and is not a distckpt checkpoint; not touching it"
-            )
-    if final.exists() and overwrite and not index_mod.is_committed(final) and any(final.iterdir()):
-        raise CheckpointExists(f"{final} exists and is not a distckpt checkpoint; not replacing it")
-    collect_garbage(final.parent)
+def _plan(
+    gathered: list[Any], final: Store, world: int, opts: _Options
+) -> tuple[SavePlan, Transaction]:
     token = uuid.uuid4().hex[:16]
     plan = make_save_plan(
         gathered,
@@ -514,7 +501,7 @@ def _plan(gathered: list[Any], final: Path, world: int, opts: _Options) -> tuple
         inner_bytes=opts.inner_bytes,
         compression=opts.compression,
     )
-    return plan, Staging(final, token, world)
+    return plan, begin(final, token, world, overwrite=opts.overwrite)
 
 
 def _exchange(
@@ -569,28 +556,21 @@ def _write(
 
     On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
     when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
-    from distckpt.storage.staging import staging_path
-
-    root = staging_path(opts.final, work.token)
+    root = save_root(opts.final, work.token)
     jobs: list[PieceJob] = []
     files: list[tuple[str, bytes]] = []
-    dirs: set[Path] = set()
     for piece in work.writes:
-        target = root / piece.file
-        if target.parent not in dirs:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            for parent in target.relative_to(root).parents:
-                dirs.add(root / parent)
         if piece.meta_file is not None and piece.meta is not None:
-            files.append((str(root / piece.meta_file), zarr_meta.dumps(piece.meta)))
+            files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
         data = _assemble(piece, local, received.get(piece.id, {}), rank)
-        jobs.append(PieceJob(piece.id, str(target), data, piece.block, piece.inner, piece.codec))
+        jobs.append(PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec))
+    keys = [job.key for job in jobs] + [key for key, _ in files]
+    root.prepare(keys)
     total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
     label = f"saving {opts.final.name} (rank 0's share)"
     with progress(label, total if opts.show_progress else 0, rank=rank) as bar:
-        written = write_pieces(jobs, files, workers=opts.io_workers, on_bytes=bar.update)
+        written = write_pieces(root, jobs, files, workers=opts.io_workers, on_bytes=bar.update)
     result.bytes_written += sum(size for size, _ in written.values())
     result.files_written += len(files) + sum(1 for size, _ in written.values() if size)
-    for d in sorted(dirs, key=lambda p: -len(p.parts)):
-        fsync_dir(d)
+    root.persist(keys)
     return written

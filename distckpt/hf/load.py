@@ -176,7 +176,7 @@ def _load_local(
     t_plan = time.perf_counter()
     fresh: list[tuple[Leaf, torch.Tensor]] = []
     used: set[slabs.SlabPool] = set()
-    with progress(f"loading {result.path.name} (rank 0's share)", total, rank=rank) as bar:
+    with progress(f"loading {Path(result.path).name} (rank 0's share)", total, rank=rank) as bar:
         group = TaskGroup(workers, bar.update)
 
         def feed() -> None:

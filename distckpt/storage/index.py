@@ -16,8 +16,10 @@ Layout of ``<checkpoint>/zarr.json``::
              "step": {"kind": "value", "value": 10},
              "rng": {"kind": "per_rank", "ranks": {"0": {<tensor entry>} | {"value": ...}}}}}}}
 
-A checkpoint is committed exactly when its directory is under its final name; the index
-is written last, into the staging directory, before the rename. Nothing else in the
+A checkpoint is committed exactly when its index exists under its final name: on a file
+system the index is written last into the staging directory, which is then renamed; on
+an object store the index object is the last written, created only if absent
+(:mod:`distckpt.storage.transaction`). Nothing else in the
 directory is trusted unless the index names it. ``crc`` is the piece's data checksum:
 the crc32c of a shard's checksum table, or of a plain chunk's bytes
 (see :mod:`distckpt.storage.shard_io`).
@@ -35,12 +37,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from distckpt.slices import Box
 from distckpt.storage import codecs, zarr_meta
+from distckpt.storage.backend import Store, resolve
 
 FORMAT = "distckpt"
 FORMAT_VERSION = 2
@@ -89,21 +91,18 @@ class StoredPiece:
         )
 
 
-def index_path(checkpoint: str | os.PathLike[str]) -> Path:
-    return Path(checkpoint) / zarr_meta.ZARR_JSON
-
-
-def read_index(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+def read_index(checkpoint: str | os.PathLike[str] | Store) -> dict[str, Any]:
     """The index of a committed checkpoint, checked for format and version."""
-    path = index_path(checkpoint)
+    store = resolve(checkpoint)
+    path = store.where(zarr_meta.ZARR_JSON)
     try:
-        raw = path.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        if Path(checkpoint).is_dir():
+        raw = store.read(zarr_meta.ZARR_JSON)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        if store.is_dir(""):
             raise CheckpointNotFoundError(
-                f"{checkpoint} is not a distckpt checkpoint (no zarr.json index)"
+                f"{store.url} is not a distckpt checkpoint (no zarr.json index)"
             ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {checkpoint}") from None
+        raise CheckpointNotFoundError(f"no checkpoint at {store.url}") from None
     try:
         doc = json.loads(raw)
         index = doc["attributes"][ATTRIBUTE]
@@ -126,7 +125,7 @@ def read_index(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     return index
 
 
-def is_committed(checkpoint: str | os.PathLike[str]) -> bool:
+def is_committed(checkpoint: str | os.PathLike[str] | Store) -> bool:
     """Whether ``checkpoint`` holds a distckpt index (of any format version)."""
     try:
         read_index(checkpoint)

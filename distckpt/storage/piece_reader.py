@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 
 from distckpt.errors import CorruptCheckpointError
 from distckpt.slices import Box
+from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.codecs import Codec
 from distckpt.storage.shard_io import EMPTY, STEP, as_bytes, crc32c, inner_grid
 
@@ -36,23 +36,29 @@ class PieceReader:
     def __init__(
         self,
         variable: str,
-        path: str,
+        store: Store,
+        key: str,
         dtype: np.dtype,
         expected_crc: int,
         codec: Codec | None = None,
+        size: int | None = None,
     ) -> None:
         self.variable = variable
-        self.path = path
+        self.store = store
+        self.key = key
+        self.path = store.where(key)
         self.dtype = dtype
         self.expected_crc = expected_crc
         self.codec = codec
+        self.size = size
 
     def _corrupt(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"variable {self.variable!r}: {what} ({self.path})")
 
-    def _open(self) -> int:
+    def open(self) -> ReadHandle:
+        """The piece's file, open for reading (``size``: the index's, saving a request)."""
         try:
-            return os.open(self.path, os.O_RDONLY)
+            return self.store.open(self.key, self.size)
         except FileNotFoundError:
             raise self._corrupt("a file the index names is missing") from None
 
@@ -61,13 +67,13 @@ class PieceReader:
         if self.codec is not None:
             raise self._corrupt("the index records a codec for a plain chunk")
         nbytes = math.prod(block) * self.dtype.itemsize
-        fd = self._open()
+        handle = self.open()
         try:
-            size = os.fstat(fd).st_size
+            size = handle.size
             buf = np.empty(nbytes + 4, dtype=np.uint8)
-            got = os.preadv(fd, [buf.data], 0)
+            got = handle.readinto([buf], 0)
         finally:
-            os.close(fd)
+            handle.close()
         if got != nbytes + 4 or size != nbytes + 4:
             raise self._corrupt(f"chunk is {size} bytes, expected {nbytes + 4}")
         stored = int.from_bytes(buf[nbytes:].tobytes(), "little")
@@ -78,7 +84,7 @@ class PieceReader:
         return got
 
     def _read_verified(
-        self, fd: int, offset: int, segments: list[np.ndarray], expected: int, coord: object
+        self, fd: ReadHandle, offset: int, segments: list[np.ndarray], expected: int, coord: object
     ) -> None:
         """Read one inner chunk (its bytes scattered over ``segments``, then its crc32c) and
         verify it. Reads in steps of at most :data:`STEP` bytes and checksums each step
@@ -92,26 +98,32 @@ class PieceReader:
         crc = 0
         for k, step in enumerate(steps):
             last = k == len(steps) - 1
-            buffers: list[Any] = [step.data, tail] if last else [step.data]
+            buffers: list[Any] = [step, tail] if last else [step]
             want = step.nbytes + (4 if last else 0)
-            if os.preadv(fd, buffers, offset) != want:
+            if fd.readinto(buffers, offset) != want:
                 raise self._corrupt(f"inner chunk {coord} is truncated")
             crc = _crc.crc32c(step.data, crc)
             offset += step.nbytes
-        if not steps and os.preadv(fd, [tail], offset) != 4:
+        if not steps and fd.readinto([tail], offset) != 4:
             raise self._corrupt(f"inner chunk {coord} is truncated")
         stored = int.from_bytes(tail, "little")
         if stored != expected or crc != stored:
             raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
 
     def _read_compressed(
-        self, fd: int, offset: int, length: int, expected: int, coord: object, out: np.ndarray
+        self,
+        fd: ReadHandle,
+        offset: int,
+        length: int,
+        expected: int,
+        coord: object,
+        out: np.ndarray,
     ) -> None:
         """Read one compressed inner chunk (``length`` bytes with its crc32c), verify the
         crc32c of its stored bytes, and decompress it into ``out`` (flat uint8)."""
         assert self.codec is not None
         stored = scratch(length, 1)
-        if os.preadv(fd, [stored.data], offset) != length:
+        if fd.readinto([stored], offset) != length:
             raise self._corrupt(f"inner chunk {coord} is truncated")
         crc = int.from_bytes(stored[-4:].tobytes(), "little")
         if crc != expected or crc32c(stored[:-4]) != crc:
@@ -150,7 +162,7 @@ class PieceReader:
         chunk_bytes = math.prod(inner) * self.dtype.itemsize
         index_len = nchunks * 16 + 4
         data_box = Box.full(lengths)
-        fd = self._open()
+        fd = self.open()
         try:
             header = self.header(fd, block, inner)
             size, table, index = header.size, header.table, header.index
@@ -182,7 +194,7 @@ class PieceReader:
                 raise self._corrupt(f"shard is {size} bytes, its index ends at {end + index_len}")
             return total
         finally:
-            os.close(fd)
+            fd.close()
 
     def chunk_reads(self, block: Sequence[int], inner: Sequence[int], src: Box) -> list[ChunkRead]:
         """The inner chunks that ``src`` (block coordinates) meets, in C order."""
@@ -207,28 +219,30 @@ class PieceReader:
             for combo in itertools.product(*per_dim)
         ]
 
-    def header(self, fd: int, block: Sequence[int], inner: Sequence[int]) -> ShardHeader:
+    def header(self, fd: ReadHandle, block: Sequence[int], inner: Sequence[int]) -> ShardHeader:
         """The file size, checksum table and shard index ((nchunks, 2) offsets and
         lengths) of an open shard, each verified: the table against the checkpoint index,
         the shard index against its own crc32c."""
         nchunks = math.prod(inner_grid(block, inner))
-        size = os.fstat(fd).st_size
+        size = fd.size
         index_len = nchunks * 16 + 4
         if size < index_len:
             raise self._corrupt(f"shard is truncated ({size} bytes)")
-        raw_table = os.pread(fd, nchunks * 4, 0)
+        raw_table = fd.read(0, nchunks * 4)
         if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
             raise self._corrupt("shard checksum table does not match the checkpoint index")
         table = np.frombuffer(raw_table, dtype="<u4")
-        raw_index = os.pread(fd, index_len, size - index_len)
-        if crc32c(raw_index[:-4]) != int.from_bytes(raw_index[-4:], "little"):
+        raw_index = fd.read(size - index_len, index_len)
+        if len(raw_index) != index_len or crc32c(raw_index[:-4]) != int.from_bytes(
+            raw_index[-4:], "little"
+        ):
             raise self._corrupt("shard index fails its crc32c checksum")
         index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
         return ShardHeader(size, table, index, index_len + nchunks * 4)
 
     def read_chunk(
         self,
-        fd: int,
+        fd: ReadHandle,
         header: ShardHeader,
         inner: Sequence[int],
         chunk: ChunkRead,
@@ -276,7 +290,7 @@ class PieceReader:
     ) -> int:
         """Copy ``src`` (in block coordinates) of a shard into ``out``, reading only the inner
         chunks that intersect it, on the calling thread. Returns bytes read."""
-        fd = self._open()
+        fd = self.open()
         try:
             header = self.header(fd, block, inner)
             total = header.nbytes
@@ -284,7 +298,7 @@ class PieceReader:
                 total += self.read_chunk(fd, header, inner, chunk, src, out)
             return total
         finally:
-            os.close(fd)
+            fd.close()
 
 
 def _index(at: Sequence[int], origin: Sequence[int], lengths: Sequence[int]) -> Any:

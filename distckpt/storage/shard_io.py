@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -43,10 +42,10 @@ from typing import Any, NamedTuple
 import crc32c as _crc
 import numpy as np
 
+from distckpt.storage.backend import Store, WriteHandle
 from distckpt.storage.codecs import Codec
 
 EMPTY = 2**64 - 1
-_IOV_MAX = 1024
 #: Bytes read per system call when reading an inner chunk: small enough that the checksum
 #: of each step runs on data still in the CPU cache.
 STEP = 1 << 20
@@ -68,29 +67,6 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
 
 def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:
     return tuple(b // i for b, i in zip(block, inner, strict=True))
-
-
-def create(path: str) -> int:
-    """Create (or truncate) one data file of a piece; every piece file is made here."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-
-
-def _pwrite_all(fd: int, buffers: Sequence[np.ndarray | bytes], offset: int) -> int:
-    """Write ``buffers`` back to back at ``offset`` (``pwritev``; short writes finished)."""
-    views = [_view(b).cast("B") for b in buffers]
-    total = 0
-    for start in range(0, len(views), _IOV_MAX):
-        batch = views[start : start + _IOV_MAX]
-        want = sum(v.nbytes for v in batch)
-        done = os.pwritev(fd, batch, offset)
-        if done < want:  # rare (signals, some network file systems): finish the rest
-            rest = memoryview(b"".join(bytes(v) for v in batch))[done:]
-            while rest:
-                n = os.pwrite(fd, rest, offset + done)
-                rest, done = rest[n:], done + n
-        offset += want
-        total += want
-    return total
 
 
 class ChunkPart(NamedTuple):
@@ -206,14 +182,14 @@ class ShardFile:
 
     def __init__(
         self,
-        path: str,
+        handle: WriteHandle,
         block: Sequence[int],
         inner: Sequence[int],
         parts: Sequence[ChunkPart],
         itemsize: int,
         codec: Codec | None = None,
     ) -> None:
-        self.path = path
+        self.handle = handle
         self.codec = codec
         self.inner = tuple(inner)
         self.chunk_bytes = math.prod(inner) * itemsize
@@ -223,21 +199,10 @@ class ShardFile:
         self._slot = {p.linear: k for k, p in enumerate(parts)}
         self._end = self.table.nbytes + (0 if codec else len(parts) * (self.chunk_bytes + 4))
         self._lock = threading.Lock()
-        self._closed = False
-        self.fd = -1  # opened by the first write: a rank's shards are not all open at once
-
-    def _fd(self) -> int:
-        if self.fd < 0:
-            with self._lock:
-                if self._closed:
-                    raise ValueError(f"{self.path} is closed")
-                if self.fd < 0:
-                    self.fd = create(self.path)
-        return self.fd
+        self._finished = False
 
     def write(self, linear: int, raw: np.ndarray) -> int:
         """Write inner chunk ``linear`` (its raw bytes, flat uint8); return bytes stored."""
-        fd = self._fd()
         if self.codec is None:
             crc = crc32c(raw)
             stored: np.ndarray | bytes = raw
@@ -247,35 +212,34 @@ class ShardFile:
             crc = crc32c(stored)
             with self._lock:
                 offset, self._end = self._end, self._end + len(stored) + 4
-        length = _pwrite_all(fd, [stored, struct.pack("<I", crc)], offset)
+        length = self.handle.write([stored, struct.pack("<I", crc)], offset)
         self.table[linear] = crc
         self.index[linear] = (offset, length)
         return length
 
-    def finish(self, fsync: bool = True) -> tuple[int, int]:
-        """Write the shard index and the checksum table, fsync, close; (size, table crc)."""
+    def finish(self, durable: bool = True) -> tuple[int, int]:
+        """Write the shard index and the checksum table and finish the file (durably);
+        return (size, table crc)."""
         try:
-            fd = self._fd()
             index_bytes = self.index.tobytes()
             tail = [index_bytes, struct.pack("<I", crc32c(index_bytes))]
-            size = self._end + _pwrite_all(fd, tail, self._end)
-            _pwrite_all(fd, [self.table], 0)
-            if fsync:
-                os.fsync(fd)
+            size = self._end + self.handle.write(tail, self._end)
+            self.handle.write([self.table], 0)
+            self.handle.finish(durable)
+            self._finished = True
         finally:
             self.close()
         return size, crc32c(self.table)
 
     def close(self) -> None:
-        with self._lock:
-            fd, self.fd = self.fd, -1
-            self._closed = True
-        if fd >= 0:
-            os.close(fd)
+        """Give up the file unless it was finished (after a failure elsewhere)."""
+        if not self._finished:
+            self.handle.abort()
 
 
 def write_sharded(
-    path: str,
+    store: Store,
+    key: str,
     data: np.ndarray,
     block: Sequence[int],
     inner: Sequence[int],
@@ -292,7 +256,8 @@ def write_sharded(
     zeros. Returns (file size, crc32c of the checksum table).
     """
     parts = chunk_parts(data.shape, block, inner, data.dtype.itemsize)
-    shard = ShardFile(path, block, inner, parts, data.dtype.itemsize, codec)
+    size_hint = math.prod(block) * data.dtype.itemsize
+    shard = ShardFile(store.create(key, size_hint), block, inner, parts, data.dtype.itemsize, codec)
     try:
         scratch = np.empty(shard.chunk_bytes, dtype=np.uint8)
         for chunk in parts:
@@ -302,15 +267,15 @@ def write_sharded(
         shard.close()
 
 
-def write_plain(path: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
+def write_plain(store: Store, key: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
     """Write ``data`` as one plain chunk (bytes, then crc32c). Returns (size, crc)."""
     raw = as_bytes(np.ascontiguousarray(data))
     crc = crc32c(raw)
-    fd = create(path)
+    handle = store.create(key, raw.nbytes + 4)
     try:
-        size = _pwrite_all(fd, [raw, struct.pack("<I", crc)], 0)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        size = handle.write([raw, struct.pack("<I", crc)], 0)
+        handle.finish(fsync)
+    except BaseException:
+        handle.abort()
+        raise
     return size, crc

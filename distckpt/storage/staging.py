@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 OWNER_FILE = ".distckpt-owner.json"
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 60.0
-_STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
+LEFTOVER = _STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
 
 
 def staging_path(final: Path, token: str) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.storage import index as index_mod
+from distckpt.storage.backend import Store, resolve
 from distckpt.storage.index import StoredPiece
 
 
@@ -51,7 +51,7 @@ class ValueVar:
 
 @dataclass(frozen=True)
 class Catalog:
-    root: Path
+    root: Store
     index: dict[str, Any]
     tensors: dict[str, TensorVar]
     values: dict[str, ValueVar]
@@ -67,7 +67,7 @@ def per_rank_name(name: str, rank: str | int) -> str:
 
 def open_catalog(path: str | os.PathLike[str]) -> Catalog:
     """Read and check the index of the committed checkpoint at ``path``."""
-    root = Path(path)
+    root = resolve(path)
     index = index_mod.read_index(root)
     tensors: dict[str, TensorVar] = {}
     values: dict[str, ValueVar] = {}

@@ -9,8 +9,6 @@ disk (the sum of its files' sizes), the world size that saved it, and which one 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -19,11 +17,12 @@ from typing import Any
 
 from distckpt.errors import CheckpointError, CheckpointNotFoundError
 from distckpt.storage import index as index_mod
-from distckpt.storage.staging import OWNER_FILE, leftovers, owner_alive
+from distckpt.storage.backend import Store, location, resolve
+from distckpt.storage.transaction import Pending, pending
+from distckpt.storage.zarr_meta import ZARR_JSON
 from distckpt.training.pointer import read_pointer
 
 _STEP = re.compile(r"(?:^|[-_.])(\d+)$")  # ckpt-10, step_10, 10
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:staging|trash)-[0-9a-f]+$")
 #: Index values that hold the step when a checkpoint's name does not end in a number.
 STEP_VARIABLES = ("step", "save_counter")
 
@@ -51,19 +50,21 @@ class Entry:
 
 @dataclass
 class Listing:
-    directory: Path
+    directory: Path | str
     latest: str | None
     entries: list[Entry]
     warning: str = ""
 
 
-def list_run(directory: str | os.PathLike[str]) -> Listing:
+def list_run(directory: str | os.PathLike[str] | Store) -> Listing:
     """The checkpoints and leftovers in ``directory``, committed ones ordered by step."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root} is not a directory")
+    root = resolve(directory)
+    if not root.is_dir(""):
+        raise CheckpointNotFoundError(f"{root.url} is not a directory (or holds nothing)")
     if index_mod.is_committed(root):
-        raise CheckpointError(f"{root} is a checkpoint, not a run directory (see distckpt inspect)")
+        raise CheckpointError(
+            f"{root.url} is a checkpoint, not a run directory (see distckpt inspect)"
+        )
     warning = ""
     try:
         pointer = read_pointer(root)
@@ -71,30 +72,30 @@ def list_run(directory: str | os.PathLike[str]) -> Listing:
         pointer, warning = None, f"ignoring the pointer: {exc}"
     latest = pointer.latest if pointer is not None else None
     entries: list[Entry] = []
-    for child in sorted(root.iterdir()):
-        if child.name.startswith(".") or not child.is_dir():
-            continue
-        if not index_mod.index_path(child).is_file():
+    for name in root.list():
+        child = root.child(name)
+        if name.startswith(".") or not child.exists(ZARR_JSON):
             continue
         entry = _committed(child, latest)
         if entry is not None:
             entries.append(entry)
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
-    entries.extend(_leftover(path) for path in leftovers(root))
-    return Listing(root, latest, entries, warning)
+    entries.extend(_leftover(p) for p in pending(root))
+    return Listing(location(root), latest, entries, warning)
 
 
-def _committed(path: Path, latest: str | None) -> Entry | None:
+def _committed(store: Store, latest: str | None) -> Entry | None:
     """The row of a checkpoint; None for a zarr group that is not a distckpt checkpoint."""
     try:
-        index = index_mod.read_index(path)
+        index = index_mod.read_index(store)
     except CheckpointNotFoundError:
         return None
     except CheckpointError as exc:
         index = None
         note = str(exc)
-    entry = Entry(path.name, COMMITTED, latest=path.name == latest, bytes=_disk_bytes(path))
-    entry.step = _step_from_name(path.name)
+    name = store.name
+    entry = Entry(name, COMMITTED, latest=name == latest, bytes=_disk_bytes(store))
+    entry.step = _step_from_name(name)
     if index is None:
         entry.state, entry.note = UNREADABLE, note
         return entry
@@ -106,22 +107,13 @@ def _committed(path: Path, latest: str | None) -> Entry | None:
     return entry
 
 
-def _leftover(path: Path) -> Entry:
-    match = _LEFTOVER.match(path.name)
-    target = match["name"] if match else path.name
-    entry = Entry(path.name, UNCOMMITTED, step=_step_from_name(target), bytes=_disk_bytes(path))
-    if ".staging-" in path.name and owner_alive(path):
-        entry.note = f"a save of {target} in progress"
+def _leftover(save: Pending) -> Entry:
+    entry = Entry(save.name, UNCOMMITTED, step=_step_from_name(save.target), bytes=save.bytes)
+    if save.live:
+        entry.note = f"a save of {save.target} in progress"
     else:
-        entry.note = f"leftover of a save of {target} (distckpt gc removes it)"
-    try:  # when the save started, else when the directory last changed
-        started = json.loads((path / OWNER_FILE).read_bytes())["started"]
-        entry.created = float(started)
-    except (OSError, ValueError, KeyError, TypeError):
-        try:
-            entry.created = path.stat().st_mtime
-        except OSError:
-            entry.created = None
+        entry.note = f"leftover of a save of {save.target} (distckpt gc removes it)"
+    entry.created = save.started
     return entry
 
 
@@ -140,10 +132,5 @@ def _step_from_index(index: dict[str, Any]) -> int | None:
     return None
 
 
-def _disk_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):  # removed while we looked
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
+def _disk_bytes(store: Store) -> int:
+    return sum(size for _, size, _ in store.walk())

@@ -107,7 +107,7 @@ def _verify_tensor(
 ) -> None:
     problems = coverage_problems(var.name, var.shape, [p.box for p in var.pieces])
     for piece in var.pieces:
-        where = f"({catalog.root / piece.file})"
+        where = f"({catalog.root.where(piece.file)})"
         if any(b < n for b, n in zip(piece.block, piece.box.lengths, strict=True)):
             problems.append(
                 f"variable {var.name!r}: block {list(piece.block)} is smaller "
@@ -127,9 +127,10 @@ def _verify_tensor(
         report.pieces += 1
         if piece.box.empty:
             continue  # a tensor with no elements: no file is written for it
-        file = catalog.root / piece.file
+        file = catalog.root.where(piece.file)
         try:
-            size = os.stat(file).st_size
+            with catalog.root.open(piece.file) as handle:
+                size = handle.size
         except FileNotFoundError:
             report.problems.append(
                 f"variable {var.name!r}: a file the index names is missing ({file})"
@@ -140,7 +141,9 @@ def _verify_tensor(
                 f"variable {var.name!r}: file is {size} bytes, the index says {piece.size} ({file})"
             )
             continue
-        reader = PieceReader(var.name, str(file), var.numpy_dtype, piece.crc, piece.codec)
+        reader = PieceReader(
+            var.name, catalog.root, piece.file, var.numpy_dtype, piece.crc, piece.codec, size
+        )
         try:
             if piece.inner is None:
                 out = np.empty(piece.box.lengths, dtype=var.numpy_dtype)

@@ -57,13 +57,10 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
 import time
-import uuid
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from distckpt.comm import Communicator, auto, raise_if_any_failed
@@ -71,12 +68,12 @@ from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.storage import codecs
 from distckpt.storage import index as index_mod
+from distckpt.storage.backend import Store, is_remote, resolve
 from distckpt.storage.codecs import Compression
-from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
-from distckpt.storage.staging import OWNER_FILE, collect_garbage, trash_path
+from distckpt.storage.transaction import collect_garbage, retire, retiring
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.lock import STALE_SECONDS, DirectoryLock, DirectoryLockedError
-from distckpt.training.pointer import FORMAT, VERSION, pointer_path, read_pointer
+from distckpt.training.pointer import FORMAT, VERSION, Pointer, move, read_versioned
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +90,7 @@ def _step_value(step: Any) -> int:
     return int(step)
 
 
-def _index_time(path: Path) -> float:
+def _index_time(path: Store) -> float:
     try:
         return float(index_mod.read_index(path).get("created", 0.0))
     except Exception:
@@ -188,7 +185,10 @@ class CheckpointManager:
                 "CheckpointManager: no directory given; using temporary directory %s", directory
             )
         self._directory = os.fspath(directory)
-        key = os.path.realpath(self._directory)
+        self._store = resolve(self._directory)
+        self._pointer_version: str | None = None  # rank 0: the pointer as last read or written
+        remote = is_remote(self._directory)
+        key = self._store.url if remote else os.path.realpath(self._directory)
         older = _managers.get(key)
         if older is not None and older._closed:
             older = None
@@ -203,9 +203,9 @@ class CheckpointManager:
                 if handed_over is not None:
                     self._lock = handed_over
                 else:
-                    self._lock = DirectoryLock(self._directory, stale_seconds=lock_stale_seconds)
+                    self._lock = DirectoryLock(self._store, stale_seconds=lock_stale_seconds)
                     self._lock.acquire()
-                collect_garbage(self._directory)
+                collect_garbage(self._store)
                 state = self._recover()
             except BaseException as exc:
                 error = exc
@@ -271,18 +271,18 @@ class CheckpointManager:
     @property
     def checkpoints(self) -> list[str]:
         """Paths of the managed checkpoints, oldest first (not the preserved ones)."""
-        return [os.path.join(self._directory, n) for n in self._managed]
+        return [self._path(n) for n in self._managed]
 
     @property
     def preserved_checkpoints(self) -> list[str]:
         """Paths kept forever by ``keep_checkpoint_every_n_hours``, oldest first."""
-        return [os.path.join(self._directory, n) for n in self._preserved]
+        return [self._path(n) for n in self._preserved]
 
     @property
     def latest_checkpoint(self) -> str | None:
         """Path of the newest checkpoint, or None when there is none."""
         names = self._managed or self._preserved
-        return os.path.join(self._directory, names[-1]) if names else None
+        return self._path(names[-1]) if names else None
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -306,18 +306,20 @@ class CheckpointManager:
 
     def _recover(self) -> dict[str, Any]:
         """Rank 0: read the pointer, adopt committed checkpoints it does not name."""
-        directory = Path(self._directory)
-        pointer = read_pointer(directory)  # validates format and version
+        directory = self._store
+        found = read_versioned(directory)  # validates format and version
         meta: dict[str, Any] = {}
-        if pointer is not None:
-            raw = json.loads(pointer_path(directory).read_bytes())
+        pointer = None
+        if found is not None:
+            raw, self._pointer_version = found
+            pointer = Pointer(raw["latest"], [str(n) for n in raw.get("all", [])])
             meta = raw.get("manager") or {}
         times = {str(k): float(v) for k, v in (meta.get("times") or {}).items()}
         preserved_set = {str(n) for n in meta.get("preserved") or []}
 
         def alive(name: str) -> bool:
-            path = directory / name
-            return index_mod.is_committed(path) and not (path / OWNER_FILE).exists()
+            path = directory.child(name)
+            return index_mod.is_committed(path) and not retiring(path)
 
         known = [] if pointer is None else [n for n in pointer.all if alive(n)]
         if pointer is not None and pointer.latest not in pointer.all and alive(pointer.latest):
@@ -325,21 +327,21 @@ class CheckpointManager:
         preserved = [n for n in known if n in preserved_set]
         managed = [n for n in known if n not in preserved_set]
         for name in known:
-            times.setdefault(name, _index_time(directory / name))
+            times.setdefault(name, _index_time(directory.child(name)))
 
         adopted = []
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            if not self._pattern.match(entry.name) or entry.name in known:
+        for name in directory.list():
+            if not self._pattern.match(name) or name in known:
                 continue
-            path = Path(entry.path)
-            if not entry.is_dir() or not index_mod.is_committed(path):
+            path = directory.child(name)
+            if not index_mod.is_committed(path):
                 continue
-            if (path / OWNER_FILE).exists():
+            if retiring(path):
                 # Marked for deletion by a retention that crashed: finish it.
-                self._delete(entry.name)
+                self._delete(name)
                 continue
-            adopted.append(entry.name)
-            times[entry.name] = _index_time(path)
+            adopted.append(name)
+            times[name] = _index_time(path)
         if adopted:
             log.warning(
                 "adopting committed checkpoints the pointer does not name: %s", ", ".join(adopted)
@@ -372,7 +374,9 @@ class CheckpointManager:
                 "last_preserved": state["last_preserved"],
             },
         }
-        atomic_write(pointer_path(self._directory), json.dumps(doc, indent=1).encode())
+        self._pointer_version = move(
+            self._store, json.dumps(doc, indent=1).encode(), self._pointer_version
+        )
 
     # ------------------------------------------------------------ saving
 
@@ -400,9 +404,7 @@ class CheckpointManager:
         number = counter if checkpoint_number is None else int(checkpoint_number)
         taken = {*self._managed, *self._preserved}
         first = number
-        while f"{self._name}-{number}" in taken or os.path.lexists(
-            os.path.join(self._directory, f"{self._name}-{number}")
-        ):
+        while f"{self._name}-{number}" in taken or self._occupied(f"{self._name}-{number}"):
             number += 1
         if number != first:
             log.warning(
@@ -459,7 +461,7 @@ class CheckpointManager:
         if not decision["save"]:
             return None
         name = decision["name"]
-        path = os.path.join(self._directory, name)
+        path = self._path(name)
         checkpoint = self._checkpoint
         previous = checkpoint._save_counter
         checkpoint._save_counter = decision["counter"]
@@ -535,22 +537,21 @@ class CheckpointManager:
         }
         return state, doomed
 
+    def _path(self, name: str) -> str:
+        """The path (or URL) of checkpoint ``name`` of this directory."""
+        if is_remote(self._directory):
+            return self._store.child(name).url
+        return os.path.join(self._directory, name)
+
+    def _occupied(self, name: str) -> bool:
+        return self._store.is_dir(name) or self._store.exists(name)
+
     def _delete(self, name: str) -> None:
-        """Rank 0: mark, rename out of sight, then remove the checkpoint ``name``."""
-        final = Path(self._directory) / name
+        """Rank 0: delete the checkpoint ``name`` so that no reader sees half of it."""
         try:
-            # The mark keeps collect_garbage from restoring it as an interrupted commit.
-            write_file(final / OWNER_FILE, json.dumps({"deleting": True}).encode())
-            trash = trash_path(final, uuid.uuid4().hex[:16])
-            os.rename(final, trash)
-            fsync_dir(final.parent)
+            retire(self._store.child(name))
         except OSError as exc:
-            log.warning("could not retire checkpoint %s: %s", final, exc)
-            return
-        try:
-            shutil.rmtree(trash)
-        except OSError as exc:
-            log.warning("could not remove %s (collect_garbage will): %s", trash, exc)
+            log.warning("could not retire checkpoint %s: %s", self._store.where(name), exc)
 
     # ------------------------------------------------------------ restoring
 

@@ -1,14 +1,18 @@
 """The ``latest`` pointer of a run directory: which committed checkpoints it holds.
 
-One small versioned JSON file, ``<dir>/latest``, replaced atomically (temp file, fsync,
-rename, fsync of the directory) by rank 0 only, after the checkpoint it names has been
-committed::
+One small versioned JSON file, ``<dir>/latest``, written by rank 0 only, after the
+checkpoint it names has been committed::
 
     {"format": "distckpt-pointer", "version": 1, "latest": "ckpt-3",
      "all": ["ckpt-1", "ckpt-2", "ckpt-3"]}
 
 Names are relative to the directory, so a run directory can be moved or copied. ``all``
 lists the checkpoints the pointer knows, oldest first, ``latest`` last.
+
+The pointer moves by a conditional write on the version its writer read (on an object
+store ``If-Match`` on the ETag, ``If-None-Match`` for the first; on a file system a
+compare under a ``lockf`` lock, then an atomic rename): a job that lost a race to another
+one gets :class:`PointerConflictError` and the pointer is never moved backwards.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from distckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from distckpt.storage import index as index_mod
-from distckpt.storage.fsutil import atomic_write
+from distckpt.storage.backend import ConditionFailed, Store, resolve
 
 POINTER_FILE = "latest"
 FORMAT = "distckpt-pointer"
@@ -39,54 +48,76 @@ class Pointer:
         return json.dumps(doc, indent=1).encode()
 
 
-def pointer_path(directory: str | os.PathLike[str]) -> Path:
-    return Path(directory) / POINTER_FILE
+class PointerConflictError(CheckpointError):
+    """The ``latest`` pointer changed since this job read it: another job writes to the
+    same directory. The pointer was left as the other job wrote it."""
 
 
-def read_pointer(directory: str | os.PathLike[str]) -> Pointer | None:
-    """The pointer of ``directory``, or None when it has none."""
-    path = pointer_path(directory)
+def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str, Any], str] | None:
+    """The pointer document of ``directory`` (validated) and its version, or None."""
+    store = resolve(directory)
+    where = store.where(POINTER_FILE)
     try:
-        raw = path.read_bytes()
+        raw, version = store.read_versioned(POINTER_FILE)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         doc = json.loads(raw)
-        kind, version = doc["format"], doc["version"]
+        kind, fmt_version = doc["format"], doc["version"]
     except (ValueError, KeyError, TypeError):
-        raise CorruptCheckpointError(f"{path} is not a distckpt pointer (bad JSON)") from None
+        raise CorruptCheckpointError(f"{where} is not a distckpt pointer (bad JSON)") from None
     if kind != FORMAT:
-        raise CorruptCheckpointError(f"{path}: unknown pointer format {kind!r}")
-    if not isinstance(version, int) or version > VERSION:
+        raise CorruptCheckpointError(f"{where}: unknown pointer format {kind!r}")
+    if not isinstance(fmt_version, int) or fmt_version > VERSION:
         raise UnsupportedFormatError(
-            f"{path} has pointer version {version}; this distckpt reads up to {VERSION}"
+            f"{where} has pointer version {fmt_version}; this distckpt reads up to {VERSION}"
         )
     latest, names = doc.get("latest"), doc.get("all", [])
     if not isinstance(latest, str) or not isinstance(names, list):
-        raise CorruptCheckpointError(f"{path}: pointer has no 'latest' name")
-    return Pointer(latest, [str(n) for n in names])
+        raise CorruptCheckpointError(f"{where}: pointer has no 'latest' name")
+    return doc, version
 
 
-def write_pointer(directory: str | os.PathLike[str], pointer: Pointer) -> None:
-    """Replace ``directory``'s pointer atomically; call on one rank only, after the commit."""
-    atomic_write(pointer_path(directory), pointer.to_json())
+def read_pointer(directory: str | os.PathLike[str] | Store) -> Pointer | None:
+    """The pointer of ``directory``, or None when it has none."""
+    found = read_versioned(directory)
+    if found is None:
+        return None
+    doc = found[0]
+    return Pointer(doc["latest"], [str(n) for n in doc.get("all", [])])
 
 
-def advance_pointer(checkpoint: str | os.PathLike[str]) -> Pointer:
+def move(directory: str | os.PathLike[str] | Store, doc: bytes, version: str | None) -> str:
+    """Write the pointer ``doc`` if the pointer is still at ``version`` (None: if there is
+    none); return the new version. Raises :class:`PointerConflictError` otherwise."""
+    store = resolve(directory)
+    try:
+        if version is None:
+            return store.put_new(POINTER_FILE, doc)
+        return store.put_if(POINTER_FILE, doc, version)
+    except ConditionFailed:
+        raise PointerConflictError(
+            f"{store.where(POINTER_FILE)} was changed by another job since this one read it; "
+            "two jobs are saving into one directory (it was left as the other wrote it)"
+        ) from None
+
+
+def advance_pointer(checkpoint: str | os.PathLike[str] | Store) -> Pointer:
     """Make the committed ``checkpoint`` its directory's latest (one rank only).
 
     Keeps the names of the pointer's earlier checkpoints that still exist, oldest first.
     """
-    path = Path(checkpoint)
-    directory, name = path.parent, path.name
-    old = read_pointer(directory)
-    kept = [] if old is None else [n for n in old.all if n != name and (directory / n).is_dir()]
+    store = resolve(checkpoint)
+    directory, name = store.parent, store.name
+    found = read_versioned(directory)
+    old = None if found is None else read_pointer(directory)
+    kept = [] if old is None else [n for n in old.all if n != name and directory.is_dir(n)]
     pointer = Pointer(name, [*kept, name])
-    write_pointer(directory, pointer)
+    move(directory, pointer.to_json(), None if found is None else found[1])
     return pointer
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+def latest_checkpoint(directory: str | os.PathLike[str] | Store) -> str | None:
     """The path of the newest checkpoint that ``directory``'s pointer names, or None.
 
     None when the directory or its pointer does not exist (nothing saved yet), so::
@@ -95,14 +126,18 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
 
     A pointer naming a checkpoint that is not committed (deleted by hand) raises
     :class:`~distckpt.errors.CheckpointNotFoundError` rather than silently starting over.
+    ``directory`` may be ``s3://bucket/prefix``; the result is then a URL too.
     """
     pointer = read_pointer(directory)
     if pointer is None:
         return None
-    path = os.path.join(os.fspath(directory), pointer.latest)
+    if isinstance(directory, str) and "://" in directory:
+        path = resolve(directory).child(pointer.latest).url
+    else:
+        path = os.path.join(os.fspath(directory), pointer.latest)  # type: ignore[arg-type]
     if not index_mod.is_committed(path):
         raise CheckpointNotFoundError(
-            f"{pointer_path(directory)} names {pointer.latest!r}, which is not a committed "
-            "checkpoint"
+            f"{resolve(directory).where(POINTER_FILE)} names {pointer.latest!r}, which is not "
+            "a committed checkpoint"
         )
     return path

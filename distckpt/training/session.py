@@ -18,7 +18,6 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.load import load
 from distckpt.errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
+from distckpt.storage.backend import location, resolve
 from distckpt.storage.index import read_index
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
@@ -62,7 +62,7 @@ class RestoreSession:
         allow_pickle: bool = False,
         io_workers: int | None = None,
     ) -> None:
-        self.path = Path(path)
+        self.path = location(resolve(path))
         self.allow_pickle = allow_pickle
         self.io_workers = io_workers
         self.comm = comm

@@ -18,11 +18,9 @@ awaited, and the error raised: targets may then be partly filled.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +31,7 @@ from distckpt.engine.arrays import writable_view
 from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.read_plan import Copy, plan_reads
 from distckpt.slices import Box, c_order_bands
+from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.index import StoredPiece
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.storage.shard_io import EMPTY
@@ -70,7 +69,7 @@ class _Tally:
 
 
 def read_targets(
-    root: Path,
+    root: Store,
     targets: Sequence[ReadTarget],
     *,
     workers: int,
@@ -125,13 +124,13 @@ def _tensor(t: ReadTarget) -> torch.Tensor:
     return t.tensor
 
 
-def _reader(root: Path, t: ReadTarget, piece: StoredPiece) -> PieceReader:
+def _reader(root: Store, t: ReadTarget, piece: StoredPiece) -> PieceReader:
     dtype = dtypes.numpy_dtype(t.entry["dtype"])
-    return PieceReader(t.name, str(root / piece.file), dtype, piece.crc, piece.codec)
+    return PieceReader(t.name, root, piece.file, dtype, piece.crc, piece.codec, piece.size)
 
 
 def _read_headers(
-    root: Path,
+    root: Store,
     jobs: list[tuple[ReadTarget, list[Copy[StoredPiece]], np.ndarray | None]],
     workers: int,
     tally: _Tally,
@@ -140,11 +139,11 @@ def _read_headers(
     headers: dict[str, ShardHeader] = {}
 
     def read(reader: PieceReader, block: tuple[int, ...], inner: tuple[int, ...]) -> None:
-        fd = reader._open()
+        fd = reader.open()
         try:
             header = reader.header(fd, block, inner)
         finally:
-            os.close(fd)
+            fd.close()
         headers[reader.path] = header
         tally.add(header.nbytes)
 
@@ -162,7 +161,7 @@ def _read_headers(
 
 
 def _copy_tasks(
-    root: Path,
+    root: Store,
     t: ReadTarget,
     copy: Copy[StoredPiece],
     out: np.ndarray,
@@ -193,13 +192,11 @@ def _read_plain(
     return int(dst.nbytes)
 
 
-def _will_need(fd: int, header: ShardHeader, chunks: list[ChunkRead]) -> None:
-    """Ask the kernel to start reading the task's chunks now, each run of adjacent ones
-    at once: the task then reads them a chunk at a time (checksumming each while it is in
-    the CPU cache) without waiting on the device for each. A no-op where the file is in
-    memory; entries that cannot be right are left to the read to report."""
-    if not hasattr(os, "posix_fadvise"):
-        return
+def _will_need(fd: ReadHandle, header: ShardHeader, chunks: list[ChunkRead]) -> None:
+    """Announce the task's chunks, each run of adjacent ones at once: a file system starts
+    reading them now, an object store fetches each run in one request; the task then
+    reads them a chunk at a time (checksumming each while it is in the CPU cache).
+    Entries that cannot be right are left to the read to report."""
     spans = sorted((int(header.index[c.linear][0]), int(header.index[c.linear][1])) for c in chunks)
     runs: list[list[int]] = []
     for offset, length in spans:
@@ -209,8 +206,7 @@ def _will_need(fd: int, header: ShardHeader, chunks: list[ChunkRead]) -> None:
             runs[-1][1] = offset + length
         else:
             runs.append([offset, offset + length])
-    for first, end in runs:
-        os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
+    fd.will_need([(first, end - first) for first, end in runs])
 
 
 def _read_chunks(
@@ -222,19 +218,19 @@ def _read_chunks(
     dst: np.ndarray,
     tally: _Tally,
 ) -> int:
-    fd = reader._open()
+    fd = reader.open()
     try:
         _will_need(fd, header, chunks)
         read = sum(reader.read_chunk(fd, header, inner, c, src, dst) for c in chunks)
     finally:
-        os.close(fd)
+        fd.close()
     tally.add(read)
     return sum(math.prod(c.lengths) for c in chunks) * reader.dtype.itemsize
 
 
 def _submit_staged(
     group: TaskGroup,
-    root: Path,
+    root: Store,
     t: ReadTarget,
     headers: dict[str, ShardHeader],
     tally: _Tally,

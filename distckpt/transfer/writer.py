@@ -19,6 +19,7 @@ the error is raised; the staging directory is then removed by the save.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from distckpt.storage import shard_io
+from distckpt.storage.backend import Store
 from distckpt.storage.codecs import Codec
-from distckpt.storage.fsutil import write_file
 from distckpt.storage.piece_reader import scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, stored_chunk
 from distckpt.transfer import slabs
@@ -40,10 +41,11 @@ TASK_BYTES = 8 << 20
 
 @dataclass
 class PieceJob:
-    """One piece file to write: ``data`` holds the piece's box (origin at its block's)."""
+    """One piece file to write (``key``, in the save's store): ``data`` holds the piece's
+    box (origin at its block's)."""
 
     id: int
-    path: str
+    key: str
     data: Source
     block: tuple[int, ...]
     inner: tuple[int, ...] | None  # None: one plain chunk
@@ -51,13 +53,15 @@ class PieceJob:
 
 
 def write_pieces(
+    store: Store,
     jobs: Sequence[PieceJob],
     files: Sequence[tuple[str, bytes]] = (),
     *,
     workers: int,
     on_bytes: Callable[[int], None] | None = None,
 ) -> dict[int, tuple[int, int]]:
-    """Write every piece of ``jobs`` and the small ``files`` (path, bytes), each fsynced.
+    """Write every piece of ``jobs`` and the small ``files`` (key, bytes) into ``store``,
+    each durably.
 
     Returns {piece id: (file size, crc)} (see :mod:`distckpt.storage.shard_io`);
     ``on_bytes(n)`` counts the pieces' data bytes as they are written (from the workers,
@@ -68,19 +72,19 @@ def write_pieces(
     shards: list[ShardFile] = []
 
     def feed() -> None:
-        for path, data in files:
-            group.submit(_write_small_file, path, data)
+        for key, data in files:
+            group.submit(_write_small_file, store, key, data)
         sharded: list[PieceJob] = []
         for job in jobs:
             if any(n == 0 for n in job.data.shape):
                 results[job.id] = (0, 0)
             elif job.inner is None:  # small: a device tensor comes over whole, from here
-                group.submit(_write_plain, job.id, job.path, job.data.host(), results)
+                group.submit(_write_plain, store, job.id, job.key, job.data.host(), results)
             else:
                 sharded.append(job)
         # Everything read in place first: it never waits for a slab.
         sharded.sort(key=lambda j: j.data.staged)
-        plans = (_plan(job, results, shards) for job in sharded)
+        plans = (_plan(store, job, results, shards) for job in sharded)
         runs = ([(plan, run) for run in plan.runs] for plan in plans)
         for plan, run in interleaved(runs, workers):
             group.check()
@@ -94,15 +98,15 @@ def write_pieces(
     return results
 
 
-def _write_small_file(path: str, data: bytes) -> int:
-    write_file(path, data)
+def _write_small_file(store: Store, key: str, data: bytes) -> int:
+    store.write(key, data)
     return 0
 
 
 def _write_plain(
-    piece: int, path: str, data: np.ndarray, results: dict[int, tuple[int, int]]
+    store: Store, piece: int, key: str, data: np.ndarray, results: dict[int, tuple[int, int]]
 ) -> int:
-    results[piece] = shard_io.write_plain(path, data)
+    results[piece] = shard_io.write_plain(store, key, data)
     return int(data.nbytes)
 
 
@@ -130,12 +134,15 @@ class _Plan:
     pool: slabs.SlabPool | None  # staged data: the slabs it passes through
 
 
-def _plan(job: PieceJob, results: dict[int, tuple[int, int]], shards: list[ShardFile]) -> _Plan:
+def _plan(
+    store: Store, job: PieceJob, results: dict[int, tuple[int, int]], shards: list[ShardFile]
+) -> _Plan:
     assert job.inner is not None
     data = job.data
     itemsize = data.dtype.itemsize
     parts = shard_io.chunk_parts(data.shape, job.block, job.inner, itemsize)
-    shard = ShardFile(job.path, job.block, job.inner, parts, itemsize, job.codec)
+    handle = store.create(job.key, math.prod(job.block) * itemsize)
+    shard = ShardFile(handle, job.block, job.inner, parts, itemsize, job.codec)
     shards.append(shard)
 
     def finish() -> None:

@@ -51,8 +51,6 @@ import torch
 
 import distckpt
 from distckpt.comm import Communicator, auto
-from distckpt.engine import commit as commit_mod
-from distckpt.engine import save as save_mod
 from distckpt.errors import (
     CheckpointExists,
     CorruptCheckpointError,
@@ -61,9 +59,10 @@ from distckpt.errors import (
     UnsupportedValueError,
     ValidationError,
 )
-from distckpt.storage import shard_io
+from distckpt.storage import staging as staging_mod
+from distckpt.storage import transaction as transaction_mod
+from distckpt.storage.posix import PosixStore
 from distckpt.storage.staging import leftovers
-from distckpt.transfer import writer as writer_mod
 
 # w: 4 inner chunks of 2 rows per shard
 KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}
@@ -145,13 +144,18 @@ class Spy:
     def __init__(self) -> None:
         self.writes: list[str] = []
         self.stagings = 0
-        real_create, real_file = shard_io.create, writer_mod.write_file
-        real_staging = save_mod.Staging
+        real_create, real_write = PosixStore.create, PosixStore.write
+        real_file = transaction_mod.write_file
+        real_staging = staging_mod.Staging
         spy = self
 
-        def create(path: str) -> int:
-            spy.writes.append(path)
-            return real_create(path)
+        def create(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
+            spy.writes.append(store.where(key))
+            return real_create(store, key, size_hint)
+
+        def write(store: PosixStore, key: str, data: Any) -> None:
+            spy.writes.append(store.where(key))
+            real_write(store, key, data)
 
         def write_file(path: Any, *a: Any, **kw: Any) -> Any:
             spy.writes.append(str(path))
@@ -162,10 +166,10 @@ class Spy:
                 spy.stagings += 1
                 super().__init__(*a, **kw)
 
-        shard_io.create = create
-        writer_mod.write_file = write_file
-        commit_mod.write_file = write_file
-        save_mod.Staging = CountingStaging  # type: ignore[misc]
+        PosixStore.create = create  # type: ignore[method-assign]
+        PosixStore.write = write  # type: ignore[method-assign]
+        transaction_mod.write_file = write_file
+        staging_mod.Staging = CountingStaging  # type: ignore[misc]
 
     def reset(self) -> None:
         self.writes.clear()
@@ -423,7 +427,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
 
     run.case(
         "write-raise-rank1",
-        failing_write(1, shard_io, "create", raise_on_fire, prev, True),
+        failing_write(1, PosixStore, "create", raise_on_fire, prev, True),
         DiskOnFire,
         1,
         ("on fire",),
@@ -440,7 +444,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     )
     run.case(
         "write-raise-rank0",
-        failing_write(0, shard_io, "create", raise_on_fire, prev, True),
+        failing_write(0, PosixStore, "create", raise_on_fire, prev, True),
         DiskOnFire,
         0,
         ("on fire",),
@@ -448,7 +452,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
     )
     run.case(
         "write-fresh-rank1",
-        failing_write(1, shard_io, "create", raise_on_fire, fresh, False),
+        failing_write(1, PosixStore, "create", raise_on_fire, fresh, False),
         DiskOnFire,
         1,
         ("on fire",),
@@ -600,19 +604,21 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
     markers = directory / "markers"
     markers.mkdir(exist_ok=True)
     comm.barrier()
-    real = shard_io.create
+    real = PosixStore.create
 
-    def wrote(path: str) -> Any:
-        out = real(path)
+    def wrote(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
+        path = store.where(key)
+        out = real(store, key, size_hint)
         if "/w/" not in path:  # only the shards of the big tensor count
             return out
         (markers / f"wrote-{rank}").write_text(path)
         emit(f"WROTE {rank} {path}")
         return out
 
-    def killer(path: str) -> Any:
+    def killer(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
+        path = store.where(key)
         if "/w/" not in path:
-            return real(path)
+            return real(store, key, size_hint)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if all((markers / f"wrote-{r}").exists() for r in range(last)):
@@ -622,7 +628,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
         emit(f"KILLING {rank} {path}")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    shard_io.create = killer if rank == last else wrote
+    PosixStore.create = killer if rank == last else wrote  # type: ignore[method-assign]
     target = directory / "prev" if overwrite else directory / "target"
     start = time.monotonic()
     try:

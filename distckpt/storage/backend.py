@@ -1,0 +1,183 @@
+"""The storage seam: one small protocol for every place a checkpoint can live.
+
+A :class:`Store` is a directory of a file system (:mod:`distckpt.storage.posix`) or a
+prefix of an object store (:mod:`distckpt.storage.s3`). Keys are relative to it and use
+``/``. The engine, the manager and the CLI reach storage only through it; the
+training-state layer never does.
+
+What every backend provides, and who calls it during a save (``rank 0`` is the
+coordinator):
+
+1. rank 0: :meth:`Store.read` / :meth:`Store.list` / :meth:`Store.exists` to check the
+   name is free, then begins the save's transaction (:mod:`distckpt.storage.transaction`);
+2. every rank: :meth:`Store.prepare` for the keys it will write, :meth:`Store.create` for
+   each piece (written at offsets, from several threads, then :meth:`WriteHandle.finish`),
+   :meth:`Store.write` for small objects, :meth:`Store.persist` once all are finished;
+3. rank 0: the commit primitives, :meth:`Store.put_new` (create only if absent) and
+   :meth:`Store.put_if` (replace only the version read, from
+   :meth:`Store.read_versioned`), and :meth:`Store.delete` / :meth:`Store.delete_tree`.
+
+A load uses :meth:`Store.open` (ranged reads; :meth:`ReadHandle.will_need` says which
+ranges come next, so an object store fetches each run once).
+
+Errors: a missing key is :class:`FileNotFoundError`; a failed condition is
+:class:`ConditionFailed` (a :class:`FileExistsError`); a permanent service failure (no
+such bucket, access denied, retries exhausted) is :class:`~distckpt.errors.StorageError`,
+naming the location and the operation, never a credential.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
+
+
+class ConditionFailed(FileExistsError):
+    """A conditional write found the key present (create) or at another version (replace)."""
+
+
+@runtime_checkable
+class ReadHandle(Protocol):
+    """One object or file open for ranged reads; used by one thread at a time."""
+
+    @property
+    def size(self) -> int: ...
+
+    def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
+        """Fill ``buffers`` in turn from ``offset``; return the bytes read (fewer at the end)."""
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
+        """The (offset, length) runs the next reads fall in: start fetching them."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> ReadHandle: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class WriteHandle(Protocol):
+    """One object or file being written, each byte once, from several threads at once."""
+
+    def write(self, buffers: Sequence[Buffer], offset: int) -> int:
+        """Write ``buffers`` back to back at ``offset``; return the bytes written."""
+
+    def finish(self, durable: bool = True) -> None:
+        """Make the object whole and visible (and, with ``durable``, on stable storage)."""
+
+    def abort(self) -> None:
+        """Give up: nothing of it needs to remain (idempotent, never raises)."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A directory or object prefix; keys are relative, ``/``-separated."""
+
+    #: What users see: an absolute path or ``s3://bucket/prefix``. Never a credential.
+    url: str
+    #: Whether a directory can be renamed atomically (the commit strategy depends on it).
+    renames: bool
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parent(self) -> Store: ...
+
+    def child(self, key: str) -> Store: ...
+
+    def where(self, key: str) -> str:
+        """The display form of ``key`` (for messages)."""
+
+    def read(self, key: str) -> bytes: ...
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object and a version tag for :meth:`put_if`."""
+
+    def open(self, key: str, size: int | None = None) -> ReadHandle:
+        """Open for ranged reads; ``size``, when known (from the index), saves a request."""
+
+    def write(self, key: str, data: Buffer) -> None:
+        """Create or replace a small object, durably."""
+
+    def create(self, key: str, size_hint: int | None = None) -> WriteHandle: ...
+
+    def put_new(self, key: str, data: Buffer) -> str:
+        """Create ``key`` only if absent (else :class:`ConditionFailed`); return its version."""
+
+    def put_if(self, key: str, data: Buffer, version: str) -> str:
+        """Replace ``key`` only if still at ``version`` (else :class:`ConditionFailed`)."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def is_dir(self, key: str) -> bool:
+        """Whether ``key`` is a directory (a prefix with objects under it)."""
+
+    def age(self, key: str) -> float:
+        """Seconds since ``key`` was last written (:class:`FileNotFoundError` if absent)."""
+
+    def list(self, key: str = "") -> list[str]:
+        """Names of the entries directly under ``key`` (objects and prefixes), sorted."""
+
+    def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
+        """Every object or file under ``key``: (key relative to ``key``, size, mtime)."""
+
+    def delete(self, key: str) -> None:
+        """Remove one object (absent: nothing happens)."""
+
+    def delete_tree(self, key: str = "") -> None:
+        """Remove everything under ``key`` (absent: nothing happens)."""
+
+    def prepare(self, keys: Iterable[str]) -> None:
+        """Make it possible to create ``keys`` (directories on a file system)."""
+
+    def persist(self, keys: Iterable[str]) -> None:
+        """Make the entries of the finished ``keys`` durable (directory fsyncs)."""
+
+
+def is_remote(location: str | os.PathLike[str] | Store) -> bool:
+    """Whether ``location`` names an object store (``s3://``)."""
+    if isinstance(location, Store):
+        return not location.renames
+    return isinstance(location, str) and location.startswith("s3://")
+
+
+def resolve(location: str | os.PathLike[str] | Store) -> Store:
+    """The store at ``location``: a store is returned as is, ``s3://bucket/prefix`` is an
+    object store prefix (needs ``pip install 'distckpt[s3]'``), anything else a local or
+    shared directory (made absolute)."""
+    if isinstance(location, Store):
+        return location
+    if isinstance(location, str) and "://" in location:
+        scheme = location.split("://", 1)[0]
+        if scheme == "s3":
+            from distckpt.storage.s3 import S3Store
+
+            return S3Store.from_url(location)
+        if scheme != "file":
+            raise ValueError(
+                f"{location}: unsupported storage scheme {scheme!r} (use s3:// or a path)"
+            )
+        location = location[len("file://") :]
+    from distckpt.storage.posix import PosixStore
+
+    return PosixStore(Path(location).absolute())
+
+
+def location(store: Store) -> Path | str:
+    """What results report as the place: the path of a directory, else the URL."""
+    path = getattr(store, "path", None)
+    return path if isinstance(path, Path) else store.url
+
+
+def join(*parts: str) -> str:
+    """Keys joined with ``/`` (empty parts dropped)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

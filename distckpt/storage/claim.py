@@ -1,0 +1,169 @@
+"""The commit on an object store, which has no rename: "a claim, then the index last".
+
+A checkpoint on an object store exists exactly when its index object (the root
+``zarr.json``) exists. A save of ``<prefix>``:
+
+1. **claims the name** (coordinator): creates ``<prefix>/.distckpt-save`` only if absent
+   (a conditional put, ``If-None-Match``), a lease (:mod:`distckpt.storage.lease`)
+   holding the save's token, host and pid: the save's heartbeat object. A second save of
+   the same name finds the claim and fails with :class:`~distckpt.errors.CheckpointExists`,
+   unless the claim is stale: it then takes the claim over by a put conditional on the
+   version it read (``If-Match``), so of two that find one stale claim only one wins.
+   A save whose claim was taken over (after a long stall) learns it and fails instead of
+   committing.
+2. **writes the data** (every rank): the arrays' objects straight under ``<prefix>``.
+3. **commits** (coordinator): writes the groups' metadata, then the index with
+   ``If-None-Match``, so two saves can never both commit one name; then deletes the
+   claim. Readers, ``ls`` and the manager never read a prefix that has no index.
+
+``overwrite=True`` of a committed checkpoint withdraws the old one before writing: its
+index first (from then on nobody opens it), then its data. A reader therefore sees the
+old checkpoint, none, or the new one; one that opened the old index before reads every
+chunk against that index's checksums and gets
+:class:`~distckpt.errors.CorruptCheckpointError` for any replaced object, never a mix.
+Unlike the rename on a file system, the old checkpoint is gone if the new save fails.
+
+Retention (:func:`retire`) marks a checkpoint, deletes its index first, then its data.
+Abandoned saves and retirements (a stale claim and no index) are removed by
+:func:`collect_garbage`, incomplete multipart uploads with them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from distckpt.errors import CheckpointExists
+from distckpt.storage.backend import ConditionFailed, Store
+from distckpt.storage.lease import STALE_SECONDS, Lease, describe, read_lease
+from distckpt.storage.s3 import S3Store
+from distckpt.storage.zarr_meta import ZARR_JSON
+
+log = logging.getLogger(__name__)
+
+CLAIM = ".distckpt-save"
+
+
+def read_claim(store: Store) -> tuple[dict[str, Any], str, float] | None:
+    """The claim on ``store`` (owner, version, age in seconds), or None."""
+    return read_lease(store, CLAIM)
+
+
+class ObjectCommit:
+    """A save's claim on one checkpoint name of an object store (coordinator only)."""
+
+    def __init__(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> None:
+        self.final = final
+        self.root = final  # the ranks write in place: there is nothing to rename
+        self.token = token
+        names = final.list()
+        if names and CLAIM not in names and ZARR_JSON not in names:
+            raise CheckpointExists(
+                f"{final.url} holds objects but no distckpt checkpoint; not touching it"
+            )
+        self._lease = Lease(final, CLAIM, token, {"world_size": world_size})
+
+        def busy(owner: dict[str, Any], age: float) -> Exception:
+            return CheckpointExists(
+                f"another save is writing {final.url} ({describe(owner)}, last heartbeat "
+                f"{age:.0f}s ago)"
+            )
+
+        self._lease.acquire(busy)
+        try:
+            if final.exists(ZARR_JSON):
+                if not overwrite:
+                    raise CheckpointExists(
+                        f"{final.url} already holds a committed checkpoint; pass "
+                        "overwrite=True to replace it"
+                    )
+                # Withdraw the old checkpoint: its index first, so nobody opens it again.
+                final.delete(ZARR_JSON)
+            _remove_all_but_claim(final)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def commit(self, files: dict[str, bytes], index: bytes) -> None:
+        """Write ``files`` (the groups' metadata), then the index, conditionally; then
+        release the claim."""
+        self._lease.stop()
+        if self._lease.lost or not self._lease.ours():
+            raise CheckpointExists(
+                f"{self.final.url}: this save lost its claim (it was taken over by another "
+                "save after a long stall); not committing"
+            )
+        for key, data in files.items():
+            self.final.write(key, data)
+        try:
+            self.final.put_new(ZARR_JSON, index)
+        except ConditionFailed:
+            raise CheckpointExists(
+                f"{self.final.url} was committed by another save while this one ran"
+            ) from None
+        self._lease.release()
+
+    def abort(self) -> None:
+        """Remove what this save wrote (only while it holds the claim and nothing was
+        committed under the name)."""
+        self._lease.stop()
+        try:
+            if self._lease.ours() and not self.final.exists(ZARR_JSON):
+                _remove_all_but_claim(self.final)
+            self._lease.release()
+        except Exception as exc:
+            log.warning("could not clean up the failed save of %s: %s", self.final.url, exc)
+
+
+def _remove_all_but_claim(prefix: Store) -> None:
+    for name in prefix.list():
+        if name != CLAIM:
+            prefix.delete_tree(name)
+    if isinstance(prefix, S3Store):
+        prefix.abort_uploads()
+
+
+def retire(checkpoint: Store) -> None:
+    """Delete a committed checkpoint: mark it (a claim that says so), delete its index, so
+    nobody opens it again, then its data, then the mark. If this stops half way, the mark
+    goes stale and :func:`collect_garbage` finishes the job."""
+    doc = {"token": "retire", "deleting": True, "host": socket.gethostname(), "pid": os.getpid()}
+    checkpoint.write(CLAIM, json.dumps({**doc, "beat": time.time()}).encode())
+    checkpoint.delete(ZARR_JSON)
+    _remove_all_but_claim(checkpoint)
+    checkpoint.delete(CLAIM)
+
+
+def retiring(checkpoint: Store) -> bool:
+    """Whether ``checkpoint`` is marked for deletion by a retention that did not finish."""
+    found = read_claim(checkpoint)
+    return found is not None and bool(found[0].get("deleting"))
+
+
+def collect_garbage(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]:
+    """Remove the abandoned saves under ``directory`` (a stale claim and no index) and
+    stale claims left on committed checkpoints; return the locations removed."""
+    removed: list[str] = []
+    for name in directory.list():
+        prefix = directory.child(name)
+        found = read_claim(prefix)
+        if found is None or found[2] < stale_seconds:
+            continue
+        if prefix.exists(ZARR_JSON) and not found[0].get("deleting"):
+            prefix.delete(CLAIM)  # a commit that died after its index: nothing to undo
+            continue
+        log.info("removing abandoned save %s (%s)", prefix.url, describe(found[0]))
+        prefix.delete(ZARR_JSON)
+        _remove_all_but_claim(prefix)
+        prefix.delete(CLAIM)
+        removed.append(prefix.url)
+    return removed
+
+
+def leftovers(directory: Store) -> list[str]:
+    """The names under ``directory`` that hold a claim (saves running or abandoned)."""
+    return [name for name in directory.list() if directory.child(name).exists(CLAIM)]

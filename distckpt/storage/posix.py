@@ -1,0 +1,283 @@
+"""The file-system backend of the storage seam: a directory on a local or shared POSIX
+file system (:mod:`distckpt.storage.backend`).
+
+Pieces are written with ``pwritev`` at their offsets and read with ``preadv``. Durability is
+explicit: a finished file is fsynced and :meth:`PosixStore.persist` fsyncs the directories
+that got new entries. Conditional writes are made atomic with ``link`` (create: a
+complete temporary file is linked to the name, which fails if it exists) and a
+``lockf`` lock beside the file (replace: compare the version, then rename over it); the
+version of a file is the crc32c of its bytes, so it survives a copy of the directory.
+"""
+
+from __future__ import annotations
+
+import builtins
+import fcntl
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc
+import numpy as np
+
+from distckpt.storage.backend import Buffer, ConditionFailed
+from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
+
+_IOV_MAX = 1024
+
+
+def _view(data: Buffer) -> memoryview:
+    return (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+
+
+def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+    """Write ``buffers`` back to back at ``offset`` (``pwritev``; short writes finished)."""
+    views = [_view(b) for b in buffers]
+    total = 0
+    for start in range(0, len(views), _IOV_MAX):
+        batch = views[start : start + _IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        done = os.pwritev(fd, batch, offset)
+        if done < want:  # rare (signals, some network file systems): finish the rest
+            rest = memoryview(b"".join(bytes(v) for v in batch))[done:]
+            while rest:
+                n = os.pwrite(fd, rest, offset + done)
+                rest, done = rest[n:], done + n
+        offset += want
+        total += want
+    return total
+
+
+def _version(data: bytes) -> str:
+    return f"{_crc.crc32c(data):08x}-{len(data)}"
+
+
+class PosixReader:
+    """A file open for ranged reads (``preadv``)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._size: int | None = None
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self._size = os.fstat(self._fd).st_size
+        return self._size
+
+    def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
+        return os.preadv(self._fd, [_view(b) for b in buffers], offset)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return os.pread(self._fd, length, offset)
+
+    def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
+        # Start reading now: the task then reads chunk by chunk without waiting on the device.
+        if hasattr(os, "posix_fadvise"):
+            for offset, length in runs:
+                os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> PosixReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PosixWriter:
+    """A file written at offsets from several threads; opened at the first write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _open(self) -> int:
+        if self._fd < 0:
+            with self._lock:
+                if self._closed:
+                    raise ValueError(f"{self.path} is closed")
+                if self._fd < 0:
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        return self._fd
+
+    def write(self, buffers: Sequence[Buffer], offset: int) -> int:
+        return pwrite_all(self._open(), buffers, offset)
+
+    def finish(self, durable: bool = True) -> None:
+        try:
+            fd = self._open()
+            if durable:
+                os.fsync(fd)
+        finally:
+            self._close()
+
+    def abort(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            self._closed = True
+        if fd >= 0:
+            os.close(fd)
+
+
+class PosixStore:
+    """A directory of a POSIX file system (created when first written to)."""
+
+    renames = True
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.url = str(self.path)
+
+    def __repr__(self) -> str:
+        return f"PosixStore({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PosixStore) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def parent(self) -> PosixStore:
+        return PosixStore(self.path.parent)
+
+    def child(self, key: str) -> PosixStore:
+        return PosixStore(self.path / key) if key else self
+
+    def where(self, key: str) -> str:
+        return str(self.path / key) if key else self.url
+
+    def _p(self, key: str) -> Path:
+        return self.path / key if key else self.path
+
+    def read(self, key: str) -> bytes:
+        return self._p(key).read_bytes()
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.read(key)
+        return data, _version(data)
+
+    def open(self, key: str, size: int | None = None) -> PosixReader:
+        return PosixReader(self._p(key))
+
+    def write(self, key: str, data: Buffer) -> None:
+        path = self._p(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, bytes(data))
+
+    def create(self, key: str, size_hint: int | None = None) -> PosixWriter:
+        return PosixWriter(self._p(key))
+
+    def put_new(self, key: str, data: Buffer) -> str:
+        path = self._p(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = bytes(data)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+        write_file(tmp, payload)
+        try:
+            os.link(tmp, path)  # atomic, and fails if the name exists: the file is whole
+        except FileExistsError:
+            raise ConditionFailed(f"{path} exists") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+        return _version(payload)
+
+    def put_if(self, key: str, data: Buffer, version: str) -> str:
+        path = self._p(key)
+        payload = bytes(data)
+        with _locked(path):
+            try:
+                current = _version(path.read_bytes())
+            except FileNotFoundError:
+                raise ConditionFailed(f"{path} is gone") from None
+            if current != version:
+                raise ConditionFailed(f"{path} changed")
+            atomic_write(path, payload)
+        return _version(payload)
+
+    def exists(self, key: str) -> bool:
+        return self._p(key).exists()
+
+    def age(self, key: str) -> float:
+        return time.time() - self._p(key).stat().st_mtime
+
+    def list(self, key: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(key)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
+        top = self._p(key)
+        found = []
+        for dirpath, _dirs, files in os.walk(top):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(full)
+                except OSError:
+                    continue  # removed while we looked
+                found.append((os.path.relpath(full, top), st.st_size, st.st_mtime))
+        return found
+
+    def is_dir(self, key: str) -> bool:
+        return self._p(key).is_dir()
+
+    def delete(self, key: str) -> None:
+        self._p(key).unlink(missing_ok=True)
+
+    def delete_tree(self, key: str = "") -> None:
+        path = self._p(key)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def prepare(self, keys: Iterable[str]) -> None:
+        made: set[Path] = set()
+        for key in keys:
+            parent = self._p(key).parent
+            if parent not in made:
+                parent.mkdir(parents=True, exist_ok=True)
+                made.add(parent)
+
+    def persist(self, keys: Iterable[str]) -> None:
+        dirs: set[Path] = set()
+        for key in keys:
+            parts = Path(key).parents
+            dirs.update(self.path / p for p in parts)
+        for d in sorted(dirs, key=lambda p: -len(p.parts)):
+            fsync_dir(d)
+
+
+@contextmanager
+def _locked(path: Path) -> Any:
+    """An exclusive ``lockf`` lock on a file beside ``path`` (works on NFS v4 too)."""
+    lock = path.with_name(f".{path.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,625 @@
+"""The object-store backend of the storage seam: a prefix of an S3-compatible bucket
+(Amazon S3, MinIO, Ceph RGW, ...), through boto3 (``pip install 'distckpt[s3]'``).
+
+Credentials, region and endpoint come from where every AWS tool finds them: the
+``AWS_*`` environment variables (``AWS_ENDPOINT_URL`` for a non-AWS service, plain
+``http://`` included), ``~/.aws/config`` and ``~/.aws/credentials``, or an instance role.
+distckpt never logs them nor puts them in a message or the index.
+
+* **Large objects** are multipart uploads whose parts (:data:`PART_BYTES`) are sent by
+  the thread whose write completes them, so a save's I/O workers upload in parallel and
+  in any order; an object that fits in one part is one PUT.
+* **Reads** are ranged GETs; :meth:`S3Reader.will_need` fetches each run of adjacent
+  inner chunks a task needs in one request.
+* **Retries**: botocore's standard mode retries throttling, 5xx answers and dropped
+  connections with exponential backoff, up to :data:`MAX_ATTEMPTS` tries (unless
+  ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` say otherwise); a body cut off mid-read is
+  retried here. A conditional write whose first try succeeded but whose answer was lost
+  sees its own retry fail the condition: it then reads the object back, and identical
+  bytes mean it was its own write.
+* **Permanent failures** (no such bucket, access denied, no credentials, retries
+  exhausted) raise :class:`~distckpt.errors.StorageError` naming the bucket, key and
+  operation.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from distckpt.errors import StorageError
+from distckpt.storage.backend import Buffer, ConditionFailed, join
+
+log = logging.getLogger(__name__)
+
+#: Bytes per part of a multipart upload (S3 needs at least 5 MiB but for the last).
+PART_BYTES = int(os.environ.get("DISTCKPT_S3_PART_BYTES", 8 << 20))
+_MIN_PART = 5 << 20
+_MAX_PARTS = 9_000  # S3 allows 10,000
+#: Tries of one request (botocore's standard retry mode) unless AWS_MAX_ATTEMPTS is set.
+MAX_ATTEMPTS = 8
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_CONDITION = {"PreconditionFailed", "412"}
+_CONFLICT = {"ConditionalRequestConflict", "409"}
+_PERMANENT = {
+    "NoSuchBucket": "no such bucket",
+    "AccessDenied": "access denied",
+    "403": "access denied",
+    "InvalidAccessKeyId": "the access key is not valid",
+    "SignatureDoesNotMatch": "the secret key does not match the access key",
+    "ExpiredToken": "the credentials have expired",
+    "InvalidBucketName": "not a valid bucket name",
+}
+
+T = TypeVar("T")
+
+_clients: dict[int, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client() -> Any:
+    """This process's S3 client (thread-safe; a forked child makes its own)."""
+    pid = os.getpid()
+    found = _clients.get(pid)
+    if found is not None:
+        return found
+    with _clients_lock:
+        if pid not in _clients:
+            _clients.clear()  # a parent's client does not survive a fork
+            _clients[pid] = _new_client()
+        return _clients[pid]
+
+
+def _new_client() -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise StorageError("s3:// locations need boto3: pip install 'distckpt[s3]'") from None
+    options: dict[str, Any] = {
+        "max_pool_connections": 64,
+        "connect_timeout": 10,
+        "read_timeout": 120,
+        "tcp_keepalive": True,
+    }
+    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+        options["retries"] = {"mode": "standard", "max_attempts": MAX_ATTEMPTS}
+    return boto3.session.Session().client("s3", config=Config(**options))
+
+
+def _code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        error = response.get("Error", {})
+        code = error.get("Code") or str(response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+        return str(code)
+    return None
+
+
+class S3Store:
+    """A prefix of an S3 bucket (``s3://bucket/prefix``)."""
+
+    renames = False
+
+    def __init__(self, bucket: str, prefix: str = "") -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+
+    @classmethod
+    def from_url(cls, url: str) -> S3Store:
+        rest = url[len("s3://") :]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{url}: no bucket named (use s3://bucket/prefix)")
+        return cls(bucket, prefix)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, S3Store) and (other.bucket, other.prefix) == (
+            self.bucket,
+            self.prefix,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.bucket, self.prefix))
+
+    @property
+    def name(self) -> str:
+        return self.prefix.rsplit("/", 1)[-1] if self.prefix else self.bucket
+
+    @property
+    def parent(self) -> S3Store:
+        return S3Store(self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
+
+    def child(self, key: str) -> S3Store:
+        return S3Store(self.bucket, join(self.prefix, key)) if key else self
+
+    def where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{join(self.prefix, key)}"
+
+    def _key(self, key: str) -> str:
+        return join(self.prefix, key)
+
+    def _dir(self, key: str) -> str:
+        full = join(self.prefix, key)
+        return f"{full}/" if full else ""
+
+    # -- requests, with errors made ours --------------------------------------------
+
+    def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one request; map its failure to FileNotFoundError, ConditionFailed or
+        StorageError (naming the bucket, key and ``op``)."""
+        try:
+            return fn()
+        except Exception as exc:
+            raise self._translate(exc, op, key) from None
+
+    def _translate(self, exc: BaseException, op: str, key: str) -> BaseException:
+        code = _code(exc)
+        where = self.where(key)
+        if code in _NOT_FOUND:
+            return FileNotFoundError(f"{where} does not exist")
+        if code in _CONDITION:
+            return ConditionFailed(f"{where}: {op}: the condition failed")
+        if code in _PERMANENT:
+            return StorageError(f"s3://{self.bucket}: {op} {where} failed: {_PERMANENT[code]}")
+        name = type(exc).__name__
+        if name == "NoCredentialsError":
+            return StorageError(
+                f"s3://{self.bucket}: {op} failed: no AWS credentials found "
+                "(set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile)"
+            )
+        if code is not None:
+            message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", ""))
+            return StorageError(
+                f"s3://{self.bucket}: {op} {where} failed: {code} {message}".rstrip()
+            )
+        return StorageError(f"s3://{self.bucket}: {op} {where} failed: {name}: {_one_line(exc)}")
+
+    # -- the protocol -------------------------------------------------------------
+
+    def read(self, key: str) -> bytes:
+        return self.read_versioned(key)[0]
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        def get() -> tuple[bytes, str]:
+            response = client().get_object(Bucket=self.bucket, Key=self._key(key))
+            return response["Body"].read(), str(response["ETag"])
+
+        return self.call("read", key, lambda: _body_retry(get))
+
+    def open(self, key: str, size: int | None = None) -> S3Reader:
+        return S3Reader(self, key, size)
+
+    def head(self, key: str) -> dict[str, Any]:
+        return self.call(
+            "stat", key, lambda: client().head_object(Bucket=self.bucket, Key=self._key(key))
+        )
+
+    def write(self, key: str, data: Buffer) -> None:
+        body = bytes(data)
+        self.call(
+            "write",
+            key,
+            lambda: client().put_object(Bucket=self.bucket, Key=self._key(key), Body=body),
+        )
+
+    def create(self, key: str, size_hint: int | None = None) -> S3Writer:
+        return S3Writer(self, key, size_hint)
+
+    def put_new(self, key: str, data: Buffer) -> str:
+        body = bytes(data)
+        return self._conditional(key, body, {"IfNoneMatch": "*"}, "create")
+
+    def put_if(self, key: str, data: Buffer, version: str) -> str:
+        return self._conditional(key, bytes(data), {"IfMatch": version}, "replace")
+
+    def _conditional(self, key: str, body: bytes, condition: dict[str, str], op: str) -> str:
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                response = client().put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=body, **condition
+                )
+                return str(response["ETag"])
+            except Exception as exc:
+                code = _code(exc)
+                if code in _CONFLICT and attempt + 1 < MAX_ATTEMPTS:
+                    _sleep(attempt)  # a concurrent conditional write: try again
+                    continue
+                error = self._translate(exc, op, key)
+                if isinstance(error, ConditionFailed):
+                    # Our own earlier try may have landed with its answer lost.
+                    try:
+                        current, version = self.read_versioned(key)
+                    except FileNotFoundError:
+                        raise error from None
+                    if current == body:
+                        return version
+                raise error from None
+        raise AssertionError("unreachable")
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def age(self, key: str) -> float:
+        return time.time() - self.head(key)["LastModified"].timestamp()
+
+    def list(self, key: str = "") -> list[str]:
+        prefix = self._dir(key)
+        names: set[str] = set()
+
+        def run() -> None:
+            pages = (
+                client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/")
+            )
+            for page in pages:
+                for p in page.get("CommonPrefixes", ()):
+                    names.add(p["Prefix"][len(prefix) :].rstrip("/"))
+                for o in page.get("Contents", ()):
+                    names.add(o["Key"][len(prefix) :])
+
+        self.call("list", key, run)
+        names.discard("")
+        return sorted(names)
+
+    def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
+        """Every object under ``key``: (key relative to ``key``, size, modification time)."""
+        prefix = self._dir(key)
+        found: builtins.list[tuple[str, int, float]] = []
+
+        def run() -> None:
+            pages = (
+                client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self.bucket, Prefix=prefix)
+            )
+            for page in pages:
+                for o in page.get("Contents", ()):
+                    found.append(
+                        (o["Key"][len(prefix) :], int(o["Size"]), o["LastModified"].timestamp())
+                    )
+
+        self.call("list", key, run)
+        return found
+
+    def is_dir(self, key: str) -> bool:
+        prefix = self._dir(key)
+        response = self.call(
+            "list",
+            key,
+            lambda: client().list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
+        )
+        return bool(response.get("KeyCount", 0))
+
+    def delete(self, key: str) -> None:
+        self.call(
+            "delete", key, lambda: client().delete_object(Bucket=self.bucket, Key=self._key(key))
+        )
+
+    def delete_tree(self, key: str = "") -> None:
+        keys = [join(self._dir(key), k) for k, _, _ in self.walk(key)]
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[start : start + 1000]]
+            response = self.call(
+                "delete",
+                key,
+                lambda b=batch: client().delete_objects(  # type: ignore[misc]
+                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
+                ),
+            )
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"s3://{self.bucket}: delete {self.where(key)} failed for "
+                    f"{len(errors)} objects, first {first.get('Key')}: {first.get('Code')}"
+                )
+        self.abort_uploads(key)
+
+    def abort_uploads(self, key: str = "") -> None:
+        """Abort the unfinished multipart uploads under ``key`` (a dead writer's parts)."""
+        prefix = self._dir(key)
+
+        def run() -> None:
+            pages = (
+                client()
+                .get_paginator("list_multipart_uploads")
+                .paginate(Bucket=self.bucket, Prefix=prefix)
+            )
+            for page in pages:
+                for upload in page.get("Uploads", ()):
+                    client().abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+
+        self.call("abort uploads", key, run)
+
+    def prepare(self, keys: Iterable[str]) -> None:
+        pass  # an object store has no directories
+
+    def persist(self, keys: Iterable[str]) -> None:
+        pass  # a finished upload is durable
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def _sleep(attempt: int) -> None:
+    time.sleep(min(5.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+
+
+def _body_retry(fn: Callable[[], T]) -> T:
+    """``fn`` (a GET and the read of its body), tried again if the body is cut off."""
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            return fn()
+        except Exception as exc:
+            if _code(exc) is not None or attempt + 1 == MAX_ATTEMPTS or not _transient(exc):
+                raise
+            log.debug("retrying a read cut off: %s", _one_line(exc))
+            _sleep(attempt)
+    raise AssertionError("unreachable")
+
+
+def _transient(exc: BaseException) -> bool:
+    names = {t.__name__ for t in type(exc).__mro__}
+    return bool(
+        names
+        & {
+            "ResponseStreamingError",
+            "IncompleteReadError",
+            "ProtocolError",
+            "ConnectionError",
+            "ReadTimeoutError",
+            "IncompleteRead",
+            "ConnectionClosedError",
+            "EndpointConnectionError",
+        }
+    )
+
+
+class S3Reader:
+    """Ranged reads of one object; runs announced by :meth:`will_need` are fetched whole
+    (one GET each) and the reads that fall inside them served from memory."""
+
+    def __init__(self, store: S3Store, key: str, size: int | None) -> None:
+        self._store = store
+        self._key = key
+        self._size = size
+        self._runs: list[tuple[int, bytes]] = []
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self._size = int(self._store.head(self._key)["ContentLength"])
+        return self._size
+
+    def _get(self, buffers: Sequence[memoryview], offset: int) -> int:
+        want = sum(b.nbytes for b in buffers)
+        if want == 0:
+            return 0
+        store = self._store
+
+        def get() -> int:
+            try:
+                response = client().get_object(
+                    Bucket=store.bucket,
+                    Key=store._key(self._key),
+                    Range=f"bytes={offset}-{offset + want - 1}",
+                )
+            except Exception as exc:
+                if _code(exc) in {"InvalidRange", "416"}:
+                    return 0  # past the end: a short read, as from a file
+                raise
+            body = response["Body"]
+            got = 0
+            for buf in buffers:
+                filled = 0
+                while filled < buf.nbytes:
+                    n = body.readinto(buf[filled:])
+                    if not n:
+                        return got + filled
+                    filled += n
+                got += filled
+            return got
+
+        return store.call("read", self._key, lambda: _body_retry(get))
+
+    def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        want = sum(v.nbytes for v in views)
+        for start, data in self._runs:
+            if start <= offset and offset + want <= start + len(data):
+                at = offset - start
+                for v in views:
+                    v[:] = data[at : at + v.nbytes]
+                    at += v.nbytes
+                return want
+        return self._get(views, offset)
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        got = self.readinto([buf], offset)
+        return bytes(buf[:got])
+
+    def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
+        fetched = []
+        for offset, length in runs:
+            buf = bytearray(length)
+            got = self._get([memoryview(buf)], offset)
+            fetched.append((offset, bytes(buf[:got]) if got < length else bytes(buf)))
+        self._runs = fetched
+
+    def close(self) -> None:
+        self._runs = []
+
+    def __enter__(self) -> S3Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class S3Writer:
+    """One object written at offsets from several threads, each byte once: bytes are
+    gathered into parts of :data:`PART_BYTES`, and the thread whose write completes a
+    part uploads it. :meth:`finish` uploads the rest (the first part, which holds a
+    shard's checksum table, and the last) and completes the upload; an object of one
+    part is one PUT."""
+
+    def __init__(self, store: S3Store, key: str, size_hint: int | None = None) -> None:
+        self._store = store
+        self._key = key
+        part = max(PART_BYTES, _MIN_PART)
+        if size_hint:
+            part = max(part, math.ceil(size_hint / _MAX_PARTS / (1 << 20)) << 20)
+        self.part_bytes = part
+        self._lock = threading.Lock()
+        self._buffers: dict[int, bytearray] = {}
+        self._filled: dict[int, int] = {}
+        self._etags: dict[int, str] = {}
+        self._end = 0
+        self._upload_id: str | None = None
+        self._done = False
+
+    def write(self, buffers: Sequence[Buffer], offset: int) -> int:
+        total = 0
+        complete: list[int] = []
+        for b in buffers:
+            view = (b.data if hasattr(b, "dtype") else memoryview(b)).cast("B")
+            n = view.nbytes
+            at = 0
+            while at < n:
+                part, within = divmod(offset + at, self.part_bytes)
+                take = min(n - at, self.part_bytes - within)
+                with self._lock:
+                    if self._done:
+                        raise ValueError(f"{self._store.where(self._key)} is closed")
+                    buf = self._buffers.get(part)
+                    if buf is None:
+                        if part in self._etags:
+                            raise ValueError(f"part {part} of {self._key} written twice")
+                        buf = self._buffers[part] = bytearray(self.part_bytes)
+                        self._filled[part] = 0
+                buf[within : within + take] = view[at : at + take]
+                with self._lock:
+                    self._filled[part] += take
+                    self._end = max(self._end, offset + at + take)
+                    if self._filled[part] == self.part_bytes:
+                        complete.append(part)
+                at += take
+            offset += n
+            total += n
+        for part in complete:
+            self._upload_part(part, self.part_bytes)
+        return total
+
+    def _start(self) -> str:
+        with self._lock:
+            if self._upload_id is None:
+                store = self._store
+                response = store.call(
+                    "upload",
+                    self._key,
+                    lambda: client().create_multipart_upload(
+                        Bucket=store.bucket, Key=store._key(self._key)
+                    ),
+                )
+                self._upload_id = str(response["UploadId"])
+            return self._upload_id
+
+    def _upload_part(self, part: int, length: int) -> None:
+        upload = self._start()
+        with self._lock:
+            buf = self._buffers.pop(part, None)
+            self._filled.pop(part, None)
+        if buf is None:
+            buf = bytearray(length)  # never written: a gap is zeros
+        body = bytes(memoryview(buf)[:length]) if length < len(buf) else bytes(buf)
+        store = self._store
+        response = store.call(
+            "upload",
+            self._key,
+            lambda: client().upload_part(
+                Bucket=store.bucket,
+                Key=store._key(self._key),
+                UploadId=upload,
+                PartNumber=part + 1,
+                Body=body,
+            ),
+        )
+        with self._lock:
+            self._etags[part] = str(response["ETag"])
+
+    def finish(self, durable: bool = True) -> None:
+        store = self._store
+        try:
+            with self._lock:
+                end, started = self._end, self._upload_id is not None
+            last = max(0, (end - 1) // self.part_bytes) if end else 0
+            if not started and last == 0:
+                buf = self._buffers.get(0, bytearray())
+                body = bytes(memoryview(buf)[:end])
+                store.call(
+                    "write",
+                    self._key,
+                    lambda: client().put_object(
+                        Bucket=store.bucket, Key=store._key(self._key), Body=body
+                    ),
+                )
+                return
+            for part in range(last + 1):
+                if part not in self._etags:
+                    length = self.part_bytes if part < last else end - last * self.part_bytes
+                    self._upload_part(part, length)
+            upload = self._start()
+            parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(last + 1)]
+            store.call(
+                "upload",
+                self._key,
+                lambda: client().complete_multipart_upload(
+                    Bucket=store.bucket,
+                    Key=store._key(self._key),
+                    UploadId=upload,
+                    MultipartUpload={"Parts": parts},
+                ),
+            )
+            self._upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            with self._lock:
+                self._done = True
+                self._buffers.clear()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._done = True
+            self._buffers.clear()
+            upload, self._upload_id = self._upload_id, None
+        if upload is not None:
+            store = self._store
+            try:
+                client().abort_multipart_upload(
+                    Bucket=store.bucket, Key=store._key(self._key), UploadId=upload
+                )
+            except Exception as exc:  # gc aborts what is left
+                log.debug("abort of %s failed: %s", store.where(self._key), _one_line(exc))
