@@ -15,6 +15,7 @@ Exit status: 0 on success; 1 when ``verify`` finds a problem or ``diff`` a diffe
 is reported as one line on stderr, ``distckpt CMD: error: ...``, never a traceback.
 On a terminal, ``verify`` and ``export`` show a progress line on stderr
 (``DISTCKPT_PROGRESS=0`` turns it off).
+Every DIR and CKPT may be ``s3://bucket/prefix`` (``pip install 'distckpt[s3]'``).
 The work is done in :mod:`distckpt.tools`; this module parses arguments and prints.
 """
 
@@ -173,7 +174,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from distckpt.storage.staging import collect_garbage
+    from distckpt.storage.transaction import collect_garbage
 
     removed = collect_garbage(args.directory)
     for path in removed:

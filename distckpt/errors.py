@@ -74,3 +74,8 @@ class StorageError(CheckpointError, OSError):
     """The storage service refused or failed an operation for good (no such bucket, access
     denied, no credentials, retries exhausted); the message names the location and the
     operation, never a credential."""
+
+
+class PointerConflictError(CheckpointError):
+    """The ``latest`` pointer changed since this job read it: another job writes to the
+    same directory. The pointer was left as the other job wrote it."""

@@ -5,19 +5,22 @@ The protocol, in the order every rank runs it (collectives marked *):
 1. **Describe** (every rank): flatten the state; describe each leaf (name, dtype, global
    shape, box; a crc32c of each replicated tensor; values as typed JSON).
 2. **Plan** (*gather to the coordinator, coordinator, *broadcast): the coordinator checks
-   the path (:class:`~distckpt.errors.CheckpointExists`), removes abandoned staging
-   directories, validates the descriptions and plans the writes
-   (:func:`~distckpt.planning.save_plan.make_save_plan`), creates the staging directory and
-   broadcasts the plan, or the first error, which every rank then raises. Nothing has been
-   written yet when a validation error is raised.
+   the path (:class:`~distckpt.errors.CheckpointExists`), removes abandoned saves,
+   validates the descriptions and plans the writes
+   (:func:`~distckpt.planning.save_plan.make_save_plan`), begins the save's transaction
+   (:mod:`distckpt.storage.transaction`: a staging directory on a file system, a claim on
+   the name on an object store) and broadcasts the plan, or the first error, which every
+   rank then raises. Nothing has been written yet when a validation error is raised.
 3. **Exchange** (*one gather per writer of small tensors): the ranks holding boxes of a
    small tensor send their bytes to its writer.
 4. **Write** (every rank): each rank writes its pieces and the ``zarr.json`` of the arrays
-   it starts, fsyncs them and the directories it created. No two ranks write one file.
+   it starts, durably, through the store (:mod:`distckpt.storage.backend`). No two ranks
+   write one file.
 5. **Commit** (*gather to the coordinator, coordinator, *broadcast): with every rank's
-   report in, the coordinator writes the group metadata and the index, fsyncs, and renames
-   the staging directory to its final name; on any failure it removes the staging
-   directory instead. Every rank returns, or raises the same error.
+   report in, the coordinator writes the group metadata and the index through the
+   transaction, which makes it the checkpoint (a rename, or the index object created only
+   if absent); on any failure it aborts the transaction instead. Every rank returns, or
+   raises the same error.
 
 A failure anywhere leaves every committed checkpoint, including one at ``path``, as it was.
 """

@@ -60,21 +60,23 @@ _PERMANENT = {
 
 T = TypeVar("T")
 
-_clients: dict[int, Any] = {}
+_clients: dict[tuple[int, str | None], Any] = {}
 _clients_lock = threading.Lock()
 
 
 def client() -> Any:
-    """This process's S3 client (thread-safe; a forked child makes its own)."""
-    pid = os.getpid()
-    found = _clients.get(pid)
+    """This process's S3 client for the current endpoint (thread-safe; a forked child
+    makes its own)."""
+    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL"))
+    found = _clients.get(key)
     if found is not None:
         return found
     with _clients_lock:
-        if pid not in _clients:
-            _clients.clear()  # a parent's client does not survive a fork
-            _clients[pid] = _new_client()
-        return _clients[pid]
+        if key not in _clients:
+            for old in [k for k in _clients if k[0] != key[0]]:
+                del _clients[old]  # a parent's client does not survive a fork
+            _clients[key] = _new_client()
+        return _clients[key]
 
 
 def _new_client() -> Any:

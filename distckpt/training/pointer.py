@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distckpt.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    PointerConflictError,
     UnsupportedFormatError,
 )
 from distckpt.storage import index as index_mod
@@ -46,11 +46,6 @@ class Pointer:
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, "latest": self.latest, "all": self.all}
         return json.dumps(doc, indent=1).encode()
-
-
-class PointerConflictError(CheckpointError):
-    """The ``latest`` pointer changed since this job read it: another job writes to the
-    same directory. The pointer was left as the other job wrote it."""
 
 
 def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str, Any], str] | None:
