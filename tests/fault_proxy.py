@@ -28,6 +28,7 @@ has its own thread and its own connection to the server.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import socketserver
@@ -35,7 +36,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from io import BufferedIOBase
 from urllib.parse import urlsplit
 
 KINDS = ("forward", "error", "drop_before", "drop_after")
@@ -77,7 +78,7 @@ class Response:
     until_close: bool  # framed by the end of the connection: it cannot be kept alive
 
 
-def _line(stream: BinaryIO) -> bytes:
+def _line(stream: BufferedIOBase) -> bytes:
     line = stream.readline(_MAX_LINE)
     if not line:
         raise _Closed
@@ -86,7 +87,7 @@ def _line(stream: BinaryIO) -> bytes:
     return line
 
 
-def _head(stream: BinaryIO) -> tuple[bytes, bytes, dict[str, str]]:
+def _head(stream: BufferedIOBase) -> tuple[bytes, bytes, dict[str, str]]:
     """The start line, the raw header lines (with the empty line), and the headers."""
     start = _line(stream)
     while start in (b"\r\n", b"\n"):  # tolerated between messages
@@ -103,14 +104,14 @@ def _head(stream: BinaryIO) -> tuple[bytes, bytes, dict[str, str]]:
     return start, b"".join(lines), headers
 
 
-def _exactly(stream: BinaryIO, n: int) -> bytes:
+def _exactly(stream: BufferedIOBase, n: int) -> bytes:
     data = stream.read(n)
     if len(data) != n:
         raise _Closed
     return data
 
 
-def _body(stream: BinaryIO, headers: dict[str, str]) -> bytes | None:
+def _body(stream: BufferedIOBase, headers: dict[str, str]) -> bytes | None:
     """The raw body framed by ``headers`` (chunked: as sent, trailers included), or None
     when it is framed by neither (it then runs to the end of the connection)."""
     if "chunked" in headers.get("transfer-encoding", "").lower():
@@ -131,7 +132,7 @@ def _body(stream: BinaryIO, headers: dict[str, str]) -> bytes | None:
     return None
 
 
-def read_request(stream: BinaryIO, answer: BinaryIO | None = None) -> Request:
+def read_request(stream: BufferedIOBase, answer: BufferedIOBase | None = None) -> Request:
     """The next request on ``stream``; an ``Expect: 100-continue`` is answered on
     ``answer`` (the proxy reads the whole body before deciding what to do with it)."""
     start, header_lines, headers = _head(stream)
@@ -151,7 +152,7 @@ def read_request(stream: BinaryIO, answer: BinaryIO | None = None) -> Request:
     return Request(method, target, headers, start + header_lines + body)
 
 
-def read_response(stream: BinaryIO, method: str) -> Response:
+def read_response(stream: BufferedIOBase, method: str) -> Response:
     while True:
         start, header_lines, headers = _head(stream)
         status = int(start.split(b" ", 2)[1])
@@ -246,9 +247,7 @@ class FaultProxy:
         """What to do with ``request`` (counted)."""
         with self._lock:
             kind = "forward"
-            if (self.limit is None or self.limit > 0) and (
-                self.when is None or self.when(request)
-            ):
+            if (self.limit is None or self.limit > 0) and (self.when is None or self.when(request)):
                 x = self._rng.random()
                 if x < self.error:
                     kind = "error"
@@ -295,9 +294,9 @@ class FaultProxy:
         if self._thread is not None:
             self._thread.join(10)
 
-    def _serve(self, client: socket.socket, rfile: BinaryIO, wfile: BinaryIO) -> None:
+    def _serve(self, client: socket.socket, rfile: BufferedIOBase, wfile: BufferedIOBase) -> None:
         upstream: socket.socket | None = None
-        up_r: BinaryIO | None = None
+        up_r: BufferedIOBase | None = None
         try:
             while True:
                 try:
@@ -354,7 +353,5 @@ class FaultProxy:
 
 
 def _hang_up(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -78,7 +79,7 @@ class S3Server:
             self.client().create_bucket(Bucket=bucket)
         return self
 
-    def client(self) -> object:
+    def client(self) -> Any:
         import boto3
 
         return boto3.session.Session().client(
@@ -91,7 +92,7 @@ class S3Server:
 
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` (sorted)."""
-        pages = self.client().get_paginator("list_objects_v2").paginate(  # type: ignore[attr-defined]
+        pages = self.client().get_paginator("list_objects_v2").paginate(
             Bucket=bucket, Prefix=prefix
         )
         return sorted(o["Key"] for page in pages for o in page.get("Contents", ()))

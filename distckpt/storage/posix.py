@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,8 @@ class PosixWriter:
         self._fd = -1
         self._lock = threading.Lock()
         self._closed = False
+        self._opened = False  # the file was created (truncated) by this writer
+        self._finished = False
 
     def _open(self) -> int:
         if self._fd < 0:
@@ -111,6 +113,7 @@ class PosixWriter:
                     raise ValueError(f"{self.path} is closed")
                 if self._fd < 0:
                     self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    self._opened = True
         return self._fd
 
     def write(self, buffers: Sequence[Buffer], offset: int) -> int:
@@ -121,11 +124,17 @@ class PosixWriter:
             fd = self._open()
             if durable:
                 os.fsync(fd)
+            self._finished = True
         finally:
             self._close()
 
     def abort(self) -> None:
+        """Close, and remove the partial file (as an object store never shows one); a
+        finished file stays."""
         self._close()
+        if self._opened and not self._finished:
+            with suppress(OSError):
+                self.path.unlink(missing_ok=True)
 
     def _close(self) -> None:
         with self._lock:

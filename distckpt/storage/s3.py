@@ -92,7 +92,8 @@ def _new_client() -> Any:
         "tcp_keepalive": True,
     }
     if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
-        options["retries"] = {"mode": "standard", "max_attempts": MAX_ATTEMPTS}
+        # total_max_attempts counts the first try; botocore's max_attempts would not.
+        options["retries"] = {"mode": "standard", "total_max_attempts": MAX_ATTEMPTS}
     return boto3.session.Session().client("s3", config=Config(**options))
 
 
@@ -239,6 +240,10 @@ class S3Store:
                     _sleep(attempt)  # a concurrent conditional write: try again
                     continue
                 error = self._translate(exc, op, key)
+                if isinstance(error, FileNotFoundError) and "IfMatch" in condition:
+                    # Replacing a version of an object that is gone: the condition failed
+                    # (as on a file system), whatever the service's answer (404 or 412).
+                    raise ConditionFailed(f"{self.where(key)}: {op}: it is gone") from None
                 if isinstance(error, ConditionFailed):
                     # Our own earlier try may have landed with its answer lost.
                     try:
