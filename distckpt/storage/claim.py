@@ -39,7 +39,7 @@ from typing import Any
 
 from distckpt.errors import CheckpointExists
 from distckpt.storage.backend import ConditionFailed, Store
-from distckpt.storage.lease import STALE_SECONDS, Lease, describe, read_lease
+from distckpt.storage.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
 from distckpt.storage.s3 import S3Store
 from distckpt.storage.zarr_meta import ZARR_JSON
 
@@ -151,7 +151,7 @@ def collect_garbage(directory: Store, stale_seconds: float = STALE_SECONDS) -> l
     for name in directory.list():
         prefix = directory.child(name)
         found = read_claim(prefix)
-        if found is None or found[2] < stale_seconds:
+        if found is None or live(found, stale_seconds):
             continue
         if prefix.exists(ZARR_JSON) and not found[0].get("deleting"):
             prefix.delete(CLAIM)  # a commit that died after its index: nothing to undo
@@ -162,6 +162,13 @@ def collect_garbage(directory: Store, stale_seconds: float = STALE_SECONDS) -> l
         prefix.delete(CLAIM)
         removed.append(prefix.url)
     return removed
+
+
+def live(claim: tuple[dict[str, Any], str, float], stale_seconds: float = STALE_SECONDS) -> bool:
+    """Whether the save holding ``claim`` (from :func:`read_claim`) may still run: its
+    heartbeat is fresh and, on this host, its process exists."""
+    owner, _, age = claim
+    return age < stale_seconds and not pid_dead(owner)
 
 
 def leftovers(directory: Store) -> list[str]:

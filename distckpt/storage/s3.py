@@ -265,45 +265,32 @@ class S3Store:
     def age(self, key: str) -> float:
         return time.time() - self.head(key)["LastModified"].timestamp()
 
-    def list(self, key: str = "") -> list[str]:
-        prefix = self._dir(key)
+    def _pages(self, op: str, key: str, listing: str, **kwargs: Any) -> builtins.list[Any]:
+        """Every page of the paginated ``listing`` of the objects under ``key``."""
+        paginator = client().get_paginator(listing)
+        return self.call(
+            op,
+            key,
+            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._dir(key), **kwargs)),
+        )
+
+    def list(self, key: str = "") -> builtins.list[str]:
+        cut = len(self._dir(key))
         names: set[str] = set()
-
-        def run() -> None:
-            pages = (
-                client()
-                .get_paginator("list_objects_v2")
-                .paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/")
-            )
-            for page in pages:
-                for p in page.get("CommonPrefixes", ()):
-                    names.add(p["Prefix"][len(prefix) :].rstrip("/"))
-                for o in page.get("Contents", ()):
-                    names.add(o["Key"][len(prefix) :])
-
-        self.call("list", key, run)
+        for page in self._pages("list", key, "list_objects_v2", Delimiter="/"):
+            names.update(p["Prefix"][cut:].rstrip("/") for p in page.get("CommonPrefixes", ()))
+            names.update(o["Key"][cut:] for o in page.get("Contents", ()))
         names.discard("")
         return sorted(names)
 
     def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
         """Every object under ``key``: (key relative to ``key``, size, modification time)."""
-        prefix = self._dir(key)
-        found: builtins.list[tuple[str, int, float]] = []
-
-        def run() -> None:
-            pages = (
-                client()
-                .get_paginator("list_objects_v2")
-                .paginate(Bucket=self.bucket, Prefix=prefix)
-            )
-            for page in pages:
-                for o in page.get("Contents", ()):
-                    found.append(
-                        (o["Key"][len(prefix) :], int(o["Size"]), o["LastModified"].timestamp())
-                    )
-
-        self.call("list", key, run)
-        return found
+        cut = len(self._dir(key))
+        return [
+            (o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
+            for page in self._pages("list", key, "list_objects_v2")
+            for o in page.get("Contents", ())
+        ]
 
     def is_dir(self, key: str) -> bool:
         prefix = self._dir(key)
@@ -341,21 +328,15 @@ class S3Store:
 
     def abort_uploads(self, key: str = "") -> None:
         """Abort the unfinished multipart uploads under ``key`` (a dead writer's parts)."""
-        prefix = self._dir(key)
-
-        def run() -> None:
-            pages = (
-                client()
-                .get_paginator("list_multipart_uploads")
-                .paginate(Bucket=self.bucket, Prefix=prefix)
-            )
-            for page in pages:
-                for upload in page.get("Uploads", ()):
-                    client().abort_multipart_upload(
-                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-                    )
-
-        self.call("abort uploads", key, run)
+        for page in self._pages("abort uploads", key, "list_multipart_uploads"):
+            for upload in page.get("Uploads", ()):
+                self.call(
+                    "abort uploads",
+                    key,
+                    lambda u=upload: client().abort_multipart_upload(  # type: ignore[misc]
+                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    ),
+                )
 
     def prepare(self, keys: Iterable[str]) -> None:
         pass  # an object store has no directories

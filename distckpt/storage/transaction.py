@@ -29,7 +29,7 @@ from distckpt.storage import claim as claim_mod
 from distckpt.storage import index as index_mod
 from distckpt.storage import staging as staging_mod
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.claim import STALE_SECONDS, ObjectCommit, read_claim
+from distckpt.storage.claim import ObjectCommit, read_claim
 from distckpt.storage.claim import collect_garbage as collect_objects
 from distckpt.storage.claim import leftovers as object_leftovers
 from distckpt.storage.fsutil import fsync_dir, write_file
@@ -182,13 +182,13 @@ def pending(directory: Store) -> list[Pending]:
         claim = read_claim(prefix)
         if claim is None or prefix.exists(ZARR_JSON):
             continue  # committed meanwhile, or a commit's claim not yet released
-        owner, _, age = claim
-        started = owner.get("started")
+        owner = claim[0]
+        started = owner.get("time")
         found.append(
             Pending(
                 name,
                 name,
-                age < STALE_SECONDS,
+                claim_mod.live(claim),
                 float(started) if isinstance(started, (int, float)) else None,
                 _bytes(prefix),
             )

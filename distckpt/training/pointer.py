@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,16 +98,37 @@ def move(directory: str | os.PathLike[str] | Store, doc: bytes, version: str | N
         ) from None
 
 
+_NUMBERED = re.compile(r"^(.*)-(\d+)$")
+
+
+def _older(name: str, than: str, listed: list[str]) -> bool:
+    """Whether checkpoint ``name`` is older than ``than``: listed before it in the
+    pointer's ``all``, or numbered lower under the same prefix (``ckpt-6``, ``ckpt-7``)."""
+    if name in listed and than in listed:
+        return listed.index(name) < listed.index(than)
+    a, b = _NUMBERED.match(name), _NUMBERED.match(than)
+    return a is not None and b is not None and a[1] == b[1] and int(a[2]) < int(b[2])
+
+
 def advance_pointer(checkpoint: str | os.PathLike[str] | Store) -> Pointer:
     """Make the committed ``checkpoint`` its directory's latest (one rank only).
 
     Keeps the names of the pointer's earlier checkpoints that still exist, oldest first.
+    Raises :class:`PointerConflictError`, leaving the pointer alone, when it names a newer
+    checkpoint that exists (another job got further), so it never moves backwards.
     """
     store = resolve(checkpoint)
     directory, name = store.parent, store.name
     found = read_versioned(directory)
-    old = None if found is None else read_pointer(directory)
+    old = None
+    if found is not None:
+        old = Pointer(found[0]["latest"], [str(n) for n in found[0].get("all", [])])
     kept = [] if old is None else [n for n in old.all if n != name and directory.is_dir(n)]
+    if old is not None and _older(name, old.latest, old.all) and directory.is_dir(old.latest):
+        raise PointerConflictError(
+            f"{directory.where(POINTER_FILE)} names {old.latest!r}, newer than {name!r}: "
+            "another job saves into this directory (the pointer was left as it was)"
+        )
     pointer = Pointer(name, [*kept, name])
     move(directory, pointer.to_json(), None if found is None else found[1])
     return pointer

@@ -1,0 +1,494 @@
+"""distckpt on an S3-compatible object store (a real moto server on 127.0.0.1), with real
+processes: resharding across launchers, third-party zarr readers, the CheckpointManager,
+a rank killed mid-upload, and races (two saves of one name, two jobs moving ``latest``, a
+reader overtaken by ``overwrite=True``).
+
+The multi-rank work runs in tests/scripts/s3_ranks.py (``CASE``/``FAIL``/``OK`` lines,
+see its docstring); the checks of what is left in the bucket are made here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch_util import SCRIPTS, check, finish, needs_mpi, output, run_mpi, run_torchrun, start
+from s3_server import S3Server, use
+
+import distckpt
+from distckpt.comm import SingleComm
+from distckpt.errors import CorruptCheckpointError
+from distckpt.storage import claim as claim_mod
+from distckpt.storage import index as index_mod
+from distckpt.storage import transaction
+from distckpt.storage.backend import resolve
+from distckpt.tools.runs import COMMITTED, UNCOMMITTED, list_run
+from distckpt.training.pointer import PointerConflictError, advance_pointer, read_pointer
+
+SCRIPT = SCRIPTS / "s3_ranks.py"
+BUCKET = "distckpt"
+JOB_ENV = {"DISTCKPT_TIMEOUT": "30"}  # a dead or desynchronised rank fails, never hangs
+COMM = SingleComm()
+
+
+def _script_module() -> Any:
+    spec = importlib.util.spec_from_file_location("s3_ranks_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sr = _script_module()
+
+
+def job_env(server: S3Server, **extra: str) -> dict[str, str]:
+    return {**server.env, **JOB_ENV, **extra}
+
+
+def assert_all_ok(proc: subprocess.CompletedProcess[str], nprocs: int) -> None:
+    check(proc)
+    assert "FAIL " not in proc.stdout, output(proc)
+    ranks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
+    assert ranks == list(range(nprocs)), f"ranks that finished: {ranks}\n{output(proc)}"
+
+
+def cases(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[int, dict[str, Any]]]:
+    found: dict[str, dict[int, dict[str, Any]]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            record = json.loads(line[5:])
+            found.setdefault(record["case"], {})[record["rank"]] = record
+    return found
+
+
+def keys(server: S3Server, url: str) -> list[str]:
+    """Every key under the prefix of ``url`` (relative to it)."""
+    prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
+    return [k[len(prefix) :] for k in server.keys(BUCKET, prefix)]
+
+
+def uploads(server: S3Server, url: str) -> list[str]:
+    prefix = url.removeprefix(f"s3://{BUCKET}/").rstrip("/") + "/"
+    response = server.client().list_multipart_uploads(Bucket=BUCKET, Prefix=prefix)  # type: ignore[attr-defined]
+    return [u["Key"] for u in response.get("Uploads", [])]
+
+
+# --------------------------------------------------------------------------- resharding
+
+
+@pytest.fixture(scope="module")
+def saved_on_4(s3_server: S3Server) -> str:
+    """``<url>/n4``: saved on 4 ranks under mpiexec; returns ``<url>``."""
+    url = f"s3://{BUCKET}/test_s3-resharding"
+    proc = run_mpi(4, SCRIPT, "save", url, timeout=120, env=job_env(s3_server))
+    assert_all_ok(proc, 4)
+    return url
+
+
+@pytest.fixture
+def in_env(s3_server: S3Server) -> Iterator[S3Server]:
+    with use(s3_server.env):
+        yield s3_server
+
+
+@needs_mpi
+@pytest.mark.timeout(260)
+def test_save_4_restore_3_torchrun(saved_on_4: str, s3_server: S3Server) -> None:
+    proc = run_torchrun(3, SCRIPT, "restore", saved_on_4, "4", timeout=120, env=job_env(s3_server))
+    assert_all_ok(proc, 3)
+    assert set(cases(proc)) == {"catalog", "resharded", "whole"}
+
+
+@needs_mpi
+@pytest.mark.timeout(260)
+def test_save_4_restore_2_mpiexec(saved_on_4: str, s3_server: S3Server) -> None:
+    proc = run_mpi(2, SCRIPT, "restore", saved_on_4, "4", timeout=120, env=job_env(s3_server))
+    assert_all_ok(proc, 2)
+    assert set(cases(proc)) == {"catalog", "resharded", "whole"}
+
+
+@needs_mpi
+@pytest.mark.timeout(200)
+def test_layout_and_single_process_restore(saved_on_4: str, in_env: S3Server) -> None:
+    """The index says what was stored how; one process reads every tensor whole."""
+    path = f"{saved_on_4}/n4"
+    variables = index_mod.read_index(path)["variables"]
+    assert variables["model/rows"]["layout"] == "regular"
+    assert len(variables["model/rows"]["pieces"]) == 4
+    codecs = {
+        name: {(p.get("codec") or {}).get("name") for p in variables[name]["pieces"]}
+        for name in sr.GLOBAL
+    }
+    assert codecs["opt/m"] == {"zstd"}, codecs  # opt/v: boxes too small to compress
+    assert codecs["model/rows"] == codecs["model/cols"] == {None}, codecs
+    state: dict[str, Any] = {
+        "model": {n: torch.zeros_like(sr.full(f"model/{n}")) for n in ("rows", "cols", "rep")},
+        "opt": {n: torch.zeros(sr.OPT) for n in ("m", "v")},
+        "small": torch.zeros(3, dtype=torch.float64),
+    }
+    distckpt.load(state, path, COMM, strict=False)
+    for name in sr.GLOBAL:
+        group, _, leaf = name.rpartition("/")
+        got = state[group][leaf] if group else state[leaf]
+        assert torch.equal(got, sr.full(name)), name
+
+
+def _global(name: str) -> torch.Tensor:
+    return sr.full(name)
+
+
+@needs_mpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["model/rows", "opt/m"])
+def test_zarr_python_reads_global_tensor(saved_on_4: str, s3_server: S3Server, name: str) -> None:
+    """zarr-python, through obstore's S3 client, opens the variable as a plain zarr v3
+    array and gets the global tensor (``opt/m`` is zstd-compressed)."""
+    zarr = pytest.importorskip("zarr")
+    obstore_store = pytest.importorskip("obstore.store")
+    distckpt.register_zarr_dtypes()
+    env = s3_server.env
+    store = obstore_store.S3Store(
+        BUCKET,
+        prefix=f"{saved_on_4.removeprefix(f's3://{BUCKET}/')}/n4",
+        endpoint=env["AWS_ENDPOINT_URL"],
+        access_key_id=env["AWS_ACCESS_KEY_ID"],
+        secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region=env["AWS_DEFAULT_REGION"],
+        client_options={"allow_http": True},
+    )
+    array = zarr.open_array(zarr.storage.ObjectStore(store, read_only=True), path=name, mode="r")
+    got = torch.from_numpy(array[...])
+    assert torch.equal(got, _global(name))
+
+
+@needs_mpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["model/rows", "opt/m"])
+def test_tensorstore_reads_global_tensor(saved_on_4: str, in_env: S3Server, name: str) -> None:
+    """tensorstore's zarr3 driver on its own S3 kvstore (credentials from the
+    environment) gets the global tensor."""
+    ts = pytest.importorskip("tensorstore")
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {
+            "driver": "s3",
+            "bucket": BUCKET,
+            "path": f"{saved_on_4.removeprefix(f's3://{BUCKET}/')}/n4/{name}/",
+            "endpoint": in_env.env["AWS_ENDPOINT_URL"],
+            "aws_region": "us-east-1",
+        },
+    }
+    got = torch.from_numpy(ts.open(spec, read=True).result().read().result())
+    assert torch.equal(got, _global(name))
+
+
+# --------------------------------------------------------------------------- manager
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_manager_retention_async_restore_and_lock(s3: S3Server) -> None:
+    """A 2-rank job: max_to_keep=2 over 4 saves (the last in the background), a new
+    manager restores the newest, and a directory locked by this process is refused."""
+    run, locked = f"{s3.url}/run", f"{s3.url}/locked"
+    holder = distckpt.CheckpointManager(distckpt.Checkpoint(x=torch.zeros(2)), locked, comm=COMM)
+    try:
+        proc = run_mpi(2, SCRIPT, "manager", run, locked, timeout=90, env=job_env(s3))
+    finally:
+        holder.close()
+    assert_all_ok(proc, 2)
+    found = cases(proc)
+    assert {r["type"] for r in found["manager-locked"].values()} == {"DirectoryLockedError"}
+
+    left = keys(s3, run)
+    assert not [k for k in left if k.startswith(("ckpt-1/", "ckpt-2/"))], left
+    for name in ("ckpt-3", "ckpt-4"):
+        assert f"{name}/zarr.json" in left and index_mod.is_committed(f"{run}/{name}")
+    assert not [k for k in left if claim_mod.CLAIM in k or ".distckpt-lock" in k], left
+    assert keys(s3, locked) == []  # the holder's lock was released
+    assert distckpt.latest_checkpoint(run) == f"{run}/ckpt-4"
+    assert read_pointer(run).all == ["ckpt-3", "ckpt-4"]  # type: ignore[union-attr]
+
+    # This process is a new one: a new manager restores the newest...
+    ckpt, net = sr.manager_checkpoint()
+    with distckpt.CheckpointManager(ckpt, run, max_to_keep=2, comm=COMM) as manager:
+        assert manager.restore_or_initialize() == f"{run}/ckpt-4"
+    step, w, params = sr.manager_values(4)
+    assert torch.equal(ckpt.step, step) and torch.equal(ckpt.w, w)
+    assert torch.equal(net.weight.detach(), params["weight"])
+    assert torch.equal(net.bias.detach(), params["bias"])
+    # ... and so does a plain Checkpoint.restore, consuming everything.
+    other, other_net = sr.manager_checkpoint()
+    other.restore(distckpt.latest_checkpoint(run), COMM).assert_consumed()
+    assert torch.equal(other.w, w) and torch.equal(other_net.bias.detach(), params["bias"])
+    older, _ = sr.manager_checkpoint()
+    older.restore(f"{run}/ckpt-3", COMM).assert_consumed()
+    assert torch.equal(older.w, sr.manager_values(3)[1])
+
+
+# --------------------------------------------------------------------------- kill
+
+
+def _load_kill_version(path: str, world: int, version: int) -> None:
+    state: dict[str, Any] = {
+        "w": torch.zeros(sr.KILL_ROWS * world, sr.KILL_COLS),
+        "b": torch.zeros(20),
+        "rng": distckpt.PerRank(None),
+        "step": None,
+    }
+    distckpt.load(state, path, COMM)
+    assert torch.equal(state["w"], sr.kill_w(version, world))
+    want = sr.kill_state(0, world, version)
+    assert torch.equal(state["b"], want["b"])
+    assert torch.equal(state["rng"].value, want["rng"].value)
+    assert state["step"] == version
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_rank_killed_mid_upload(s3: S3Server, tmp_path: Path) -> None:
+    """The last of 3 ranks is SIGKILLed after one part of its multipart upload went up
+    and the others finished their shards: the previous checkpoint is intact, the torn
+    one has no index, is listed as uncommitted, and gc removes it once its claim is
+    stale (its keys and the dangling upload)."""
+    world = 3
+    url = s3.url
+    start_time = time.monotonic()
+    proc = run_mpi(
+        world,
+        SCRIPT,
+        "kill",
+        url,
+        str(tmp_path / "markers"),
+        timeout=90,
+        env=job_env(s3, DISTCKPT_TIMEOUT="10"),
+    )
+    out = proc.stdout
+    assert proc.returncode != 0 and "COMMITTED" not in out, output(proc)
+    assert sorted(int(r) for r in re.findall(r"^WROTE (\d+) ", out, re.M)) == [0, 1], output(proc)
+    assert re.search(r"^KILLING 2 w/", out, re.M), output(proc)
+    assert time.monotonic() - start_time < 80
+
+    target = f"{url}/target"
+    _load_kill_version(f"{url}/prev", world, 1)
+    torn = keys(s3, target)
+    assert "zarr.json" not in torn and claim_mod.CLAIM in torn, torn
+    assert {"w/c.0.0", "w/c.1.0"} <= set(torn) and "w/c.2.0" not in torn, torn
+    assert uploads(s3, target) == ["test_rank_killed_mid_upload/target/w/c.2.0"]
+    assert not index_mod.is_committed(target)
+    with pytest.raises(distckpt.CheckpointNotFoundError):
+        distckpt.load({"step": None}, target, COMM, strict=False)
+
+    listing = list_run(url)
+    states = {e.name: e.state for e in listing.entries}
+    assert states == {"prev": COMMITTED, "target": UNCOMMITTED}, listing
+    assert [e.bytes > 0 for e in listing.entries if e.name == "target"] == [True]
+    # Its claim is fresh (written less than 60 s ago): gc leaves it alone.
+    assert transaction.collect_garbage(url) == []
+    assert keys(s3, target) == torn
+    # Once the claim is stale, gc removes every key of the torn save and its upload.
+    assert claim_mod.collect_garbage(resolve(url), stale_seconds=0.0) == [target]
+    assert keys(s3, target) == [] and uploads(s3, target) == []
+    assert [e.name for e in list_run(url).entries] == ["prev"]
+    _load_kill_version(f"{url}/prev", world, 1)
+    # and the name can be saved again
+    distckpt.save({"w": torch.arange(6.0), "step": 4}, target, COMM)
+    got: dict[str, Any] = {"w": torch.zeros(6), "step": None}
+    distckpt.load(got, target, COMM)
+    assert torch.equal(got["w"], torch.arange(6.0)) and got["step"] == 4
+
+
+# --------------------------------------------------------------------------- races
+
+RACE_ROUNDS = 6
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_save_one_name(s3: S3Server, tmp_path: Path) -> None:
+    """Two single-process jobs save different states to one name at the same moment,
+    6 times: exactly one commits, the other raises CheckpointExists, and the name holds
+    the winner's state, bit for bit."""
+    markers = tmp_path / "markers"
+    args = ["race", s3.url, "{who}", str(RACE_ROUNDS), str(markers)]
+    procs = [
+        start([sys.executable, str(SCRIPT), *(a.format(who=who) for a in args)], job_env(s3))
+        for who in (0, 1)
+    ]
+    done = [finish(p, 100) for p in procs]
+    results: dict[int, dict[int, str]] = {}
+    for proc in done:
+        assert_all_ok_single(proc)
+        for r, who, outcome in re.findall(r"^RESULT (\d+) (\d+) (\S+)$", proc.stdout, re.M):
+            results.setdefault(int(r), {})[int(who)] = outcome
+    winners = []
+    for r in range(RACE_ROUNDS):
+        outcomes = results.get(r, {})
+        assert sorted(outcomes.values()) == ["committed", "exists"], (r, outcomes)
+        winner = next(w for w, o in outcomes.items() if o == "committed")
+        winners.append(winner)
+        path = f"{s3.url}/race-{r}"
+        state: dict[str, Any] = {"a": torch.zeros(300, 50), "b": torch.zeros(7, dtype=torch.int64)}
+        state["who"] = None
+        distckpt.load(state, path, COMM)
+        want = sr.race_state(winner, r)
+        assert state["who"] == winner
+        assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
+        assert claim_mod.CLAIM not in keys(s3, path)
+    assert len(set(winners)) == 2, f"one process won every round: {winners}"
+
+
+def assert_all_ok_single(proc: subprocess.CompletedProcess[str]) -> None:
+    check(proc)
+    assert re.search(r"^OK \d$", proc.stdout, re.M), output(proc)
+
+
+POINTER_NAMES = 8
+POINTER_PASSES = 4
+
+
+def test_two_jobs_advance_latest(s3: S3Server) -> None:
+    """Two jobs (threads, each its own requests) advance ``latest`` over ckpt-1..8 (the
+    second over the even ones) at once, 4 times (a fresh directory each), while a third
+    reads it in a loop: it never moves backwards, a loser gets PointerConflictError, and
+    it ends at ckpt-8."""
+    store = resolve(s3.url)
+    for p in range(POINTER_PASSES):
+        for i in range(1, POINTER_NAMES + 1):  # advance_pointer keeps names that exist
+            store.write(f"p{p}/ckpt-{i}/data", b"x")
+    seen: list[list[tuple[int, int]]] = [[], [], []]  # (pass, number) as each thread saw
+    conflicts = [0, 0]
+    errors: list[BaseException] = []
+    current = [0]
+    stop = threading.Event()
+    barrier = threading.Barrier(2)
+
+    def number(p: int) -> int:
+        pointer = read_pointer(f"{s3.url}/p{p}")
+        return 0 if pointer is None else int(pointer.latest.rsplit("-", 1)[1])
+
+    def job(k: int) -> None:
+        try:
+            for p in range(POINTER_PASSES):
+                barrier.wait(30)
+                current[0] = p
+                # job 0 advances to every name, job 1 to every other one (so the two
+                # never write the same pointer document, which S3 cannot tell apart)
+                for i in range(1 + k, POINTER_NAMES + 1, 1 + k):
+                    seen[k].append((p, number(p)))
+                    try:
+                        advance_pointer(f"{s3.url}/p{p}/ckpt-{i}")
+                    except PointerConflictError:
+                        conflicts[k] += 1
+                    seen[k].append((p, number(p)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def watch() -> None:
+        while not stop.is_set():
+            p = current[0]
+            seen[2].append((p, number(p)))
+
+    threads = [threading.Thread(target=job, args=(k,)) for k in (0, 1)]
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stop.set()
+    watcher.join(10)
+    assert not errors, errors
+    for k, sequence in enumerate(seen):
+        for p in range(POINTER_PASSES):
+            numbers = [n for q, n in sequence if q == p]
+            assert numbers == sorted(numbers), f"thread {k}, pass {p}: latest went {numbers}"
+    assert sum(conflicts) > 0, "no job ever lost a race: the test raced nothing"
+    for p in range(POINTER_PASSES):
+        pointer = read_pointer(f"{s3.url}/p{p}")
+        assert pointer is not None and pointer.latest == f"ckpt-{POINTER_NAMES}"
+        assert pointer.all == sorted(pointer.all, key=lambda n: int(n.rsplit("-", 1)[1]))
+
+
+def test_two_managers_one_directory(s3: S3Server) -> None:
+    """A second manager of an s3 directory in another process is refused while the first
+    lives, and gets the directory once the first closed."""
+    holder = distckpt.CheckpointManager(distckpt.Checkpoint(x=torch.zeros(2)), s3.url, comm=COMM)
+    code = (
+        "import sys, torch, distckpt\n"
+        "from distckpt.training.lock import DirectoryLockedError\n"
+        "ckpt = distckpt.Checkpoint(x=torch.zeros(2))\n"
+        "try:\n"
+        "    comm = distckpt.comm.SingleComm()\n"
+        "    distckpt.CheckpointManager(ckpt, sys.argv[1], comm=comm).close()\n"
+        "except DirectoryLockedError as exc:\n"
+        "    print('LOCKED', exc)\n"
+        "else:\n"
+        "    print('ACQUIRED')\n"
+    )
+    try:
+        first = finish(start([sys.executable, "-c", code, s3.url], job_env(s3)), 60)
+        holder.save()
+    finally:
+        holder.close()
+    second = finish(start([sys.executable, "-c", code, s3.url], job_env(s3)), 60)
+    check(first)
+    check(second)
+    assert first.stdout.startswith("LOCKED") and "in use by another" in first.stdout, output(first)
+    assert second.stdout.startswith("ACQUIRED"), output(second)
+
+
+def test_overwrite_under_a_reader(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``overwrite=True`` replaces a checkpoint; a load that read the old index before the
+    overwrite and its data after gets the old values or CorruptCheckpointError, never the
+    new values under the old index."""
+    path = f"{s3.url}/ckpt"
+
+    def version(v: int) -> dict[str, Any]:
+        return {
+            "w": sr.generate(("ow", v), (64, 32), torch.float32),
+            "z": sr.generate(("oz", v), (4096,), torch.float32),
+            "step": v,
+        }
+
+    real = index_mod.read_index
+    overtaken = []
+
+    def read_index_then_overwrite(checkpoint: Any) -> dict[str, Any]:
+        index = real(checkpoint)
+        if not overtaken:  # the reader has the old index: now the writer replaces it
+            overtaken.append(True)
+            distckpt.save(version(2), path, COMM, overwrite=True, compression={"z": "zstd"})
+        return index
+
+    monkeypatch.setattr(index_mod, "read_index", read_index_then_overwrite)
+    for names in (["w"], ["z"], ["w", "z"]):
+        distckpt.save(version(1), path, COMM, overwrite=True, compression={"z": "zstd"})
+        overtaken.clear()
+        state: dict[str, Any] = {n: torch.zeros_like(version(1)[n]) for n in names}
+        try:
+            distckpt.load(state, path, COMM, strict=False)
+        except CorruptCheckpointError:
+            pass
+        else:
+            for n in names:
+                assert torch.equal(state[n], version(1)[n]), f"{names}: {n} is not version 1"
+        assert overtaken
+    monkeypatch.setattr(index_mod, "read_index", real)
+    # The name now holds version 2, whole.
+    state = {"w": torch.zeros(64, 32), "z": torch.zeros(4096), "step": None}
+    distckpt.load(state, path, COMM)
+    want = version(2)
+    assert torch.equal(state["w"], want["w"]) and torch.equal(state["z"], want["z"])
+    assert state["step"] == 2
+    assert claim_mod.CLAIM not in keys(s3, path)
