@@ -492,3 +492,29 @@ def test_overwrite_under_a_reader(s3: S3Server, monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(state["w"], want["w"]) and torch.equal(state["z"], want["z"])
     assert state["step"] == 2
     assert claim_mod.CLAIM not in keys(s3, path)
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_save_whose_claim_was_taken_over_does_not_commit(s3: S3Server) -> None:
+    """A save stalls past its claim's lease; another save takes the claim over. The stalled
+    one then refuses to commit and its abort leaves the new owner's claim and data alone."""
+    from distckpt.errors import CheckpointExists
+    from distckpt.storage.lease import Lease
+    from distckpt.storage.zarr_meta import ZARR_JSON
+
+    final = resolve(f"{s3.url}/ck")
+    txn = transaction.begin(final, "stalled0token000", 1, overwrite=False)
+    txn._lease.stop()  # type: ignore[attr-defined]  # the save stalls: no more heartbeats
+    final.write("w/c.0", b"stalled data")
+    other = Lease(final, claim_mod.CLAIM, "newowner", stale_seconds=0.0)
+    other.acquire(lambda info, age: AssertionError(f"not taken over: {info} {age}"))
+    final.write("w/c.0", b"new owner's data")
+    with pytest.raises(CheckpointExists, match="lost its claim"):
+        txn.commit({}, b'{"zarr_format": 3, "node_type": "group"}')
+    txn.abort()
+    assert not final.exists(ZARR_JSON)
+    assert final.read("w/c.0") == b"new owner's data"
+    found = claim_mod.read_claim(final)
+    assert found is not None and found[0]["token"] == "newowner"
+    other.release()
+    assert not final.exists(claim_mod.CLAIM)
