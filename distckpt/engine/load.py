@@ -36,7 +36,7 @@ from distckpt.items import Leaf, flatten
 from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, location, resolve
+from distckpt.storage.backend import Store, is_remote, location, resolve
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.reader import ReadTarget, read_targets
 from distckpt.values import decode
@@ -89,7 +89,7 @@ def load(
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
-        workers = transfer_workers.resolve(io_workers, comm)
+        workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
         _load_local(state, store, result, comm.rank, comm.size, strict, allow_pickle, workers)
     except Exception as exc:
         error = exc
@@ -288,6 +288,7 @@ def read_region(
     reads and decompressing compressed pieces. Returns the bytes read (as stored);
     ``on_bytes(n)`` is told the bytes of ``out`` filled as they are. Memory: ``out`` plus
     an inner chunk or two per I/O worker."""
-    workers = transfer_workers.resolve(io_workers)
+    store = resolve(root)
+    workers = transfer_workers.resolve(io_workers, network=is_remote(store))
     read = ReadTarget(name, entry, target, out=out)
-    return read_targets(resolve(root), [read], workers=workers, on_bytes=on_bytes)
+    return read_targets(store, [read], workers=workers, on_bytes=on_bytes)

@@ -60,7 +60,7 @@ from distckpt.planning.save_plan import (
 )
 from distckpt.progress import progress
 from distckpt.storage import codecs, shard_io, zarr_meta
-from distckpt.storage.backend import Store, location, resolve
+from distckpt.storage.backend import Store, is_remote, location, resolve
 from distckpt.storage.codecs import Compression
 from distckpt.storage.transaction import Transaction, begin, save_root
 from distckpt.transfer import workers as transfer_workers
@@ -272,13 +272,14 @@ def save(
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
     background.finish_pending()
     comm = comm or auto()
+    store = resolve(path)
     options = _Options(
-        resolve(path),
+        store,
         overwrite,
         small_bytes,
         inner_bytes,
         compression,
-        transfer_workers.resolve(io_workers, comm),
+        transfer_workers.resolve(io_workers, comm, network=is_remote(store)),
         after_commit,
         show_progress=not async_save,
     )
@@ -363,13 +364,14 @@ def save_from(
     writer asks for them, through the staging slabs, so the state is never in memory."""
     background.finish_pending()
     comm = comm or auto()
+    store = resolve(path)
     options = _Options(
-        resolve(path),
+        store,
         overwrite,
         DEFAULT_SMALL_BYTES,
         DEFAULT_INNER_BYTES,
         None,
-        transfer_workers.resolve(io_workers, comm),
+        transfer_workers.resolve(io_workers, comm, network=is_remote(store)),
     )
     return _save_blocking(state, comm, options, allow_pickle, source_of)
 

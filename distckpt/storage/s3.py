@@ -391,7 +391,7 @@ class S3Reader:
         self._store = store
         self._key = key
         self._size = size
-        self._runs: list[tuple[int, bytes]] = []
+        self._runs: list[tuple[int, memoryview]] = []
 
     @property
     def size(self) -> int:
@@ -452,7 +452,7 @@ class S3Reader:
         for offset, length in runs:
             buf = bytearray(length)
             got = self._get([memoryview(buf)], offset)
-            fetched.append((offset, bytes(buf[:got]) if got < length else bytes(buf)))
+            fetched.append((offset, memoryview(buf)[:got]))  # served without a copy
         self._runs = fetched
 
     def close(self) -> None:
@@ -540,7 +540,8 @@ class S3Writer:
             self._filled.pop(part, None)
         if buf is None:
             buf = bytearray(length)  # never written: a gap is zeros
-        body = bytes(memoryview(buf)[:length]) if length < len(buf) else bytes(buf)
+        del buf[length:]  # in place: the body is the part's own buffer, not a copy
+        body = buf
         store = self._store
         response = store.call(
             "upload",
@@ -563,8 +564,8 @@ class S3Writer:
                 end, started = self._end, self._upload_id is not None
             last = max(0, (end - 1) // self.part_bytes) if end else 0
             if not started and last == 0:
-                buf = self._buffers.get(0, bytearray())
-                body = bytes(memoryview(buf)[:end])
+                body = self._buffers.get(0, bytearray())
+                del body[end:]
                 store.call(
                     "write",
                     self._key,

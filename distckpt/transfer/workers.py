@@ -95,14 +95,21 @@ def positive_int(raw: object, what: str) -> int:
     return n
 
 
-def resolve(io_workers: int | None, comm: Any = None) -> int:
+#: The fewest workers a rank uses by default against an object store, whatever its share
+#: of the cores: each request mostly waits on the network, not on a core.
+NETWORK_WORKERS = 8
+
+
+def resolve(io_workers: int | None, comm: Any = None, *, network: bool = False) -> int:
     """``io_workers`` if given, else ``$DISTCKPT_IO_WORKERS``, else the default for this
-    rank (which may ask ``comm`` how many ranks share the node: call it on every rank)."""
+    rank (which may ask ``comm`` how many ranks share the node: call it on every rank);
+    with ``network`` (an object store) at least :data:`NETWORK_WORKERS`."""
     if io_workers is not None:
         return positive_int(io_workers, "io_workers")
     if os.environ.get(ENV, "").strip():
         return default_io_workers()
-    return default_io_workers(local_ranks(comm))
+    found = default_io_workers(local_ranks(comm))
+    return max(found, NETWORK_WORKERS) if network else found
 
 
 def interleaved(streams: Iterable[Sequence[T]], width: int) -> Iterator[T]:
