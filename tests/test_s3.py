@@ -215,7 +215,7 @@ def test_manager_retention_async_restore_and_lock(s3: S3Server) -> None:
     assert not [k for k in left if k.startswith(("ckpt-1/", "ckpt-2/"))], left
     for name in ("ckpt-3", "ckpt-4"):
         assert f"{name}/zarr.json" in left and index_mod.is_committed(f"{run}/{name}")
-    assert not [k for k in left if claim_mod.CLAIM in k or ".distckpt-lock" in k], left
+    assert not [k for k in left if claim_mod.SUFFIX in k or ".distckpt-lock" in k], left
     assert keys(s3, locked) == []  # the holder's lock was released
     assert distckpt.latest_checkpoint(run) == f"{run}/ckpt-4"
     assert read_pointer(run).all == ["ckpt-3", "ckpt-4"]  # type: ignore[union-attr]
@@ -283,7 +283,7 @@ def test_rank_killed_mid_upload(s3: S3Server, tmp_path: Path) -> None:
     target = f"{url}/target"
     _load_kill_version(f"{url}/prev", world, 1)
     torn = keys(s3, target)
-    assert "zarr.json" not in torn and claim_mod.CLAIM in torn, torn
+    assert "zarr.json" not in torn and claim_mod.read_claim(resolve(target)) is not None, torn
     assert {"w/c.0.0", "w/c.1.0"} <= set(torn) and "w/c.2.0" not in torn, torn
     assert uploads(s3, target) == ["test_rank_killed_mid_upload/target/w/c.2.0"]
     assert not index_mod.is_committed(target)
@@ -294,11 +294,10 @@ def test_rank_killed_mid_upload(s3: S3Server, tmp_path: Path) -> None:
     states = {e.name: e.state for e in listing.entries}
     assert states == {"prev": COMMITTED, "target": UNCOMMITTED}, listing
     assert [e.bytes > 0 for e in listing.entries if e.name == "target"] == [True]
-    # Its claim is fresh (written less than 60 s ago): gc leaves it alone.
-    assert transaction.collect_garbage(url) == []
-    assert keys(s3, target) == torn
-    # Once the claim is stale, gc removes every key of the torn save and its upload.
-    assert claim_mod.collect_garbage(resolve(url), stale_seconds=0.0) == [target]
+    # The job is gone (the process holding the claim no longer exists on this host): gc
+    # removes every key of the torn save and its upload without waiting for the claim
+    # to go stale (a live save's claim is left alone: see the stalled-save test).
+    assert transaction.collect_garbage(url) == [target]
     assert keys(s3, target) == [] and uploads(s3, target) == []
     assert [e.name for e in list_run(url).entries] == ["prev"]
     _load_kill_version(f"{url}/prev", world, 1)
@@ -344,7 +343,7 @@ def test_two_jobs_save_one_name(s3: S3Server, tmp_path: Path) -> None:
         want = sr.race_state(winner, r)
         assert state["who"] == winner
         assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
-        assert claim_mod.CLAIM not in keys(s3, path)
+        assert claim_mod.read_claim(resolve(path)) is None
     assert len(set(winners)) == 2, f"one process won every round: {winners}"
 
 
@@ -491,7 +490,7 @@ def test_overwrite_under_a_reader(s3: S3Server, monkeypatch: pytest.MonkeyPatch)
     want = version(2)
     assert torch.equal(state["w"], want["w"]) and torch.equal(state["z"], want["z"])
     assert state["step"] == 2
-    assert claim_mod.CLAIM not in keys(s3, path)
+    assert claim_mod.read_claim(resolve(path)) is None
 
 
 @pytest.mark.timeout(60)
@@ -506,9 +505,12 @@ def test_a_stalled_save_whose_claim_was_taken_over_does_not_commit(s3: S3Server)
     txn = transaction.begin(final, "stalled0token000", 1, overwrite=False)
     txn._lease.stop()  # type: ignore[attr-defined]  # the save stalls: no more heartbeats
     final.write("w/c.0", b"stalled data")
-    other = Lease(final, claim_mod.CLAIM, "newowner", stale_seconds=0.0)
+    other = Lease(final.parent, claim_mod.claim_key("ck"), "newowner", stale_seconds=0.0)
     other.acquire(lambda info, age: AssertionError(f"not taken over: {info} {age}"))
     final.write("w/c.0", b"new owner's data")
+    # A live save (fresh claim, its process alive) is never collected.
+    assert claim_mod.collect_garbage(final.parent) == []
+    assert final.read("w/c.0") == b"new owner's data"
     with pytest.raises(CheckpointExists, match="lost its claim"):
         txn.commit({}, b'{"zarr_format": 3, "node_type": "group"}')
     txn.abort()
@@ -517,4 +519,4 @@ def test_a_stalled_save_whose_claim_was_taken_over_does_not_commit(s3: S3Server)
     found = claim_mod.read_claim(final)
     assert found is not None and found[0]["token"] == "newowner"
     other.release()
-    assert not final.exists(claim_mod.CLAIM)
+    assert claim_mod.read_claim(final) is None

@@ -3,9 +3,12 @@
 A checkpoint on an object store exists exactly when its index object (the root
 ``zarr.json``) exists. A save of ``<prefix>``:
 
-1. **claims the name** (coordinator): creates ``<prefix>/.distckpt-save`` only if absent
-   (a conditional put, ``If-None-Match``), a lease (:mod:`distckpt.storage.lease`)
-   holding the save's token, host and pid: the save's heartbeat object. A second save of
+1. **claims the name** (coordinator): creates ``.<name>.distckpt-save`` beside the
+   prefix only if absent (a conditional put, ``If-None-Match``), a lease
+   (:mod:`distckpt.storage.lease`) holding the save's token, host and pid: the save's
+   heartbeat object. Beside the prefix, not in it: one listing of a run directory finds
+   every save in it, so the garbage collection that precedes every save costs one
+   request while nothing is stale. A second save of
    the same name finds the claim and fails with :class:`~distckpt.errors.CheckpointExists`,
    unless the claim is stale: it then takes the claim over by a put conditional on the
    version it read (``If-Match``), so of two that find one stale claim only one wins.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 from typing import Any
@@ -45,12 +49,18 @@ from distckpt.storage.zarr_meta import ZARR_JSON
 
 log = logging.getLogger(__name__)
 
-CLAIM = ".distckpt-save"
+SUFFIX = ".distckpt-save"
+_CLAIM = re.compile(r"^\.(?P<name>.+)\.distckpt-save$")
 
 
-def read_claim(store: Store) -> tuple[dict[str, Any], str, float] | None:
-    """The claim on ``store`` (owner, version, age in seconds), or None."""
-    return read_lease(store, CLAIM)
+def claim_key(name: str) -> str:
+    """The key, in the directory holding checkpoint ``name``, of the claim on it."""
+    return f".{name}{SUFFIX}"
+
+
+def read_claim(checkpoint: Store) -> tuple[dict[str, Any], str, float] | None:
+    """The claim on ``checkpoint`` (owner, version, age in seconds), or None."""
+    return read_lease(checkpoint.parent, claim_key(checkpoint.name))
 
 
 class ObjectCommit:
@@ -61,11 +71,11 @@ class ObjectCommit:
         self.root = final  # the ranks write in place: there is nothing to rename
         self.token = token
         names = final.list()
-        if names and CLAIM not in names and ZARR_JSON not in names:
+        if names and ZARR_JSON not in names and read_claim(final) is None:
             raise CheckpointExists(
                 f"{final.url} holds objects but no distckpt checkpoint; not touching it"
             )
-        self._lease = Lease(final, CLAIM, token, {"world_size": world_size})
+        self._lease = Lease(final.parent, claim_key(final.name), token, {"world_size": world_size})
 
         def busy(owner: dict[str, Any], age: float) -> Exception:
             return CheckpointExists(
@@ -83,7 +93,7 @@ class ObjectCommit:
                     )
                 # Withdraw the old checkpoint: its index first, so nobody opens it again.
                 final.delete(ZARR_JSON)
-            _remove_all_but_claim(final)
+            _remove_all(final)
         except BaseException:
             self._lease.release()
             raise
@@ -113,16 +123,14 @@ class ObjectCommit:
         self._lease.stop()
         try:
             if self._lease.ours() and not self.final.exists(ZARR_JSON):
-                _remove_all_but_claim(self.final)
+                _remove_all(self.final)
             self._lease.release()
         except Exception as exc:
             log.warning("could not clean up the failed save of %s: %s", self.final.url, exc)
 
 
-def _remove_all_but_claim(prefix: Store) -> None:
-    for name in prefix.list():
-        if name != CLAIM:
-            prefix.delete_tree(name)
+def _remove_all(prefix: Store) -> None:
+    prefix.delete_tree()
     if isinstance(prefix, S3Store):
         prefix.abort_uploads()
 
@@ -132,10 +140,11 @@ def retire(checkpoint: Store) -> None:
     nobody opens it again, then its data, then the mark. If this stops half way, the mark
     goes stale and :func:`collect_garbage` finishes the job."""
     doc = {"token": "retire", "deleting": True, "host": socket.gethostname(), "pid": os.getpid()}
-    checkpoint.write(CLAIM, json.dumps({**doc, "beat": time.time()}).encode())
+    key = claim_key(checkpoint.name)
+    checkpoint.parent.write(key, json.dumps({**doc, "beat": time.time()}).encode())
     checkpoint.delete(ZARR_JSON)
-    _remove_all_but_claim(checkpoint)
-    checkpoint.delete(CLAIM)
+    _remove_all(checkpoint)
+    checkpoint.parent.delete(key)
 
 
 def retiring(checkpoint: Store) -> bool:
@@ -145,21 +154,23 @@ def retiring(checkpoint: Store) -> bool:
 
 
 def collect_garbage(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]:
-    """Remove the abandoned saves under ``directory`` (a stale claim and no index) and
-    stale claims left on committed checkpoints; return the locations removed."""
+    """Remove the abandoned saves in ``directory`` (a stale claim and no index) and stale
+    claims left beside committed checkpoints; return the locations removed. One listing
+    of ``directory``, then requests only for the claims it finds."""
     removed: list[str] = []
-    for name in directory.list():
+    for name in leftovers(directory):
         prefix = directory.child(name)
         found = read_claim(prefix)
         if found is None or live(found, stale_seconds):
             continue
+        key = claim_key(name)
         if prefix.exists(ZARR_JSON) and not found[0].get("deleting"):
-            prefix.delete(CLAIM)  # a commit that died after its index: nothing to undo
+            directory.delete(key)  # a commit that died after its index: nothing to undo
             continue
         log.info("removing abandoned save %s (%s)", prefix.url, describe(found[0]))
         prefix.delete(ZARR_JSON)
-        _remove_all_but_claim(prefix)
-        prefix.delete(CLAIM)
+        _remove_all(prefix)
+        directory.delete(key)
         removed.append(prefix.url)
     return removed
 
@@ -172,5 +183,6 @@ def live(claim: tuple[dict[str, Any], str, float], stale_seconds: float = STALE_
 
 
 def leftovers(directory: Store) -> list[str]:
-    """The names under ``directory`` that hold a claim (saves running or abandoned)."""
-    return [name for name in directory.list() if directory.child(name).exists(CLAIM)]
+    """The checkpoint names in ``directory`` that have a claim beside them (saves running
+    or abandoned, retirements unfinished), from one listing."""
+    return [m["name"] for m in map(_CLAIM.match, directory.list()) if m]

@@ -152,7 +152,7 @@ def _read_headers(
     for t, copies, _ in jobs:
         for copy in copies:
             piece = copy.piece
-            if piece.inner is None or piece.file in seen:
+            if piece.inner is None or piece.file in seen or _whole(root, piece):
                 continue
             seen.add(piece.file)
             group.submit(read, _reader(root, t, piece), piece.block, piece.inner)
@@ -177,12 +177,41 @@ def _copy_tasks(
         return [(_read_plain, (reader, piece.block, copy.src, dst, tally))]
     inner = piece.inner
     chunks = reader.chunk_reads(piece.block, inner, copy.src)
+    if _whole(root, piece):
+        return [(_read_whole, (reader, piece, chunks, copy.src, dst, tally))]
     per_task = max(1, TASK_BYTES // max(1, math.prod(inner) * reader.dtype.itemsize))
     header = headers[reader.path]
     return [
         (_read_chunks, (reader, header, inner, chunks[k : k + per_task], copy.src, dst, tally))
         for k in range(0, len(chunks), per_task)
     ]
+
+
+def _whole(root: Store, piece: StoredPiece) -> bool:
+    """Whether to read a shard whole, in one request, header and all: on an object store,
+    where a request costs more than the bytes of a small shard (one task's at most), a
+    shard that small is fetched at once rather than its header first, then its chunks."""
+    return not root.renames and piece.inner is not None and piece.size <= TASK_BYTES
+
+
+def _read_whole(
+    reader: PieceReader,
+    piece: StoredPiece,
+    chunks: list[ChunkRead],
+    src: Box,
+    dst: np.ndarray,
+    tally: _Tally,
+) -> int:
+    assert piece.inner is not None
+    fd = reader.open()
+    try:
+        fd.will_need([(0, piece.size)])
+        header = reader.header(fd, piece.block, piece.inner)
+        read = sum(reader.read_chunk(fd, header, piece.inner, c, src, dst) for c in chunks)
+    finally:
+        fd.close()
+    tally.add(header.nbytes + read)
+    return sum(math.prod(c.lengths) for c in chunks) * reader.dtype.itemsize
 
 
 def _read_plain(
