@@ -167,6 +167,15 @@ class S3Store:
         except Exception as exc:
             raise self._translate(exc, op, key) from None
 
+    def request(self, op: str, key: str, method: str, **kwargs: Any) -> Any:
+        """One request about object ``key``: ``client().<method>(Bucket=, Key=, ...)``,
+        its failure made ours (see :meth:`call`)."""
+        return self.call(
+            op,
+            key,
+            lambda: getattr(client(), method)(Bucket=self.bucket, Key=self._key(key), **kwargs),
+        )
+
     def _translate(self, exc: BaseException, op: str, key: str) -> BaseException:
         code = _code(exc)
         where = self.where(key)
@@ -205,17 +214,10 @@ class S3Store:
         return S3Reader(self, key, size)
 
     def head(self, key: str) -> dict[str, Any]:
-        return self.call(
-            "stat", key, lambda: client().head_object(Bucket=self.bucket, Key=self._key(key))
-        )
+        return self.request("stat", key, "head_object")
 
     def write(self, key: str, data: Buffer) -> None:
-        body = bytes(data)
-        self.call(
-            "write",
-            key,
-            lambda: client().put_object(Bucket=self.bucket, Key=self._key(key), Body=body),
-        )
+        self.request("write", key, "put_object", Body=bytes(data))
 
     def create(self, key: str, size_hint: int | None = None) -> S3Writer:
         return S3Writer(self, key, size_hint)
@@ -302,9 +304,7 @@ class S3Store:
         return bool(response.get("KeyCount", 0))
 
     def delete(self, key: str) -> None:
-        self.call(
-            "delete", key, lambda: client().delete_object(Bucket=self.bucket, Key=self._key(key))
-        )
+        self.request("delete", key, "delete_object")
 
     def delete_tree(self, key: str = "") -> None:
         keys = [join(self._dir(key), k) for k, _, _ in self.walk(key)]
@@ -522,14 +522,7 @@ class S3Writer:
     def _start(self) -> str:
         with self._lock:
             if self._upload_id is None:
-                store = self._store
-                response = store.call(
-                    "upload",
-                    self._key,
-                    lambda: client().create_multipart_upload(
-                        Bucket=store.bucket, Key=store._key(self._key)
-                    ),
-                )
+                response = self._store.request("upload", self._key, "create_multipart_upload")
                 self._upload_id = str(response["UploadId"])
             return self._upload_id
 
@@ -542,17 +535,8 @@ class S3Writer:
             buf = bytearray(length)  # never written: a gap is zeros
         del buf[length:]  # in place: the body is the part's own buffer, not a copy
         body = buf
-        store = self._store
-        response = store.call(
-            "upload",
-            self._key,
-            lambda: client().upload_part(
-                Bucket=store.bucket,
-                Key=store._key(self._key),
-                UploadId=upload,
-                PartNumber=part + 1,
-                Body=body,
-            ),
+        response = self._store.request(
+            "upload", self._key, "upload_part", UploadId=upload, PartNumber=part + 1, Body=body
         )
         with self._lock:
             self._etags[part] = str(response["ETag"])
@@ -566,13 +550,7 @@ class S3Writer:
             if not started and last == 0:
                 body = self._buffers.get(0, bytearray())
                 del body[end:]
-                store.call(
-                    "write",
-                    self._key,
-                    lambda: client().put_object(
-                        Bucket=store.bucket, Key=store._key(self._key), Body=body
-                    ),
-                )
+                store.request("write", self._key, "put_object", Body=body)
                 return
             for part in range(last + 1):
                 if part not in self._etags:
@@ -580,15 +558,12 @@ class S3Writer:
                     self._upload_part(part, length)
             upload = self._start()
             parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(last + 1)]
-            store.call(
+            store.request(
                 "upload",
                 self._key,
-                lambda: client().complete_multipart_upload(
-                    Bucket=store.bucket,
-                    Key=store._key(self._key),
-                    UploadId=upload,
-                    MultipartUpload={"Parts": parts},
-                ),
+                "complete_multipart_upload",
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
             )
             self._upload_id = None
         except BaseException:
@@ -605,10 +580,7 @@ class S3Writer:
             self._buffers.clear()
             upload, self._upload_id = self._upload_id, None
         if upload is not None:
-            store = self._store
             try:
-                client().abort_multipart_upload(
-                    Bucket=store.bucket, Key=store._key(self._key), UploadId=upload
-                )
+                self._store.request("abort", self._key, "abort_multipart_upload", UploadId=upload)
             except Exception as exc:  # gc aborts what is left
-                log.debug("abort of %s failed: %s", store.where(self._key), _one_line(exc))
+                log.debug("abort of %s failed: %s", self._store.where(self._key), exc)
