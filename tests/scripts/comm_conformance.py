@@ -261,6 +261,9 @@ def die(mode: str) -> None:
         comm.allgather(comm.rank)
     except CommTimeoutError as exc:
         say(f"TIMEOUT {comm.rank} after {time.monotonic() - start:.1f} s: {exc}")
+        # Give the launcher time to forward the line: once a rank exits with an error it
+        # tears the job down, and a loaded machine can lose output still in the pipe.
+        time.sleep(1.0)
         sys.exit(3)
     raise AssertionError(f"rank {comm.rank}: allgather with a dead rank returned")
 
