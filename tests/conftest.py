@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from s3_server import S3Server, require, use
 
 

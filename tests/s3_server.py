@@ -92,8 +92,8 @@ class S3Server:
 
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` (sorted)."""
-        pages = self.client().get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=prefix
+        pages = (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         )
         return sorted(o["Key"] for page in pages for o in page.get("Contents", ()))
 

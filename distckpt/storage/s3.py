@@ -25,6 +25,7 @@ distckpt never logs them nor puts them in a message or the index.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import logging
 import math
 import os
@@ -345,6 +346,14 @@ class S3Store:
         pass  # a finished upload is durable
 
 
+def multipart_etag(etags: Sequence[str]) -> str:
+    """The ETag S3 gives the object a multipart upload of parts with ``etags`` makes: the
+    MD5 of the parts' MD5s, then ``-`` and their count (not so under SSE-KMS: there the
+    check fails, safely)."""
+    digests = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
+    return f'"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"'
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -557,14 +566,20 @@ class S3Writer:
                     length = self.part_bytes if part < last else end - last * self.part_bytes
                     self._upload_part(part, length)
             upload = self._start()
-            parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(last + 1)]
-            store.request(
-                "upload",
-                self._key,
-                "complete_multipart_upload",
-                UploadId=upload,
-                MultipartUpload={"Parts": parts},
-            )
+            etags = [self._etags[k] for k in range(last + 1)]
+            parts = [{"PartNumber": k + 1, "ETag": e} for k, e in enumerate(etags)]
+            try:
+                client().complete_multipart_upload(
+                    Bucket=store.bucket,
+                    Key=store._key(self._key),
+                    UploadId=upload,
+                    MultipartUpload={"Parts": parts},
+                )
+            except Exception as exc:
+                # A retry after a lost answer finds the upload gone (NoSuchUpload): it
+                # completed if the object is the one these parts make.
+                if _code(exc) != "NoSuchUpload" or not self._landed(etags, end):
+                    raise store._translate(exc, "upload", self._key) from None
             self._upload_id = None
         except BaseException:
             self.abort()
@@ -573,6 +588,14 @@ class S3Writer:
             with self._lock:
                 self._done = True
                 self._buffers.clear()
+
+    def _landed(self, etags: builtins.list[str], size: int) -> bool:
+        """Whether the object now holds exactly the parts with ``etags``, ``size`` bytes."""
+        try:
+            head = self._store.head(self._key)
+        except FileNotFoundError:
+            return False
+        return int(head["ContentLength"]) == size and head["ETag"] == multipart_etag(etags)
 
     def abort(self) -> None:
         with self._lock:
