@@ -75,8 +75,12 @@ class S3Server:
                     self.__exit__()
                     raise RuntimeError("the moto server did not start") from None
                 time.sleep(0.1)
-        for bucket in self.buckets:
-            self.client().create_bucket(Bucket=bucket)
+        try:
+            for bucket in self.buckets:
+                self.client().create_bucket(Bucket=bucket)
+        except BaseException:
+            self.__exit__()  # never leave a server behind
+            raise
         return self
 
     def client(self) -> Any:
