@@ -155,6 +155,35 @@ class _Options:
     after_commit: Callable[[], None] | None = None
     show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
 
+    @classmethod
+    def at(
+        cls,
+        path: str | os.PathLike[str],
+        comm: Communicator,
+        io_workers: int | None,
+        *,
+        overwrite: bool,
+        small_bytes: int = DEFAULT_SMALL_BYTES,
+        inner_bytes: int = DEFAULT_INNER_BYTES,
+        compression: Compression = None,
+        after_commit: Callable[[], None] | None = None,
+        show_progress: bool = True,
+    ) -> _Options:
+        """The options of a save to ``path``: its store, and its I/O workers (at least
+        :data:`~distckpt.transfer.workers.NETWORK_WORKERS` on an object store)."""
+        store = resolve(path)
+        workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
+        return cls(
+            store,
+            overwrite,
+            small_bytes,
+            inner_bytes,
+            compression,
+            workers,
+            after_commit,
+            show_progress,
+        )
+
 
 _POOL = BufferPool()
 
@@ -272,15 +301,15 @@ def save(
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
     background.finish_pending()
     comm = comm or auto()
-    store = resolve(path)
-    options = _Options(
-        store,
-        overwrite,
-        small_bytes,
-        inner_bytes,
-        compression,
-        transfer_workers.resolve(io_workers, comm, network=is_remote(store)),
-        after_commit,
+    options = _Options.at(
+        path,
+        comm,
+        io_workers,
+        overwrite=overwrite,
+        small_bytes=small_bytes,
+        inner_bytes=inner_bytes,
+        compression=compression,
+        after_commit=after_commit,
         show_progress=not async_save,
     )
     error: BaseException | None = None
@@ -364,15 +393,7 @@ def save_from(
     writer asks for them, through the staging slabs, so the state is never in memory."""
     background.finish_pending()
     comm = comm or auto()
-    store = resolve(path)
-    options = _Options(
-        store,
-        overwrite,
-        DEFAULT_SMALL_BYTES,
-        DEFAULT_INNER_BYTES,
-        None,
-        transfer_workers.resolve(io_workers, comm, network=is_remote(store)),
-    )
+    options = _Options.at(path, comm, io_workers, overwrite=overwrite)
     return _save_blocking(state, comm, options, allow_pickle, source_of)
 
 
