@@ -177,12 +177,12 @@ def _copy_tasks(
         return [(_read_plain, (reader, piece.block, copy.src, dst, tally))]
     inner = piece.inner
     chunks = reader.chunk_reads(piece.block, inner, copy.src)
-    if _whole(root, piece):
-        return [(_read_whole, (reader, piece, chunks, copy.src, dst, tally))]
+    if _whole(root, piece):  # its header is read with it
+        return [(_read_chunks, (reader, None, piece, chunks, copy.src, dst, tally))]
     per_task = max(1, TASK_BYTES // max(1, math.prod(inner) * reader.dtype.itemsize))
     header = headers[reader.path]
     return [
-        (_read_chunks, (reader, header, inner, chunks[k : k + per_task], copy.src, dst, tally))
+        (_read_chunks, (reader, header, piece, chunks[k : k + per_task], copy.src, dst, tally))
         for k in range(0, len(chunks), per_task)
     ]
 
@@ -192,26 +192,6 @@ def _whole(root: Store, piece: StoredPiece) -> bool:
     where a request costs more than the bytes of a small shard (one task's at most), a
     shard that small is fetched at once rather than its header first, then its chunks."""
     return not root.renames and piece.inner is not None and piece.size <= TASK_BYTES
-
-
-def _read_whole(
-    reader: PieceReader,
-    piece: StoredPiece,
-    chunks: list[ChunkRead],
-    src: Box,
-    dst: np.ndarray,
-    tally: _Tally,
-) -> int:
-    assert piece.inner is not None
-    fd = reader.open()
-    try:
-        fd.will_need([(0, piece.size)])
-        header = reader.header(fd, piece.block, piece.inner)
-        read = sum(reader.read_chunk(fd, header, piece.inner, c, src, dst) for c in chunks)
-    finally:
-        fd.close()
-    tally.add(header.nbytes + read)
-    return sum(math.prod(c.lengths) for c in chunks) * reader.dtype.itemsize
 
 
 def _read_plain(
@@ -240,17 +220,26 @@ def _will_need(fd: ReadHandle, header: ShardHeader, chunks: list[ChunkRead]) -> 
 
 def _read_chunks(
     reader: PieceReader,
-    header: ShardHeader,
-    inner: tuple[int, ...],
+    header: ShardHeader | None,
+    piece: StoredPiece,
     chunks: list[ChunkRead],
     src: Box,
     dst: np.ndarray,
     tally: _Tally,
 ) -> int:
+    """Read ``chunks`` of ``piece`` into ``dst``; with no ``header`` (see :func:`_whole`),
+    fetch the whole shard at once and verify its header from it first."""
+    assert piece.inner is not None
     fd = reader.open()
+    read = 0
     try:
-        _will_need(fd, header, chunks)
-        read = sum(reader.read_chunk(fd, header, inner, c, src, dst) for c in chunks)
+        if header is None:
+            fd.will_need([(0, piece.size)])
+            header = reader.header(fd, piece.block, piece.inner)
+            read = header.nbytes
+        else:
+            _will_need(fd, header, chunks)
+        read += sum(reader.read_chunk(fd, header, piece.inner, c, src, dst) for c in chunks)
     finally:
         fd.close()
     tally.add(read)
