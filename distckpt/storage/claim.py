@@ -28,7 +28,8 @@ Unlike the rename on a file system, the old checkpoint is gone if the new save f
 
 Retention (:func:`retire`) marks a checkpoint, deletes its index first, then its data.
 Abandoned saves and retirements (a stale claim and no index) are removed by
-:func:`collect_garbage`, incomplete multipart uploads with them.
+:func:`collect_garbage`, incomplete multipart uploads with them
+(:meth:`~distckpt.storage.s3.S3Store.delete_tree` aborts those).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from typing import Any
 from distckpt.errors import CheckpointExists
 from distckpt.storage.backend import ConditionFailed, Store
 from distckpt.storage.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
-from distckpt.storage.s3 import S3Store
 from distckpt.storage.zarr_meta import ZARR_JSON
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ObjectCommit:
                     )
                 # Withdraw the old checkpoint: its index first, so nobody opens it again.
                 final.delete(ZARR_JSON)
-            _remove_all(final)
+            final.delete_tree()
         except BaseException:
             self._lease.release()
             raise
@@ -123,16 +123,10 @@ class ObjectCommit:
         self._lease.stop()
         try:
             if self._lease.ours() and not self.final.exists(ZARR_JSON):
-                _remove_all(self.final)
+                self.final.delete_tree()
             self._lease.release()
         except Exception as exc:
             log.warning("could not clean up the failed save of %s: %s", self.final.url, exc)
-
-
-def _remove_all(prefix: Store) -> None:
-    prefix.delete_tree()
-    if isinstance(prefix, S3Store):
-        prefix.abort_uploads()
 
 
 def retire(checkpoint: Store) -> None:
@@ -143,7 +137,7 @@ def retire(checkpoint: Store) -> None:
     key = claim_key(checkpoint.name)
     checkpoint.parent.write(key, json.dumps({**doc, "beat": time.time()}).encode())
     checkpoint.delete(ZARR_JSON)
-    _remove_all(checkpoint)
+    checkpoint.delete_tree()
     checkpoint.parent.delete(key)
 
 
@@ -169,7 +163,7 @@ def collect_garbage(directory: Store, stale_seconds: float = STALE_SECONDS) -> l
             continue
         log.info("removing abandoned save %s (%s)", prefix.url, describe(found[0]))
         prefix.delete(ZARR_JSON)
-        _remove_all(prefix)
+        prefix.delete_tree()
         directory.delete(key)
         removed.append(prefix.url)
     return removed

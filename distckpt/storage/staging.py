@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 OWNER_FILE = ".distckpt-owner.json"
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 60.0
-LEFTOVER = _STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
+LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
 
 
 def staging_path(final: Path, token: str) -> Path:
@@ -144,7 +144,7 @@ def collect_garbage(
     except FileNotFoundError:
         return removed
     for entry in entries:
-        match = _STAGING.match(entry.name)
+        match = LEFTOVER.match(entry.name)
         if not match or not entry.is_dir(follow_symlinks=False):
             continue
         path = Path(entry.path)
@@ -167,7 +167,7 @@ def leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     """Staging and trash directories present in ``directory`` (live or not)."""
     try:
         return sorted(
-            Path(e.path) for e in os.scandir(directory) if _STAGING.match(e.name) and e.is_dir()
+            Path(e.path) for e in os.scandir(directory) if LEFTOVER.match(e.name) and e.is_dir()
         )
     except FileNotFoundError:
         return []

@@ -92,16 +92,10 @@ class PosixCommit:
         self.root: Store = PosixStore(self._staging.path)
 
     def commit(self, files: dict[str, bytes], index: bytes) -> None:
-        root = self._staging.path
-        dirs = set()
         for key, data in files.items():
-            target = root / key
-            target.parent.mkdir(parents=True, exist_ok=True)
-            write_file(target, data)
-            dirs.add(target.parent)
-        for d in sorted(dirs, key=lambda p: -len(p.parts)):
-            fsync_dir(d)
-        write_file(root / ZARR_JSON, index)
+            self.root.write(key, data)
+        self.root.persist(files)
+        self.root.write(ZARR_JSON, index)
         if not self.overwrite and index_mod.is_committed(self.final):
             raise CheckpointExists(
                 f"{self.final.url} was committed by another save while this one ran"
