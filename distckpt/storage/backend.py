@@ -178,6 +178,14 @@ def location(store: Store) -> Path | str:
     return path if isinstance(path, Path) else store.url
 
 
+def child_location(directory: str | os.PathLike[str] | Store, name: str) -> str:
+    """``name`` in ``directory`` as users write it: a URL under an object store prefix, else
+    the path ``os.path.join`` makes (relative stays relative)."""
+    if isinstance(directory, Store) or is_remote(directory):
+        return resolve(directory).where(name)
+    return os.path.join(os.fspath(directory), name)
+
+
 def join(*parts: str) -> str:
     """Keys joined with ``/`` (empty parts dropped)."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

@@ -66,9 +66,10 @@ from typing import Any
 from distckpt.comm import Communicator, auto, raise_if_any_failed
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
+from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from distckpt.storage import codecs
 from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, is_remote, resolve
+from distckpt.storage.backend import Store, child_location, is_remote, resolve
 from distckpt.storage.codecs import Compression
 from distckpt.storage.transaction import collect_garbage, retire, retiring
 from distckpt.training.checkpoint import Checkpoint
@@ -90,11 +91,18 @@ def _step_value(step: Any) -> int:
     return int(step)
 
 
-def _index_time(path: Store) -> float:
+def _created(path: Store) -> float | None:
+    """When the checkpoint at ``path`` was committed (0.0 when its index does not say, or
+    is of a newer format), or None when ``path`` holds no committed checkpoint: one read
+    of its index tells both."""
     try:
-        return float(index_mod.read_index(path).get("created", 0.0))
-    except Exception:
+        index = index_mod.read_index(path)
+    except UnsupportedFormatError:
         return 0.0
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return None
+    created = index.get("created")
+    return float(created) if isinstance(created, (int, float)) else 0.0
 
 
 class CheckpointManager:
@@ -312,14 +320,20 @@ class CheckpointManager:
         pointer = None
         if found is not None:
             raw, self._pointer_version = found
-            pointer = Pointer(raw["latest"], [str(n) for n in raw.get("all", [])])
+            pointer = Pointer.from_doc(raw)
             meta = raw.get("manager") or {}
         times = {str(k): float(v) for k, v in (meta.get("times") or {}).items()}
         preserved_set = {str(n) for n in meta.get("preserved") or []}
 
+        created: dict[str, float] = {}
+
         def alive(name: str) -> bool:
             path = directory.child(name)
-            return index_mod.is_committed(path) and not retiring(path)
+            when = _created(path)
+            if when is None or retiring(path):
+                return False
+            created[name] = when
+            return True
 
         known = [] if pointer is None else [n for n in pointer.all if alive(n)]
         if pointer is not None and pointer.latest not in pointer.all and alive(pointer.latest):
@@ -327,21 +341,22 @@ class CheckpointManager:
         preserved = [n for n in known if n in preserved_set]
         managed = [n for n in known if n not in preserved_set]
         for name in known:
-            times.setdefault(name, _index_time(directory.child(name)))
+            times.setdefault(name, created[name])
 
         adopted = []
         for name in directory.list():
             if not self._pattern.match(name) or name in known:
                 continue
             path = directory.child(name)
-            if not index_mod.is_committed(path):
+            when = _created(path)
+            if when is None:
                 continue
             if retiring(path):
                 # Marked for deletion by a retention that crashed: finish it.
                 self._delete(name)
                 continue
             adopted.append(name)
-            times[name] = _index_time(path)
+            times[name] = when
         if adopted:
             log.warning(
                 "adopting committed checkpoints the pointer does not name: %s", ", ".join(adopted)
@@ -539,9 +554,7 @@ class CheckpointManager:
 
     def _path(self, name: str) -> str:
         """The path (or URL) of checkpoint ``name`` of this directory."""
-        if is_remote(self._directory):
-            return self._store.child(name).url
-        return os.path.join(self._directory, name)
+        return child_location(self._directory, name)
 
     def _occupied(self, name: str) -> bool:
         return self._store.is_dir(name) or self._store.exists(name)

@@ -30,7 +30,7 @@ from distckpt.errors import (
     UnsupportedFormatError,
 )
 from distckpt.storage import index as index_mod
-from distckpt.storage.backend import ConditionFailed, Store, resolve
+from distckpt.storage.backend import ConditionFailed, Store, child_location, resolve
 
 POINTER_FILE = "latest"
 FORMAT = "distckpt-pointer"
@@ -43,6 +43,11 @@ class Pointer:
 
     latest: str
     all: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> Pointer:
+        """The pointer of a document validated by :func:`read_versioned`."""
+        return cls(doc["latest"], [str(n) for n in doc.get("all", [])])
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, "latest": self.latest, "all": self.all}
@@ -79,8 +84,7 @@ def read_pointer(directory: str | os.PathLike[str] | Store) -> Pointer | None:
     found = read_versioned(directory)
     if found is None:
         return None
-    doc = found[0]
-    return Pointer(doc["latest"], [str(n) for n in doc.get("all", [])])
+    return Pointer.from_doc(found[0])
 
 
 def move(directory: str | os.PathLike[str] | Store, doc: bytes, version: str | None) -> str:
@@ -120,9 +124,7 @@ def advance_pointer(checkpoint: str | os.PathLike[str] | Store) -> Pointer:
     store = resolve(checkpoint)
     directory, name = store.parent, store.name
     found = read_versioned(directory)
-    old = None
-    if found is not None:
-        old = Pointer(found[0]["latest"], [str(n) for n in found[0].get("all", [])])
+    old = None if found is None else Pointer.from_doc(found[0])
     kept = [] if old is None else [n for n in old.all if n != name and directory.is_dir(n)]
     if old is not None and _older(name, old.latest, old.all) and directory.is_dir(old.latest):
         raise PointerConflictError(
@@ -148,10 +150,7 @@ def latest_checkpoint(directory: str | os.PathLike[str] | Store) -> str | None:
     pointer = read_pointer(directory)
     if pointer is None:
         return None
-    if isinstance(directory, str) and "://" in directory:
-        path = resolve(directory).child(pointer.latest).url
-    else:
-        path = os.path.join(os.fspath(directory), pointer.latest)  # type: ignore[arg-type]
+    path = child_location(directory, pointer.latest)
     if not index_mod.is_committed(path):
         raise CheckpointNotFoundError(
             f"{resolve(directory).where(POINTER_FILE)} names {pointer.latest!r}, which is not "
