@@ -37,6 +37,11 @@ from typing import Any, Protocol, runtime_checkable
 Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
 
 
+def byte_view(data: Buffer) -> memoryview:
+    """A flat byte view of a C-contiguous buffer (of NumPy arrays of any dtype too)."""
+    return (data.data if hasattr(data, "dtype") else memoryview(data)).cast("B")
+
+
 class ConditionFailed(FileExistsError):
     """A conditional write found the key present (create) or at another version (replace)."""
 

@@ -24,21 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import crc32c as _crc
-import numpy as np
 
-from distckpt.storage.backend import Buffer, ConditionFailed
+from distckpt.storage.backend import Buffer, ConditionFailed, byte_view
 from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
 
 _IOV_MAX = 1024
 
 
-def _view(data: Buffer) -> memoryview:
-    return (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
-
-
 def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """Write ``buffers`` back to back at ``offset`` (``pwritev``; short writes finished)."""
-    views = [_view(b) for b in buffers]
+    views = [byte_view(b) for b in buffers]
     total = 0
     for start in range(0, len(views), _IOV_MAX):
         batch = views[start : start + _IOV_MAX]
@@ -72,7 +67,7 @@ class PosixReader:
         return self._size
 
     def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
-        return os.preadv(self._fd, [_view(b) for b in buffers], offset)
+        return os.preadv(self._fd, [byte_view(b) for b in buffers], offset)
 
     def read(self, offset: int, length: int) -> bytes:
         return os.pread(self._fd, length, offset)

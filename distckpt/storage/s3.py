@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from distckpt.errors import StorageError
-from distckpt.storage.backend import Buffer, ConditionFailed, join
+from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, join
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ class S3Reader:
         return store.call("read", self._key, lambda: _body_retry(get))
 
     def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [byte_view(b) for b in buffers]
         want = sum(v.nbytes for v in views)
         for start, data in self._runs:
             if start <= offset and offset + want <= start + len(data):
@@ -500,7 +500,7 @@ class S3Writer:
         total = 0
         complete: list[int] = []
         for b in buffers:
-            view = (b.data if hasattr(b, "dtype") else memoryview(b)).cast("B")
+            view = byte_view(b)
             n = view.nbytes
             at = 0
             while at < n:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from distckpt.storage.fsutil import exchange, fsync_dir, write_file
+from distckpt.storage.lease import pid_dead
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +117,7 @@ def owner_alive(path: Path, stale_seconds: float = STALE_SECONDS) -> bool:
             return time.time() - path.stat().st_mtime < stale_seconds
         except OSError:
             return False
-    if age > stale_seconds:
-        return False
-    if info.get("host") == socket.gethostname():
-        try:
-            os.kill(int(info["pid"]), 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, KeyError, ValueError, TypeError):
-            pass
-    return True
+    return age <= stale_seconds and not pid_dead(info)
 
 
 def _complete(path: Path) -> bool:
