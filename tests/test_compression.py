@@ -60,7 +60,7 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, choice: str) -> Non
     state["smooth"] = smooth((64, 32))
     save1(state, tmp_path / "ck", small_bytes=0, inner_bytes=96, compression=choice)
     index = index_of(tmp_path / "ck")
-    assert index["format_version"] == 2
+    assert index["format_version"] == 3  # regular entries
     for name, var in index["variables"].items():
         for p in var["pieces"]:
             assert p["inner"] != p["block"], name  # several inner chunks per shard
@@ -142,11 +142,17 @@ def test_unknown_compression_writes_nothing(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
-def test_uncompressed_checkpoints_keep_format_version_1(tmp_path: Path) -> None:
-    save1({"w": torch.zeros(300, 300)}, tmp_path / "ck")
-    index = index_of(tmp_path / "ck")
-    assert index["format_version"] == 1
+def test_checkpoints_record_the_lowest_format_version_that_reads_them(tmp_path: Path) -> None:
+    """1: pieces listed, uncompressed; 2: compressed pieces listed; 3: regular entries."""
+    save1({"w": torch.zeros(300, 300)}, tmp_path / "regular")
+    index = index_of(tmp_path / "regular")
+    assert index["format_version"] == 3
     assert "codec" not in index["variables"]["w"]["pieces"][0]
+    save1({"s": torch.zeros(8, 8)}, tmp_path / "small")
+    assert index_of(tmp_path / "small")["format_version"] == 1
+    state = {"r": distckpt.PerRank(torch.zeros(300, 300))}
+    save1(state, tmp_path / "per_rank", compression="zstd")
+    assert index_of(tmp_path / "per_rank")["format_version"] == 2
 
 
 @pytest.mark.parametrize("choice", CHOICES)
@@ -218,7 +224,7 @@ def test_chunk_that_does_not_decompress_is_named(compressed: Path) -> None:
     raw[: 4 * 4] = table.tobytes()
     shard.write_bytes(bytes(raw))
     doc = json.loads((compressed / "zarr.json").read_bytes())
-    doc["attributes"]["distckpt"]["variables"]["w"]["pieces"][0]["crc"] = crc32c(table.tobytes())
+    doc["attributes"]["distckpt"]["variables"]["w"]["crc"][0] = crc32c(table.tobytes())
     (compressed / "zarr.json").write_text(json.dumps(doc))
     with pytest.raises(CorruptCheckpointError, match=r"'w': inner chunk \(1, 0\) does not decom"):
         load1({"w": torch.zeros(16, 64), "s": torch.zeros(8, 8)}, compressed)
@@ -226,8 +232,8 @@ def test_chunk_that_does_not_decompress_is_named(compressed: Path) -> None:
 
 def test_unknown_codec_is_refused_naming_the_variable(compressed: Path, capsys: Any) -> None:
     doc = json.loads((compressed / "zarr.json").read_bytes())
-    piece = doc["attributes"]["distckpt"]["variables"]["w"]["pieces"][0]
-    piece["codec"] = {"name": "brotli", "configuration": {}}
+    entry = doc["attributes"]["distckpt"]["variables"]["w"]
+    entry["codec"] = {"name": "brotli", "configuration": {}}
     (compressed / "zarr.json").write_text(json.dumps(doc))
     before = torch.full((8, 8), -1.0)
     with pytest.raises(UnsupportedFormatError, match="variable 'w' is stored with codec") as ei:

@@ -68,12 +68,13 @@ def test_overlap_sweep():
 
 
 def test_regular_partition_is_one_array_one_writer_per_box():
-    plan = make_save_plan(row_shards("w", (1000, 1000), 4), "t")
-    (var,) = plan.variables
+    plan = make_save_plan(row_shards("w", (1000, 1000), 4))
+    (var,) = plan.specs
+    pieces = plan.pieces_of(var)
     assert var.layout == "regular"
-    assert [p.writer for p in sorted(var.pieces, key=lambda p: p.box)] == [0, 1, 2, 3]
-    assert len({p.file for p in var.pieces}) == 4
-    assert sum(p.meta is not None for p in var.pieces) == 1  # one zarr.json writer
+    assert [p.writer for p in sorted(pieces, key=lambda p: p.box)] == [0, 1, 2, 3]
+    assert len({p.file for p in pieces}) == 4
+    assert sum(p.meta is not None for p in pieces) == 1  # one zarr.json writer
 
 
 def test_replicas_are_written_once_and_spread_by_bytes():
@@ -93,8 +94,8 @@ def test_replicas_are_written_once_and_spread_by_bytes():
         ]
         for _ in range(world)
     ]
-    plan = make_save_plan(descs, "t")
-    writers = Counter(p.writer for v in plan.variables for p in v.pieces)
+    plan = make_save_plan(descs)
+    writers = Counter(p.writer for v in plan.specs for p in plan.pieces_of(v))
     assert sum(writers.values()) == 8
     assert set(writers.values()) == {2}  # 8 equal tensors over 4 ranks: 2 each
 
@@ -102,14 +103,15 @@ def test_replicas_are_written_once_and_spread_by_bytes():
 def test_small_sharded_tensors_are_gathered_to_one_writer():
     world = 16
     descs = merge(*(row_shards(f"s{i}", (48, 64), world) for i in range(1000)))
-    plan = make_save_plan(descs, "t")
-    assert all(v.layout == "small" and len(v.pieces) == 1 for v in plan.variables)
-    files = {p.file for v in plan.variables for p in v.pieces}
+    plan = make_save_plan(descs)
+    pieces = [plan.pieces_of(v) for v in plan.specs]
+    assert all(v.layout == "small" and v.count == 1 for v in plan.specs)
+    files = {p.file for ps in pieces for p in ps}
     assert len(files) == 1000  # not 16,000
     # every holder of a box is a source
-    assert all(len(v.pieces[0].sources) == world for v in plan.variables)
+    assert all(len(ps[0].sources) == world for ps in pieces)
     # 12 MB of small tensors: three evenly spaced writers (three gathers), balanced by bytes
-    writers = Counter(v.pieces[0].writer for v in plan.variables)
+    writers = Counter(ps[0].writer for ps in pieces)
     assert sorted(writers) == [0, 5, 10]
     assert max(writers.values()) - min(writers.values()) <= 1
     works = plan.work()
@@ -123,10 +125,10 @@ def test_irregular_partition_uses_one_array_per_box():
         [Desc("x", "tensor", dtype="int8", shape=(10, 2), box=Box((0, 0), (3, 2)))],
         [Desc("x", "tensor", dtype="int8", shape=(10, 2), box=Box((3, 0), (7, 2)))],
     ]
-    plan = make_save_plan(descs, "t", small_bytes=0)
-    (var,) = plan.variables
+    plan = make_save_plan(descs, small_bytes=0)
+    (var,) = plan.specs
     assert var.layout == "boxes"
-    assert sorted(p.file for p in var.pieces) == ["x/p0/c.0.0", "x/p1/c.0.0"]
+    assert sorted(p.file for p in plan.pieces_of(var)) == ["x/p0/c.0.0", "x/p1/c.0.0"]
     assert "x" in plan.groups
 
 
@@ -184,7 +186,7 @@ def test_irregular_partition_uses_one_array_per_box():
 )
 def test_validation_errors_name_the_variable_and_ranks(descs, match):
     with pytest.raises(ValidationError, match=match):
-        make_save_plan(descs, "t")
+        make_save_plan(descs)
 
 
 def _reshard_in_memory(shape, save_world, load_world, split_dim):
@@ -203,11 +205,12 @@ def _reshard_in_memory(shape, save_world, load_world, split_dim):
         return out
 
     descs = [[Desc("w", "tensor", dtype="float32", shape=shape, box=b)] for b in boxes(save_world)]
-    plan = make_save_plan(descs, "t", small_bytes=0, inner_bytes=64)
-    stored = {p.file: full[p.box.slices()] for p in plan.variables[0].pieces}
+    plan = make_save_plan(descs, small_bytes=0, inner_bytes=64)
+    pieces = plan.pieces_of(plan.specs[0])
+    stored = {p.file: full[p.box.slices()] for p in pieces}
     for target in boxes(load_world):
         out = np.full(target.lengths, np.nan, dtype=np.float32)
-        copies = list(plan_reads(target, plan.variables[0].pieces))
+        copies = list(plan_reads(target, pieces))
         assert sum(c.dst.numel for c in copies) == target.numel
         for c in copies:
             out[c.dst.slices()] = stored[c.piece.file][c.src.slices()]

@@ -125,9 +125,9 @@ def test_layout_and_single_process_restore(saved_on_4: str, in_env: S3Server) ->
     path = f"{saved_on_4}/n4"
     variables = index_mod.read_index(path)["variables"]
     assert variables["model/rows"]["layout"] == "regular"
-    assert len(variables["model/rows"]["pieces"]) == 4
+    assert len(index_mod.Pieces(variables["model/rows"], "model/rows")) == 4
     codecs = {
-        name: {(p.get("codec") or {}).get("name") for p in variables[name]["pieces"]}
+        name: {p.codec.name if p.codec else None for p in index_mod.Pieces(variables[name], name)}
         for name in sr.GLOBAL
     }
     assert codecs["opt/m"] == {"zstd"}, codecs  # opt/v: boxes too small to compress
@@ -460,17 +460,17 @@ def test_overwrite_under_a_reader(s3: S3Server, monkeypatch: pytest.MonkeyPatch)
             "step": v,
         }
 
-    real = index_mod.read_index
+    real = index_mod.read_index_bytes
     overtaken = []
 
-    def read_index_then_overwrite(checkpoint: Any) -> dict[str, Any]:
-        index = real(checkpoint)
+    def read_index_then_overwrite(store: Any) -> bytes:
+        index = real(store)
         if not overtaken:  # the reader has the old index: now the writer replaces it
             overtaken.append(True)
             distckpt.save(version(2), path, COMM, overwrite=True, compression={"z": "zstd"})
         return index
 
-    monkeypatch.setattr(index_mod, "read_index", read_index_then_overwrite)
+    monkeypatch.setattr(index_mod, "read_index_bytes", read_index_then_overwrite)
     for names in (["w"], ["z"], ["w", "z"]):
         distckpt.save(version(1), path, COMM, overwrite=True, compression={"z": "zstd"})
         overtaken.clear()

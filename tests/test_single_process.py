@@ -40,6 +40,7 @@ from distckpt.errors import (
     UnsupportedValueError,
 )
 from distckpt.storage import shard_io
+from distckpt.storage.index import Pieces
 from distckpt.storage.staging import OWNER_FILE, Staging, collect_garbage, leftovers
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,7 +86,17 @@ def load1(state: dict[str, Any], path: Path, **kw: Any) -> distckpt.LoadResult:
 
 
 def index_of(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / "zarr.json").read_bytes())["attributes"]["distckpt"]
+    """A checkpoint's index, every entry's pieces listed (compact regular entries too)."""
+    index = json.loads((ckpt / "zarr.json").read_bytes())["attributes"]["distckpt"]
+    return listed(index)
+
+
+def listed(index: dict[str, Any]) -> dict[str, Any]:
+    """``index`` with each compact regular entry's shards listed as ``pieces``."""
+    for name, entry in index["variables"].items():
+        if entry.get("kind") == "tensor" and "chunks" in entry:
+            entry["pieces"] = [p.to_json() for p in Pieces(entry, name)]
+    return index
 
 
 def piece(ckpt: Path, name: str, k: int = 0) -> dict[str, Any]:
@@ -382,7 +393,7 @@ def test_newer_format_version_is_refused_clearly(simple_ckpt: Path, tmp_path: Pa
         with pytest.raises(UnsupportedFormatError) as ei:
             call()
         msg = str(ei.value)
-        assert "format version 999" in msg and "up to 2" in msg and "upgrade" in msg, msg
+        assert "format version 999" in msg and "up to 3" in msg and "upgrade" in msg, msg
     # still a committed checkpoint as far as save is concerned: not overwritten silently
     with pytest.raises(CheckpointExists):
         save1({"w": torch.zeros(2)}, ck)

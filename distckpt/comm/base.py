@@ -68,6 +68,18 @@ class Communicator(Protocol):
         """Like :meth:`gather`, for one byte buffer per rank (small tensors to one writer)."""
 
 
+def scatter(comm: Communicator, objs: list[Any] | None, root: int = 0) -> Any:
+    """Collective: ``objs[r]`` (given on ``root``, one per rank) on each rank ``r``.
+
+    Uses ``comm.scatter`` where the communicator has one (every rank receives only its
+    own object); a communicator without it broadcasts the whole list."""
+    own = getattr(comm, "scatter", None)
+    if own is not None:
+        return own(objs, root=root)
+    everything = comm.broadcast(objs, root=root)
+    return everything[comm.rank]
+
+
 def background(comm: Communicator) -> Communicator:
     """Collective at first use: a communicator over ``comm``'s ranks whose collectives
     never mix with ``comm``'s, for a background thread (``comm.background()``: an

@@ -163,6 +163,12 @@ class MPIComm:
         self._arrive("gather")
         return self.comm.gather(obj, root=root)
 
+    def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
+        """Collective: ``objs[r]`` (``objs`` given on ``root``) on each rank ``r``."""
+        self._check_root(root)
+        self._arrive("scatter")
+        return self.comm.scatter(objs, root=root)
+
     def allgather(self, obj: Any) -> list[Any]:
         """Collective: every rank's ``obj``, in rank order, on every rank."""
         self._arrive("allgather")

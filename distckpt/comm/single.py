@@ -44,6 +44,12 @@ class SingleComm:
         _check_root(root)
         return [obj]
 
+    def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
+        """Return ``objs[0]``."""
+        _check_root(root)
+        assert objs is not None
+        return objs[0]
+
     def allgather(self, obj: Any) -> list[Any]:
         """Return ``[obj]``."""
         return [obj]

@@ -238,6 +238,21 @@ class TorchComm:
             dist.gather_object(obj, out, group=self._pg, group_dst=root)
         return out
 
+    def scatter(self, objs: list[Any] | None, root: int = 0) -> Any:
+        """Collective: ``objs[r]`` (``objs`` given on ``root``) on each rank ``r``."""
+        import torch.distributed as dist
+
+        self._check_root(root)
+        if self.size == 1:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        with self._guard("scatter"):
+            dist.scatter_object_list(
+                out, objs if self.rank == root else None, group=self._pg, group_src=root
+            )
+        return out[0]
+
     def allgather(self, obj: Any) -> list[Any]:
         """Collective: every rank's ``obj``, in rank order, on every rank."""
         import torch.distributed as dist

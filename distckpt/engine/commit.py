@@ -9,13 +9,38 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from distckpt import __version__
-from distckpt.planning.save_plan import Piece, SavePlan
+from distckpt.errors import CheckpointError
+from distckpt.planning.save_plan import SavePlan, VarSpec
 from distckpt.storage import index as index_mod
 from distckpt.storage import zarr_meta
 from distckpt.storage.transaction import Transaction
+
+
+@dataclass
+class Report:
+    """What one rank wrote: the ids of its pieces, and each one's stored bytes and crc."""
+
+    ids: np.ndarray
+    sizes: np.ndarray
+    crcs: np.ndarray
+
+    @classmethod
+    def of(cls, written: dict[int, tuple[int, int]]) -> Report:
+        ids = np.fromiter(written, dtype=np.int64, count=len(written))
+        sizes = np.fromiter((s for s, _ in written.values()), dtype=np.int64, count=len(written))
+        crcs = np.fromiter((c for _, c in written.values()), dtype=np.int64, count=len(written))
+        return cls(ids, sizes, crcs)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
 
 
 def _tensor_entry(
@@ -31,60 +56,101 @@ def _tensor_entry(
     }
 
 
-def commit(plan: SavePlan, reports: list[Any], txn: Transaction) -> None:
-    """Coordinator, step 5 of the save protocol: with every rank's report (``{piece id:
-    (size, crc)}``) in, write the group metadata and then the index through the save's
-    transaction (:mod:`distckpt.storage.transaction`), which makes it the checkpoint."""
-    written: dict[int, tuple[int, int]] = {}
+def build_index(
+    plan: SavePlan, reports: Sequence[Report], values: dict[str, Any]
+) -> dict[str, Any]:
+    """The index of a save from its plan, every rank's report and its values (by name; a
+    per-rank variable's by rank)."""
+    sizes = np.full(plan.pieces, -1, dtype=np.int64)
+    crcs = np.zeros(plan.pieces, dtype=np.int64)
     for report in reports:
-        written.update(report)
+        sizes[report.ids] = report.sizes
+        crcs[report.ids] = report.crcs
+    if plan.pieces and sizes.min() < 0:
+        missing = int(np.flatnonzero(sizes < 0)[0])
+        raise CheckpointError(f"internal error: no rank reported piece {missing} as written")
 
-    def stored(piece: Piece) -> dict[str, Any]:
-        size, crc = written[piece.id]
-        return index_mod.StoredPiece(
-            piece.file, piece.box, piece.block, piece.inner, crc, size, piece.codec
-        ).to_json()
+    def listed(spec: VarSpec) -> list[dict[str, Any]]:
+        out = []
+        for piece in plan.pieces_of(spec, sources=False):
+            stored = index_mod.StoredPiece(
+                piece.file,
+                piece.box,
+                piece.block,
+                piece.inner,
+                int(crcs[piece.id]),
+                int(sizes[piece.id]),
+                piece.codec,
+            )
+            out.append(stored.to_json())
+        return out
 
     variables: dict[str, Any] = {}
-    for var in plan.variables:
-        if var.kind == "value":
-            variables[var.name] = {"kind": "value", "value": var.value}
-        elif var.kind == "per_rank":
+    newest = index_mod.FORMAT_VERSION_UNCOMPRESSED
+    for spec in plan.specs:
+        if spec.kind == "value":
+            variables[spec.name] = {"kind": "value", "value": values[spec.name]}
+        elif spec.kind == "per_rank":
             ranks: dict[str, Any] = {
-                str(r): {"kind": "value", "value": v} for r, v in var.per_rank_values.items()
+                str(r): {"kind": "value", "value": v} for r, v in values.get(spec.name, {}).items()
             }
-            for piece in var.pieces:
-                assert piece.meta is not None and piece.rank is not None
-                shape = tuple(piece.meta["shape"])
-                layout = "small" if piece.inner is None else "regular"
-                ranks[str(piece.rank)] = _tensor_entry(
-                    piece.meta["data_type"],
-                    shape,
-                    piece.file.rsplit("/", 1)[0],
-                    layout,
-                    [stored(piece)],
+            for k, piece in enumerate(listed(spec)):
+                rank = spec.ranks[k]
+                layout = "small" if piece["inner"] is None else "regular"
+                ranks[str(rank)] = _tensor_entry(
+                    str(spec.dtype), spec.shapes[k], f"{spec.path}/r{rank}", layout, [piece]
                 )
-            variables[var.name] = {"kind": "per_rank", "ranks": ranks}
-        else:
-            assert var.dtype is not None and var.shape is not None and var.layout is not None
-            variables[var.name] = _tensor_entry(
-                var.dtype, var.shape, var.path, var.layout, [stored(p) for p in var.pieces]
+                if "codec" in piece:
+                    newest = max(newest, index_mod.FORMAT_VERSION_COMPRESSED)
+            variables[spec.name] = {"kind": "per_rank", "ranks": ranks}
+        elif spec.layout == "regular":
+            assert spec.dtype is not None and spec.shape is not None and spec.chunks is not None
+            part = slice(spec.first, spec.first + spec.count)
+            variables[spec.name] = index_mod.regular_entry(
+                spec.dtype,
+                spec.shape,
+                spec.path,
+                spec.chunks,
+                spec.inner,
+                spec.codec,
+                crcs[part],
+                sizes[part],
             )
-    compressed = any(p.codec is not None for var in plan.variables for p in var.pieces)
-    index = {
+            newest = index_mod.FORMAT_VERSION
+        else:
+            assert spec.dtype is not None and spec.shape is not None and spec.layout is not None
+            pieces = listed(spec)
+            if any("codec" in p for p in pieces):
+                newest = max(newest, index_mod.FORMAT_VERSION_COMPRESSED)
+            variables[spec.name] = _tensor_entry(
+                spec.dtype, spec.shape, spec.path, spec.layout, pieces
+            )
+    return {
         "format": index_mod.FORMAT,
-        "format_version": (
-            index_mod.FORMAT_VERSION if compressed else index_mod.FORMAT_VERSION_UNCOMPRESSED
-        ),
+        "format_version": newest,
         "library_version": __version__,
         "created": time.time(),
         "world_size": plan.world_size,
         "variables": variables,
     }
+
+
+def index_bytes(index: dict[str, Any]) -> bytes:
+    """The root group's ``zarr.json`` holding ``index``."""
+    doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def commit(
+    plan: SavePlan, reports: Sequence[Report], values: dict[str, Any], txn: Transaction
+) -> None:
+    """Coordinator, step 5 of the save protocol: with every rank's report in, write the
+    group metadata and then the index through the save's transaction
+    (:mod:`distckpt.storage.transaction`), which makes it the checkpoint."""
+    index = build_index(plan, reports, values)
     files = {
         f"{group}/{zarr_meta.ZARR_JSON}": zarr_meta.dumps(zarr_meta.group_meta())
         for group in plan.groups
         if group != ""
     }
-    doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
-    txn.commit(files, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+    txn.commit(files, index_bytes(index))

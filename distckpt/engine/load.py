@@ -26,6 +26,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.comm.outcome import Failure
 from distckpt.engine import background
 from distckpt.errors import (
     MissingVariablesError,
@@ -37,6 +38,7 @@ from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, is_remote, location, resolve
+from distckpt.storage.index import Pieces
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.reader import ReadTarget, read_targets
 from distckpt.values import decode
@@ -89,11 +91,32 @@ def load(
     t0 = time.perf_counter()
     error: BaseException | None = None
     try:
+        index = read_shared_index(store, comm)
         workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
-        _load_local(state, store, result, comm.rank, comm.size, strict, allow_pickle, workers)
+        _load_local(
+            state, store, index, result, comm.rank, comm.size, strict, allow_pickle, workers
+        )
     except Exception as exc:
         error = exc
     return settle(comm, result, error, t0)
+
+
+def read_shared_index(store: Store, comm: Communicator) -> dict[str, Any]:
+    """Collective: the index of the checkpoint at ``store``, read by rank 0 alone and
+    broadcast, so that a job of thousands of ranks reads it once from shared storage. A
+    failure to read it is raised on every rank."""
+    payload: bytes | Failure | None = None
+    error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            payload = index_mod.read_index_bytes(store)
+        except Exception as exc:
+            error, payload = exc, Failure.capture(exc, comm.rank)
+    payload = comm.broadcast(payload, root=0)
+    if isinstance(payload, Failure):
+        payload.raise_here(comm.rank, error)
+    assert isinstance(payload, bytes)
+    return index_mod.parse_index(payload, store)
 
 
 def settle(
@@ -117,6 +140,7 @@ def settle(
 def _load_local(
     state: dict[str, Any],
     store: Store,
+    index: dict[str, Any],
     result: LoadResult,
     rank: int,
     world: int,
@@ -125,7 +149,6 @@ def _load_local(
     workers: int,
 ) -> None:
     t0 = time.perf_counter()
-    index = index_mod.read_index(store)
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}
@@ -135,7 +158,7 @@ def _load_local(
         check_names(result.path, result.missing, result.unexpected)
     saved_world = int(index.get("world_size", world))
     # Check every leaf before reading anything.
-    jobs: list[tuple[Leaf, dict[str, Any]]] = []
+    jobs: list[tuple[Leaf, dict[str, Any], Pieces | None]] = []
     moved: list[str] = []  # per-rank variables restored on another world size
     for leaf in leaves:
         entry = stored.get(leaf.name)
@@ -145,10 +168,10 @@ def _load_local(
             entry = _per_rank_entry(leaf.name, entry, rank, world, saved_world)
             if world != saved_world:
                 moved.append(leaf.name)
-        jobs.append((leaf, check_leaf(leaf, entry)))
-        if entry.get("kind") == "tensor":  # an unknown codec fails before any read
-            for piece in entry["pieces"]:
-                index_mod.StoredPiece.from_json(piece, leaf.name)
+        check_leaf(leaf, entry)
+        # A malformed entry or an unknown codec fails before anything is read.
+        pieces = Pieces(entry, leaf.name) if entry.get("kind") == "tensor" else None
+        jobs.append((leaf, entry, pieces))
     if moved and rank == 0:
         log.warning(
             "per-rank variables saved on %d ranks are restored on %d: rank r takes what rank "
@@ -158,22 +181,24 @@ def _load_local(
             saved_world,
             ", ".join(moved),
         )
-    targets = [(leaf, entry, target_box(leaf, entry)) for leaf, entry in jobs]
+    targets = [(leaf, entry, pieces, target_box(leaf, entry)) for leaf, entry, pieces in jobs]
     total = sum(
-        box.numel * dtypes.itemsize(entry["dtype"]) for _, entry, box in targets if box is not None
+        box.numel * dtypes.itemsize(entry["dtype"])
+        for _, entry, _, box in targets
+        if box is not None
     )
     t_plan = time.perf_counter()
     reads: list[ReadTarget] = []
     fresh: list[tuple[Leaf, torch.Tensor]] = []
-    for leaf, entry, box in targets:
+    for leaf, entry, pieces, box in targets:
         if box is None:
             assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
             tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
-            reads.append(ReadTarget(leaf.name, entry, box, tensor))
+            reads.append(ReadTarget(leaf.name, entry, box, tensor, stored=pieces))
             fresh.append((leaf, tensor))
         else:
-            reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor))
+            reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor, stored=pieces))
         result.loaded.append(leaf.name)
     with progress(f"loading {store.name} (rank 0's share)", total, rank=rank) as bar:
         result.bytes_read = read_targets(store, reads, workers=workers, on_bytes=bar.update)

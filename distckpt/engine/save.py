@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,8 +43,9 @@ from distckpt.comm import Communicator, auto
 from distckpt.comm.base import background as background_comm
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import background, snapshot
+from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave
-from distckpt.engine.commit import commit
+from distckpt.engine.commit import Report, commit
 from distckpt.engine.snapshot import BufferPool
 from distckpt.items import Leaf, flatten
 from distckpt.planning.save_plan import (
@@ -55,8 +54,7 @@ from distckpt.planning.save_plan import (
     Desc,
     Piece,
     RankWork,
-    SavePlan,
-    make_save_plan,
+    plan_save,
 )
 from distckpt.progress import progress
 from distckpt.storage import codecs, shard_io, zarr_meta
@@ -82,6 +80,7 @@ class SaveResult:
     bytes_written: int = 0
     files_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    plan_reused: bool = False  # the ranks reused the plan of an earlier save
 
 
 @dataclass
@@ -104,32 +103,14 @@ def _gather_leaves(state: dict[str, Any], allow_pickle: bool) -> tuple[list[Leaf
     return leaves, values
 
 
-def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
-    """This rank's descriptions. Replicated tensors carry their crc32c, for the
-    coordinator to check that every rank holds the same bytes (not needed, so not
-    computed, on one rank); those in host memory are checksummed by the I/O workers."""
-    checksums: dict[str, int] = {}
-    pending: dict[str, Any] = {}
-    group = TaskGroup(workers)
-
-    def feed() -> None:
-        for leaf in local.leaves:
-            source = local.sources.get(leaf.name)
-            if world > 1 and leaf.replicated and source is not None:
-                if source.staged:  # through the slabs, on this thread
-                    checksums[leaf.name] = source.crc()
-                else:
-                    pending[leaf.name] = group.submit(source.crc)
-
-    group.drive(feed)
-    checksums.update((name, future.result()) for name, future in pending.items())
+def _describe(local: _Local) -> list[Desc]:
+    """This rank's descriptions, without checksums (see :func:`_checksums`)."""
     descs: list[Desc] = []
     for leaf in local.leaves:
         if leaf.tensor is None:
             kind = "value" if leaf.kind == "value" else "per_rank"
             descs.append(Desc(leaf.name, kind, value=local.values[leaf.name]))
             continue
-        checksum = checksums.get(leaf.name)
         descs.append(
             Desc(
                 leaf.name,
@@ -138,10 +119,30 @@ def _describe(local: _Local, world: int, workers: int) -> list[Desc]:
                 shape=leaf.shape,
                 box=leaf.box,
                 replicated=leaf.replicated,
-                checksum=checksum,
             )
         )
     return descs
+
+
+def _checksums(local: _Local, names: list[str], workers: int) -> dict[str, int]:
+    """The crc32c of the replicated tensors ``names``, for the coordinator to check that
+    every rank holds the same bytes; those in host memory are checksummed by the I/O
+    workers, those staged through the slabs on this thread."""
+    checksums: dict[str, int] = {}
+    pending: dict[str, Any] = {}
+    group = TaskGroup(workers)
+
+    def feed() -> None:
+        for name in names:
+            source = local.sources[name]
+            if source.staged:
+                checksums[name] = source.crc()
+            else:
+                pending[name] = group.submit(source.crc)
+
+    group.drive(feed)
+    checksums.update((name, future.result()) for name, future in pending.items())
+    return checksums
 
 
 @dataclass
@@ -420,36 +421,33 @@ def _protocol(
     stored_bytes = 0  # by every rank: known to the coordinator
     t0 = time.perf_counter()
 
-    # 1-2. Describe, then plan on the coordinator.
-    local_error: BaseException | None = error
-    payload: Any = local
-    if not isinstance(local, Failure):
+    # 1-2. Describe, and agree on a plan (the last one, while nothing changed).
+    descs: list[Desc] | Failure = local if isinstance(local, Failure) else []
+    if isinstance(local, _Local):
         try:
-            payload = _describe(local, comm.size, opts.io_workers)
+            descs = _describe(local)
         except Exception as exc:
-            local_error, payload = exc, Failure.capture(exc, comm.rank)
-    gathered = comm.gather(payload, root=COORDINATOR)
-    t_describe = time.perf_counter()
+            error, descs = exc, Failure.capture(exc, comm.rank)
+    options = (opts.small_bytes, opts.inner_bytes, opts.compression, comm.size)
     staging: Transaction | None = None
-    decision: Any = None
     try:
-        if comm.rank == COORDINATOR:
-            assert gathered is not None
-            decision = first_failure(gathered)
-            if decision is None:
-                try:
-                    decision, staging = _plan(gathered, final, comm.size, opts)
-                except Exception as exc:
-                    local_error, decision = exc, Failure.capture(exc, comm.rank)
-        if isinstance(decision, SavePlan):
-            # Each rank unpickles only its own work: the whole plan is large for many
-            # variables on many ranks, and only the coordinator needs it.
-            plan = decision
-            decision = [pickle.dumps(w, protocol=pickle.HIGHEST_PROTOCOL) for w in plan.work()]
-        decision = comm.broadcast(decision, root=COORDINATOR)
-        if isinstance(decision, Failure):
-            decision.raise_here(comm.rank, local_error)
-        work: RankWork = pickle.loads(decision[comm.rank])
+        agreed = agree(
+            comm,
+            descs,
+            lambda names: _checksums(local, names, opts.io_workers),  # type: ignore[arg-type]
+            options,
+            lambda ranks: plan_save(
+                ranks,
+                small_bytes=opts.small_bytes,
+                inner_bytes=opts.inner_bytes,
+                compression=opts.compression,
+            ),
+            lambda token: begin(final, token, comm.size, overwrite=opts.overwrite),
+            error,
+        )
+        staging = agreed.begun
+        work = agreed.work
+        local_error: BaseException | None = error
         assert isinstance(local, _Local)
         t_plan = time.perf_counter()
 
@@ -468,12 +466,12 @@ def _protocol(
         # 5. Commit.
         outcome: Failure | None = None
         if comm.rank == COORDINATOR:
-            assert reports is not None and staging is not None
+            assert reports is not None and staging is not None and agreed.plan is not None
             outcome = first_failure(reports)
             if outcome is None:
-                stored_bytes = sum(size for report in reports for size, _ in report.values())
+                stored_bytes = sum(report.nbytes for report in reports)
                 try:
-                    commit(plan, reports, staging)
+                    commit(agreed.plan, reports, agreed.values or {}, staging)
                     staging = None  # committed: nothing left to abort
                 except Exception as exc:
                     local_error, outcome = exc, Failure.capture(exc, comm.rank)
@@ -495,39 +493,27 @@ def _protocol(
             staging.abort()
         raise
     t_end = time.perf_counter()
+    result.plan_reused = agreed.reused
     result.timings = {
-        "describe": t_describe - t0,
-        "plan": t_plan - t_describe,
+        "plan": t_plan - t0,
         "exchange": t_exchange - t_plan,
         "write": t_write - t_exchange,
         "commit": t_end - t_write,
         "total": t_end - t0,
     }
     if comm.rank == COORDINATOR:
+        assert agreed.plan is not None
         log.info(
-            "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s)",
+            "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s plan; %s)",
             final.url,
-            len(plan.variables),
+            len(agreed.plan.specs),
             stored_bytes,
             comm.size,
             result.timings["total"],
+            "reused" if agreed.reused else "new",
             ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
         )
     return result
-
-
-def _plan(
-    gathered: list[Any], final: Store, world: int, opts: _Options
-) -> tuple[SavePlan, Transaction]:
-    token = uuid.uuid4().hex[:16]
-    plan = make_save_plan(
-        gathered,
-        token,
-        small_bytes=opts.small_bytes,
-        inner_bytes=opts.inner_bytes,
-        compression=opts.compression,
-    )
-    return plan, begin(final, token, world, overwrite=opts.overwrite)
 
 
 def _exchange(
@@ -576,9 +562,9 @@ def _write(
     rank: int,
     opts: _Options,
     result: SaveResult,
-) -> dict[int, tuple[int, int]]:
+) -> Report:
     """Write this rank's pieces into the staging directory with its I/O workers; return
-    {piece id: (size, crc)}.
+    the size and crc of each.
 
     On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
     when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
@@ -599,4 +585,4 @@ def _write(
     result.bytes_written += sum(size for size, _ in written.values())
     result.files_written += len(files) + sum(1 for size, _ in written.values() if size)
     root.persist(keys)
-    return written
+    return Report.of(written)

@@ -1,7 +1,14 @@
 """The save plan: validate every rank's description, then decide who writes what, where.
 
-``make_save_plan`` runs on the coordinator over the descriptions gathered from every rank.
-It is a pure function: tests feed it hand-built per-rank descriptions.
+:func:`plan_save` runs on the coordinator over the descriptions gathered from every rank
+(:class:`RankDesc`). It is a pure function: tests and the scale benchmark feed it
+synthetic descriptions of thousands of ranks.
+
+Descriptions are columnar, because a job of thousands of ranks holding a thousand
+variables each would otherwise be millions of Python objects on the coordinator: a rank
+sends its :class:`Schema` (names, kinds, dtypes, shapes: identical on every rank of an
+SPMD job, so sent once per distinct schema) and one integer vector of its boxes. The
+planner works per variable on arrays over the ranks holding it.
 
 Decisions, per variable:
 
@@ -19,22 +26,32 @@ Each sharded piece of a variable is compressed as ``compression`` chooses for it
 (:func:`distckpt.storage.codecs.choose`); plain chunks never are.
 
 Identical boxes on several ranks are replicas: exactly one of them writes. Writers are
-chosen greedily by bytes, largest first, so the work spreads over the ranks.
+chosen greedily by bytes, largest variable first, so the work spreads over the ranks.
+
+The plan is what every rank needs: the variables' specs (:class:`VarSpec`, the same for
+every rank: broadcast) and each rank's :class:`Share` (the pieces it writes and the boxes
+it sends: scattered), which the rank expands into its :class:`RankWork`. Piece ``k`` of a
+variable has the id ``spec.first + k``; the pieces of a regular array are numbered in C
+order of their grid coordinates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from distckpt import dtypes
 from distckpt.errors import ValidationError
 from distckpt.naming import zarr_path
-from distckpt.planning.layout import find_overlap, inner_chunks, regular_grid
+from distckpt.planning.layout import find_overlap, inner_chunks
 from distckpt.slices import Box
 from distckpt.storage import codecs, zarr_meta
 from distckpt.storage.codecs import Codec, Compression
@@ -51,7 +68,7 @@ SMALL_WRITER_BYTES = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Desc:
-    """What one rank holds of one variable (small: travels to the coordinator)."""
+    """What one rank holds of one variable (the engine's per-leaf description)."""
 
     name: str
     kind: str  # "tensor" | "value" | "per_rank"
@@ -61,6 +78,68 @@ class Desc:
     replicated: bool = False
     checksum: int | None = None  # of a replicated tensor's bytes
     value: Any = None  # encoded JSON of a value
+
+
+class Schema:
+    """The leaves one rank holds, without their boxes or contents: names, kinds, dtypes,
+    global shapes and which tensors are replicated. Ranks of an SPMD job share one."""
+
+    __slots__ = ("entries", "digest", "slots", "width")
+
+    def __init__(
+        self, entries: Sequence[tuple[str, str, str | None, tuple[int, ...] | None, bool]]
+    ) -> None:
+        self.entries = tuple(entries)
+        self.digest = hashlib.blake2b(repr(self.entries).encode(), digest_size=16).digest()
+        # Each "tensor" leaf's box takes 2 * ndim integers of the rank's box vector.
+        slots: list[int | None] = []
+        width = 0
+        for _name, kind, _dtype, shape, _rep in self.entries:
+            if kind == "tensor" and shape is not None:
+                slots.append(width)
+                width += 2 * len(shape)
+            else:
+                slots.append(None)
+        self.slots = tuple(slots)
+        self.width = width
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Schema, (self.entries,))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+@dataclass
+class RankDesc:
+    """One rank's description: its schema (None where the coordinator's is the same), the
+    boxes of its tensor leaves (offsets then lengths, in schema order), its values (by
+    name, encoded) and the crc32c of those replicated tensors it was asked to check."""
+
+    schema: Schema | None
+    digest: bytes
+    boxes: np.ndarray
+    values: dict[str, Any] = field(default_factory=dict)
+    checksums: dict[str, int] = field(default_factory=dict)
+
+
+def rank_desc(descs: Sequence[Desc]) -> RankDesc:
+    """The columnar description of one rank's per-leaf descriptions."""
+    schema = Schema([(d.name, d.kind, d.dtype, d.shape, d.replicated) for d in descs])
+    boxes = np.zeros(schema.width, dtype=np.int64)
+    values: dict[str, Any] = {}
+    checksums: dict[str, int] = {}
+    for d, slot in zip(descs, schema.slots, strict=True):
+        if slot is not None:
+            assert d.box is not None
+            n = d.box.ndim
+            boxes[slot : slot + n] = d.box.offsets
+            boxes[slot + n : slot + 2 * n] = d.box.lengths
+        if d.dtype is None:
+            values[d.name] = d.value
+        if d.checksum is not None:
+            checksums[d.name] = d.checksum
+    return RankDesc(schema, schema.digest, boxes, values, checksums)
 
 
 @dataclass(frozen=True)
@@ -82,17 +161,174 @@ class Piece:
     codec: Codec | None = None  # compresses each inner chunk (sharded pieces only)
 
 
-@dataclass
-class VarPlan:
+@dataclass(frozen=True)
+class VarSpec:
+    """One variable of the plan, as every rank sees it.
+
+    ``layout`` "regular": one array of ``chunks``-shaped shards, piece ``k`` the shard at
+    the ``k``-th grid coordinate in C order; "small": one plain chunk; "boxes": one array
+    per box of ``boxes``; "per_rank": one array per rank of ``ranks``, of ``shapes``.
+    """
+
     name: str
-    kind: str
+    kind: str  # "tensor" | "value" | "per_rank"
     path: str
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
-    layout: str | None = None  # "regular" | "small" | "boxes" | "per_rank"
-    value: Any = None
-    per_rank_values: dict[int, Any] = field(default_factory=dict)
-    pieces: list[Piece] = field(default_factory=list)
+    layout: str | None = None  # "regular" | "small" | "boxes" | "per_rank"; None: a value
+    first: int = 0  # the id of piece 0
+    count: int = 0  # pieces
+    chunks: tuple[int, ...] | None = None  # regular: the shard shape
+    inner: tuple[int, ...] | None = None  # regular: the inner chunk shape
+    codec: Codec | None = None  # regular: the codec of every shard
+    boxes: tuple[Box, ...] = ()  # boxes: one per piece
+    ranks: tuple[int, ...] = ()  # per_rank: the rank of each piece
+    shapes: tuple[tuple[int, ...], ...] = ()  # per_rank: the shape of each piece
+    choice: str | None = None  # the compression chosen for this name
+
+    def grid(self) -> tuple[int, ...]:
+        """Shards per dimension of a regular array."""
+        assert self.shape is not None and self.chunks is not None
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunks, strict=True))
+
+    def box_of(self, k: int) -> Box:
+        """The global box piece ``k`` stores."""
+        if self.layout == "regular":
+            assert self.shape is not None and self.chunks is not None
+            coord = np.unravel_index(k, self.grid()) if self.shape else ()
+            offsets = tuple(int(c) * n for c, n in zip(coord, self.chunks, strict=True))
+            lengths = tuple(
+                min(n, s - o) for o, n, s in zip(offsets, self.chunks, self.shape, strict=True)
+            )
+            return Box(offsets, lengths)
+        if self.layout == "boxes":
+            return self.boxes[k]
+        if self.layout == "per_rank":
+            return Box.full(self.shapes[k])
+        assert self.shape is not None
+        return Box.full(self.shape)
+
+    def piece(
+        self,
+        k: int,
+        writer: int,
+        sources: tuple[tuple[int, Box], ...] | None = None,
+        small_bytes: int = DEFAULT_SMALL_BYTES,
+        inner_bytes: int = DEFAULT_INNER_BYTES,
+    ) -> Piece:
+        """Piece ``k``, written by ``writer`` from ``sources`` (default: its own box),
+        with the ``zarr.json`` it writes along with it (the first piece of a regular
+        array, every piece of the other layouts)."""
+        assert self.dtype is not None and self.shape is not None
+        box = self.box_of(k)
+        src = sources if sources is not None else ((writer, box),)
+        pid = self.first + k
+        if self.layout == "regular":
+            assert self.chunks is not None
+            coord = np.unravel_index(k, self.grid()) if self.shape else ()
+            meta = None
+            if k == 0:
+                meta = _meta(self.shape, self.dtype, self.chunks, self.inner, self.codec)
+            return Piece(
+                pid,
+                self.name,
+                self.dtype,
+                f"{self.path}/{zarr_meta.chunk_key([int(c) for c in coord])}",
+                box,
+                self.chunks,
+                self.inner,
+                writer,
+                src,
+                meta_file=f"{self.path}/{zarr_meta.ZARR_JSON}" if k == 0 else None,
+                meta=meta,
+                codec=self.codec,
+            )
+        if self.layout == "small":
+            block = tuple(max(1, n) for n in self.shape)
+            return Piece(
+                pid,
+                self.name,
+                self.dtype,
+                f"{self.path}/{zarr_meta.chunk_key([0] * len(self.shape))}",
+                box,
+                block,
+                None,
+                writer,
+                src,
+                meta_file=f"{self.path}/{zarr_meta.ZARR_JSON}",
+                meta=zarr_meta.array_meta(self.shape, self.dtype, block, None),
+            )
+        sub = f"{self.path}/p{k}" if self.layout == "boxes" else f"{self.path}/r{self.ranks[k]}"
+        itemsize = dtypes.itemsize(self.dtype)
+        lengths = box.lengths
+        block = tuple(max(1, n) for n in lengths)
+        small = math.prod(lengths) * itemsize <= small_bytes or not lengths
+        inner = None if small else inner_chunks(block, itemsize, inner_bytes)
+        codec = None if small else codecs.make(self.choice, itemsize)
+        return Piece(
+            pid,
+            self.name,
+            self.dtype,
+            f"{sub}/{zarr_meta.chunk_key([0] * len(lengths))}",
+            box,
+            block,
+            inner,
+            writer,
+            src,
+            meta_file=f"{sub}/{zarr_meta.ZARR_JSON}",
+            meta=_meta(lengths, self.dtype, block, inner, codec),
+            rank=self.ranks[k] if self.layout == "per_rank" else None,
+            codec=codec,
+        )
+
+
+@dataclass
+class Share:
+    """What one rank is told to do: the ids of the pieces it writes, the sources of those
+    it assembles from other ranks' boxes (rows of rank, offsets, lengths), and the boxes
+    it sends (rows of piece id, index in the piece's sources, writer)."""
+
+    writes: np.ndarray
+    sources: dict[int, np.ndarray] = field(default_factory=dict)
+    sends: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+
+
+def source_boxes(rows: np.ndarray) -> tuple[tuple[int, Box], ...]:
+    """A piece's sources, ``(rank, box)``, from their rows (rank, offsets, lengths)."""
+    d = (rows.shape[1] - 1) // 2
+    return tuple((row[0], Box(tuple(row[1 : 1 + d]), tuple(row[1 + d :]))) for row in rows.tolist())
+
+
+@dataclass
+class Shared:
+    """The part of a plan every rank receives (broadcast once per plan)."""
+
+    specs: list[VarSpec]
+    exchange_writers: list[int]  # every rank takes part in one gather per writer, in order
+    small_bytes: int
+    inner_bytes: int
+
+    def expand(self, share: Share, rank: int, token: str) -> RankWork:
+        """This rank's work, from its share."""
+        firsts = [s.first for s in self.specs]
+        writes: list[Piece] = []
+        for pid in share.writes.tolist():
+            spec = self.specs[bisect_right(firsts, pid) - 1]
+            rows = share.sources.get(pid)
+            writes.append(
+                spec.piece(
+                    pid - spec.first,
+                    rank,
+                    None if rows is None else source_boxes(rows),
+                    self.small_bytes,
+                    self.inner_bytes,
+                )
+            )
+        sends = [
+            (pid, k, writer, self.specs[bisect_right(firsts, pid) - 1].name)
+            for pid, k, writer in share.sends.tolist()
+        ]
+        return RankWork(token, writes, sends, list(self.exchange_writers))
 
 
 @dataclass
@@ -103,30 +339,73 @@ class RankWork:
     token: str
     writes: list[Piece]
     sends: list[tuple[int, int, int, str]]
-    exchange_writers: list[int]  # every rank takes part in one gather per writer, in order
+    exchange_writers: list[int]
 
 
 @dataclass
 class SavePlan:
-    token: str
+    """The coordinator's plan: every variable's spec and every piece's writer."""
+
     world_size: int
-    variables: list[VarPlan]
+    shared: Shared
+    writers: np.ndarray  # by piece id
+    sources: dict[int, np.ndarray]  # of the pieces assembled from boxes: rank, offsets, lengths
     groups: list[str]  # group nodes the coordinator writes zarr.json for ("" is the root)
 
-    def work(self) -> list[RankWork]:
-        """Every rank's :class:`RankWork`, in rank order (one pass over the plan)."""
-        writers: set[int] = set()
-        works = [RankWork(self.token, [], [], []) for _ in range(self.world_size)]
-        for var in self.variables:
-            for piece in var.pieces:
-                works[piece.writer].writes.append(piece)
-                for k, (rank, _box) in enumerate(piece.sources):
-                    if rank != piece.writer:
-                        writers.add(piece.writer)
-                        works[rank].sends.append((piece.id, k, piece.writer, piece.var))
-        for w in works:
-            w.exchange_writers = sorted(writers)
-        return works
+    @property
+    def specs(self) -> list[VarSpec]:
+        return self.shared.specs
+
+    @property
+    def pieces(self) -> int:
+        return len(self.writers)
+
+    def variable(self, name: str) -> VarSpec:
+        return next(s for s in self.specs if s.name == name)
+
+    def pieces_of(self, spec: VarSpec, *, sources: bool = True) -> list[Piece]:
+        """Every piece of one variable (tests and the index; a rank expands its own),
+        with the boxes its writer assembles it from unless ``sources`` is false."""
+        out = []
+        for k in range(spec.count):
+            rows = self.sources.get(spec.first + k) if sources else None
+            out.append(
+                spec.piece(
+                    k,
+                    int(self.writers[spec.first + k]),
+                    None if rows is None else source_boxes(rows),
+                    self.shared.small_bytes,
+                    self.shared.inner_bytes,
+                )
+            )
+        return out
+
+    def shares(self) -> list[Share]:
+        """Every rank's :class:`Share`, in rank order."""
+        order = np.argsort(self.writers, kind="stable")
+        bounds = np.searchsorted(self.writers[order], np.arange(self.world_size + 1))
+        shares = [Share(order[bounds[r] : bounds[r + 1]]) for r in range(self.world_size)]
+        sends: list[np.ndarray] = []  # rows: sending rank, piece id, index, writer
+        for pid, rows in self.sources.items():
+            writer = int(self.writers[pid])
+            shares[writer].sources[pid] = rows
+            ranks = rows[:, 0]
+            k = np.flatnonzero(ranks != writer)
+            sends.append(
+                np.stack([ranks[k], np.full(len(k), pid), k, np.full(len(k), writer)], axis=1)
+            )
+        if sends:
+            table = np.concatenate(sends)
+            table = table[np.argsort(table[:, 0], kind="stable")]
+            cuts = np.searchsorted(table[:, 0], np.arange(self.world_size + 1))
+            for r in range(self.world_size):
+                if cuts[r + 1] > cuts[r]:
+                    shares[r].sends = table[cuts[r] : cuts[r + 1], 1:]
+        return shares
+
+    def work(self, token: str = "t") -> list[RankWork]:
+        """Every rank's :class:`RankWork`, in rank order (tests)."""
+        return [self.shared.expand(s, r, token) for r, s in enumerate(self.shares())]
 
 
 def _fail(errors: list[str]) -> None:
@@ -138,314 +417,471 @@ def _fail(errors: list[str]) -> None:
         )
 
 
-class Balancer:
-    """Picks, among the ranks that could write some bytes, the one with the least so far."""
+@dataclass
+class Holders:
+    """Every rank holding one variable, as arrays: ranks ``(n,)``, offsets and lengths
+    ``(n, ndim)`` of their boxes (tensors), in rank order."""
 
-    def __init__(self, world_size: int) -> None:
-        self.load = [0] * world_size
+    name: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    ranks: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    replicated: np.ndarray  # bool per holder
+    shapes: list[tuple[int, ...] | None]  # per holder, of a per-rank variable (they differ)
 
-    def pick(self, candidates: Sequence[int], nbytes: int) -> int:
-        rank = min(candidates, key=lambda r: (self.load[r], r))
-        self.load[rank] += nbytes
-        return rank
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None or self.shape is None:
+            return 0
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
 
-def make_save_plan(
-    descs_by_rank: Sequence[Sequence[Desc]],
-    token: str,
+def survey(ranks: Sequence[RankDesc]) -> tuple[dict[str, Holders], list[str]]:
+    """Every variable's :class:`Holders` (by name, in order of first appearance) and the
+    inconsistencies found between ranks. Every ``schema`` must be set."""
+    groups: dict[bytes, tuple[Schema, list[int]]] = {}
+    for r, desc in enumerate(ranks):
+        assert desc.schema is not None, "survey needs every rank's schema"
+        groups.setdefault(desc.digest, (desc.schema, []))[1].append(r)
+    # name -> [(schema, leaf index, ranks, box matrix)]
+    parts: dict[str, list[tuple[Schema, int, np.ndarray, np.ndarray | None]]] = defaultdict(list)
+    for schema, members in groups.values():
+        rank_ids = np.asarray(members, dtype=np.int64)
+        # (ranks, slots), stored a slot at a time: a variable's columns are contiguous.
+        matrix = (
+            np.stack([ranks[r].boxes for r in members], axis=1).T
+            if schema.width
+            else np.zeros((len(members), 0), dtype=np.int64)
+        )
+        for i, (name, *_rest) in enumerate(schema.entries):
+            parts[name].append((schema, i, rank_ids, matrix))
+    holders: dict[str, Holders] = {}
+    errors: list[str] = []
+    for name, found in parts.items():
+        found.sort(key=lambda p: int(p[2][0]))  # the group of the lowest rank first
+        error = _consistent(name, found)
+        if error is not None:
+            errors.append(error)
+            continue
+        schema, i, _, _ = found[0]
+        _, kind, dtype, shape, _ = schema.entries[i]
+        rank_parts: list[np.ndarray] = []
+        offs: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        reps: list[np.ndarray] = []
+        shapes: list[tuple[int, ...] | None] = []
+        for sch, j, group_ranks, box_matrix in found:
+            rank_parts.append(group_ranks)
+            slot = sch.slots[j]
+            entry_shape = sch.entries[j][3]
+            if slot is not None and box_matrix is not None and entry_shape is not None:
+                d = len(entry_shape)
+                offs.append(box_matrix[:, slot : slot + d])
+                lens.append(box_matrix[:, slot + d : slot + 2 * d])
+            reps.append(np.full(len(group_ranks), sch.entries[j][4]))
+            if kind == "per_rank":  # each rank's own shape (or None: a value)
+                shapes.extend([entry_shape] * len(group_ranks))
+        ndim = len(shape) if shape is not None else 0
+        all_ranks = np.concatenate(rank_parts) if len(rank_parts) > 1 else rank_parts[0]
+        empty = np.zeros((len(all_ranks), ndim), dtype=np.int64)
+        h = Holders(
+            name,
+            kind,
+            dtype,
+            shape,
+            all_ranks,
+            np.concatenate(offs) if len(offs) > 1 else (offs[0] if offs else empty),
+            np.concatenate(lens) if len(lens) > 1 else (lens[0] if lens else empty),
+            np.concatenate(reps) if len(reps) > 1 else reps[0],
+            shapes,
+        )
+        if len(rank_parts) > 1:  # in rank order
+            order = np.argsort(all_ranks, kind="stable")
+            h.ranks, h.offsets = all_ranks[order], h.offsets[order]
+            h.lengths = h.lengths[order]
+            h.replicated = h.replicated[order]
+            h.shapes = [shapes[k] for k in order.tolist()] if shapes else []
+        holders[name] = h
+    return holders, errors
+
+
+def _consistent(
+    name: str, found: list[tuple[Schema, int, np.ndarray, np.ndarray | None]]
+) -> str | None:
+    """The first inconsistency of kind, dtype or shape between the groups holding
+    ``name`` (reported as the lowest rank of each side), or None."""
+    schema0, i0, ranks0, _ = found[0]
+    _, kind0, dtype0, shape0, _ = schema0.entries[i0]
+    r0 = int(ranks0[0])
+    differing: list[tuple[int, str]] = []
+    for schema, i, members, _ in found[1:]:
+        _, kind, dtype, shape, _ = schema.entries[i]
+        r = int(members[0])
+        if kind != kind0:
+            differing.append((r, f"{name!r} is a {kind0} on rank {r0} but a {kind} on rank {r}"))
+        elif kind0 == "per_rank" or kind0 == "value":
+            continue
+        elif dtype != dtype0:
+            differing.append((r, f"{name!r}: dtype {dtype0} on rank {r0} but {dtype} on rank {r}"))
+        elif shape != shape0:
+            differing.append(
+                (
+                    r,
+                    f"{name!r}: global shape {list(shape0 or ())} on rank {r0} but "
+                    f"{list(shape or ())} on rank {r}",
+                )
+            )
+    return min(differing)[1] if differing else None
+
+
+def check_contents(kinds: dict[str, str], ranks: Sequence[RankDesc]) -> list[str]:
+    """The values that differ between the ranks holding them, and the replicated tensors
+    whose checksums differ (of those checked on more than one rank)."""
+    errors: list[str] = []
+    firsts: dict[str, tuple[int, Any]] = {}
+    bad: set[str] = set()
+    for r, desc in enumerate(ranks):
+        for name, value in desc.values.items():
+            if kinds.get(name) != "value":
+                continue
+            seen = firsts.setdefault(name, (r, value))
+            if seen[1] != value and name not in bad:
+                bad.add(name)
+                errors.append(
+                    f"{name!r}: the value differs between rank {seen[0]} ({seen[1]!r}) and "
+                    f"rank {r} ({value!r}); wrap state that differs by rank in distckpt.PerRank"
+                )
+    crcs: dict[str, tuple[int, int]] = {}
+    for r, desc in enumerate(ranks):
+        for name, crc in desc.checksums.items():
+            seen_crc = crcs.setdefault(name, (r, crc))
+            if seen_crc[1] != crc and name not in bad:
+                bad.add(name)
+                errors.append(
+                    f"{name!r}: a plain tensor is saved as replicated but differs between rank "
+                    f"{seen_crc[0]} and rank {r}; use distckpt.Shard or a DTensor for "
+                    "partitioned values and distckpt.PerRank for per-rank state"
+                )
+    return errors
+
+
+def plan_save(
+    ranks: Sequence[RankDesc],
     *,
     small_bytes: int = DEFAULT_SMALL_BYTES,
     inner_bytes: int = DEFAULT_INNER_BYTES,
     compression: Compression = None,
 ) -> SavePlan:
-    """Validate the descriptions of every rank and plan the writes (coordinator only).
+    """Validate every rank's description and plan the writes (coordinator only).
 
     Raises :class:`ValidationError` naming every inconsistent variable and the ranks
     involved; nothing is written before this has passed.
     """
-    world = len(descs_by_rank)
+    world = len(ranks)
     codecs.check(compression)
-    by_name = validate(descs_by_rank)
-    balancer = Balancer(world)
-    small_writers = _small_writers(by_name, world, small_bytes)
-    variables: list[VarPlan] = []
-    next_id = 0
-    # Largest first, so the greedy balance spreads big tensors before small ones.
-    order = sorted(by_name, key=lambda n: -_nbytes(by_name[n][0][1]))
-    for name in order:
-        held = by_name[name]
-        first = held[0][1]
-        var = VarPlan(name=name, kind=first.kind, path=zarr_path(name))
-        choice = codecs.choose(compression, name)
-        if first.kind == "value":
-            var.value = first.value
-        elif first.kind == "per_rank":
-            var.layout = "per_rank"
-            for rank, d in held:
-                if d.dtype is None:
-                    var.per_rank_values[rank] = d.value
-                    continue
-                assert d.shape is not None
-                piece = _single_block_piece(
-                    next_id,
-                    name,
-                    f"{var.path}/r{rank}",
-                    d.dtype,
-                    d.shape,
-                    rank,
-                    ((rank, Box.full(d.shape)),),
-                    small_bytes,
-                    inner_bytes,
-                    choice,
-                )
-                var.pieces.append(dataclasses.replace(piece, rank=rank))
-                balancer.load[rank] += _nbytes(d)
-                next_id += 1
-        else:
-            var.dtype, var.shape = first.dtype, first.shape
-            next_id = _plan_tensor(
-                var,
-                held,
-                balancer,
-                next_id,
-                small_writers,
-                small_bytes=small_bytes,
-                inner_bytes=inner_bytes,
-                choice=choice,
-            )
-        variables.append(var)
-    variables.sort(key=lambda v: v.name)
-    return SavePlan(token=token, world_size=world, variables=variables, groups=_groups(variables))
-
-
-def validate(descs_by_rank: Sequence[Sequence[Desc]]) -> dict[str, list[tuple[int, Desc]]]:
-    """Every variable's descriptions by rank, in order of first appearance, once they are
-    consistent; else :class:`ValidationError` naming every inconsistent variable."""
-    by_name: dict[str, list[tuple[int, Desc]]] = defaultdict(list)
-    for rank, descs in enumerate(descs_by_rank):
-        for d in descs:
-            by_name[d.name].append((rank, d))
-    errors: list[str] = []
-    for name, held in by_name.items():
-        errors.extend(_validate(name, held))
+    holders, errors = survey(ranks)
+    errors += check_contents({n: h.kind for n, h in holders.items()}, ranks)
+    planners: list[tuple[Holders, _Partition | None]] = []
+    for h in holders.values():
+        if h.kind != "tensor":
+            planners.append((h, None))
+            continue
+        part = _Partition.of(h)
+        if part.error is not None:
+            errors.append(part.error)
+        planners.append((h, part))
     _fail(errors)
-    return by_name
+
+    load = np.zeros(world, dtype=np.int64)
+    small_writers = _small_writers(planners, world, small_bytes)
+    # Largest first, so the greedy balance spreads big tensors before small ones.
+    planners.sort(key=lambda hp: (-hp[0].nbytes, hp[0].name))
+    planned: list[tuple[VarSpec, np.ndarray, dict[int, np.ndarray]]] = []
+    for h, maybe in planners:
+        choice = codecs.choose(compression, h.name)
+        path = zarr_path(h.name)
+        if h.kind == "value":
+            planned.append((VarSpec(h.name, "value", path), _NONE, {}))
+        elif h.kind == "per_rank":
+            planned.append(_plan_per_rank(h, path, choice, load))
+        else:
+            assert maybe is not None
+            planned.append(
+                _plan_tensor(h, maybe, path, choice, load, small_writers, small_bytes, inner_bytes)
+            )
+    planned.sort(key=lambda p: p[0].name)
+    specs: list[VarSpec] = []
+    writers: list[np.ndarray] = []
+    sources: dict[int, np.ndarray] = {}
+    first = 0
+    for spec, var_writers, var_sources in planned:
+        specs.append(_with_first(spec, first, len(var_writers)))
+        writers.append(var_writers)
+        sources.update((first + k, s) for k, s in var_sources.items())
+        first += len(var_writers)
+    all_writers = np.concatenate(writers) if writers else _NONE
+    gathering = {
+        int(all_writers[pid])
+        for pid, rows in sources.items()
+        if np.any(rows[:, 0] != all_writers[pid])
+    }
+    shared = Shared(specs, sorted(gathering), small_bytes, inner_bytes)
+    return SavePlan(world, shared, all_writers, sources, _groups(specs))
 
 
-def _nbytes(d: Desc) -> int:
-    if d.dtype is None or d.shape is None:
-        return 0
-    return math.prod(d.shape) * dtypes.itemsize(d.dtype)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
-def _validate(name: str, held: list[tuple[int, Desc]]) -> list[str]:
-    r0, d0 = held[0]
-    for r, d in held[1:]:
-        if d.kind != d0.kind:
-            return [f"{name!r} is a {d0.kind} on rank {r0} but a {d.kind} on rank {r}"]
-    if d0.kind == "per_rank":
-        return []
-    if d0.kind == "value":
-        for r, d in held[1:]:
-            if d.value != d0.value:
-                return [
-                    f"{name!r}: the value differs between rank {r0} ({d0.value!r}) and rank {r} "
-                    f"({d.value!r}); wrap state that differs by rank in distckpt.PerRank"
-                ]
-        return []
-    for r, d in held[1:]:
-        if d.dtype != d0.dtype:
-            return [f"{name!r}: dtype {d0.dtype} on rank {r0} but {d.dtype} on rank {r}"]
-        if d.shape != d0.shape:
-            return [
-                f"{name!r}: global shape {list(d0.shape or ())} on rank {r0} but "
-                f"{list(d.shape or ())} on rank {r}"
-            ]
-    replicas = [(r, d) for r, d in held if d.replicated]
-    for r, d in replicas[1:]:
-        if d.checksum != replicas[0][1].checksum:
-            return [
-                f"{name!r}: a plain tensor is saved as replicated but differs between rank "
-                f"{replicas[0][0]} and rank {r}; use distckpt.Shard or a DTensor for partitioned "
-                "values and distckpt.PerRank for per-rank state"
-            ]
-    shape = d0.shape or ()
-    holders = owners(held)
-    boxes = [b for b in holders if not b.empty]
-    if regular_grid(shape, boxes) is not None or (not boxes and math.prod(shape) == 0):
-        return []
-    pair = find_overlap(boxes)
-    if pair is not None:
-        a, b = pair
+def _with_first(spec: VarSpec, first: int, count: int) -> VarSpec:
+    return dataclasses.replace(spec, first=first, count=count)
+
+
+@dataclass
+class _Partition:
+    """A tensor's distinct non-empty boxes (``offsets``, ``lengths``: ``(m, ndim)``), which
+    holder holds which (``box_of``: per holder, -1 for an empty box), and its layout."""
+
+    offsets: np.ndarray
+    lengths: np.ndarray
+    box_of: np.ndarray
+    grid: tuple[int, ...] | None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, h: Holders) -> _Partition:
+        assert h.shape is not None
+        shape = h.shape
+        ndim = len(shape)
+        nonempty = np.all(h.lengths > 0, axis=1) if ndim else np.ones(len(h.ranks), dtype=bool)
+        keys = np.concatenate([h.offsets, h.lengths], axis=1)[nonempty]
+        distinct, inverse = _distinct_rows(keys)
+        box_of = np.full(len(h.ranks), -1, dtype=np.int64)
+        box_of[nonempty] = inverse
+        offsets, lengths = distinct[:, :ndim], distinct[:, ndim:]
+        part = cls(offsets, lengths, box_of, _regular_grid(shape, offsets, lengths))
+        if part.grid is None and len(distinct) and h.nbytes:
+            part.error = part._irregular_error(h)
+        return part
+
+    def boxes(self) -> list[Box]:
         return [
-            f"{name!r}: slices {a} (rank {holders[a][0]}) and {b} (rank {holders[b][0]}) "
-            "overlap partially; ranks must hold identical or disjoint boxes"
+            Box(tuple(o), tuple(n))
+            for o, n in zip(self.offsets.tolist(), self.lengths.tolist(), strict=True)
         ]
-    covered = sum(b.numel for b in boxes)
-    total = math.prod(shape)
-    if covered != total:
-        return [
-            f"{name!r}: the ranks' slices cover {covered} of the {total} elements of global "
-            f"shape {list(shape)}; slices held: " + ", ".join(str(b) for b in sorted(boxes)[:8])
-        ]
-    return []
+
+    def _irregular_error(self, h: Holders) -> str | None:
+        """For a partition that is not a regular grid: partial overlaps, or a gap."""
+        assert h.shape is not None
+        boxes = self.boxes()
+        first_holder: dict[Box, int] = {}
+        for k, b in enumerate(self.box_of.tolist()):
+            if b >= 0:
+                first_holder.setdefault(boxes[b], int(h.ranks[k]))
+        pair = find_overlap(boxes)
+        if pair is not None:
+            a, b = pair
+            return (
+                f"{h.name!r}: slices {a} (rank {first_holder[a]}) and {b} (rank "
+                f"{first_holder[b]}) overlap partially; ranks must hold identical or disjoint boxes"
+            )
+        covered = sum(b.numel for b in boxes)
+        total = math.prod(h.shape)
+        if covered != total:
+            return (
+                f"{h.name!r}: the ranks' slices cover {covered} of the {total} elements of global "
+                f"shape {list(h.shape)}; slices held: " + ", ".join(str(b) for b in boxes[:8])
+            )
+        return None
 
 
-def owners(held: list[tuple[int, Desc]]) -> dict[Box, list[int]]:
-    """Distinct boxes and the ranks holding each (replicas share a box)."""
-    owners: dict[Box, list[int]] = defaultdict(list)
-    for r, d in held:
-        assert d.box is not None
-        owners[d.box].append(r)
-    return owners
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of a non-negative integer matrix, in lexicographic order, and each
+    row's index among them. Rows whose columns fit 62 bits together are packed into one
+    integer each and sorted as such; others are sorted column by column."""
+    if len(rows) == 0:
+        return rows, _NONE
+    if rows.shape[1] == 0:
+        return rows[:1], np.zeros(len(rows), dtype=np.int64)
+    bits = [int(top).bit_length() for top in rows.max(axis=0).tolist()]
+    if sum(bits) <= 62:
+        key = rows[:, 0].copy()
+        for j in range(1, rows.shape[1]):
+            key <<= bits[j]
+            key |= rows[:, j]
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return rows[first], inverse.reshape(-1)
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    new = np.ones(len(rows), dtype=bool)
+    new[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    inverse = np.empty(len(rows), dtype=np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[new], inverse
 
 
-def _small_writers(
-    by_name: dict[str, list[tuple[int, Desc]]], world: int, small_bytes: int
-) -> list[int]:
-    """The ranks that write small tensors no single rank holds whole: evenly spread, one
-    per :data:`SMALL_WRITER_BYTES` of them."""
-    total = 0
-    for held in by_name.values():
-        d = held[0][1]
-        n = _nbytes(d)
+def _regular_grid(
+    shape: tuple[int, ...], offsets: np.ndarray, lengths: np.ndarray
+) -> tuple[int, ...] | None:
+    """The shard shape if the distinct boxes tile ``shape`` as a regular grid (per
+    dimension equal pieces, the last possibly shorter, as ``torch.chunk`` and DTensor
+    split), else None. See :func:`distckpt.planning.layout.regular_grid`."""
+    m = len(offsets)
+    if m == 0:
+        return None
+    chunk: list[int] = []
+    count = 1
+    for d, n in enumerate(shape):
+        starts, sizes = offsets[:, d], lengths[:, d]
+        if starts.max() == 0 and sizes.min() == n:  # not split along this dimension
+            chunk.append(n)
+            continue
+        pairs, _ = _distinct_rows(np.stack([starts, sizes], axis=1))
+        starts, sizes = pairs[:, 0], pairs[:, 1]
+        size = int(sizes[0])
+        ends = starts + sizes
         if (
-            d.kind == "tensor"
-            and n <= small_bytes
-            and not any(h.box == Box.full(h.shape or ()) for _, h in held)
+            starts[0] != 0
+            or np.any(starts[1:] != ends[:-1])
+            or np.any(sizes[:-1] != size)
+            or sizes[-1] > size
+            or ends[-1] != n
         ):
-            total += n
-    count = min(world, max(1, -(-total // SMALL_WRITER_BYTES)))
-    return sorted({i * world // count for i in range(count)})
+            return None
+        chunk.append(size)
+        count *= len(pairs)
+    return tuple(chunk) if count == m else None
+
+
+def _pick(
+    load: np.ndarray, ranks: np.ndarray, box_of: np.ndarray, nbytes: np.ndarray
+) -> np.ndarray:
+    """The writer of each distinct box: the least loaded of its holders (the lowest rank
+    on a tie), then their loads grow by the boxes' bytes. Exact greedy: a rank holds one
+    box of a variable, so no two boxes share a candidate."""
+    held = box_of >= 0
+    r, b = ranks[held], box_of[held]
+    order = np.lexsort((r, load[r], b))
+    b_sorted = b[order]
+    firsts = np.ones(len(order), dtype=bool)
+    firsts[1:] = b_sorted[1:] != b_sorted[:-1]
+    writers = np.empty(len(nbytes), dtype=np.int64)
+    writers[b_sorted[firsts]] = r[order][firsts]
+    np.add.at(load, writers, nbytes)
+    return writers
 
 
 def _plan_tensor(
-    var: VarPlan,
-    held: list[tuple[int, Desc]],
-    balancer: Balancer,
-    next_id: int,
-    small_writers: list[int],
-    *,
-    small_bytes: int,
-    inner_bytes: int,
-    choice: str | None,
-) -> int:
-    assert var.dtype is not None and var.shape is not None
-    shape, dtype = var.shape, var.dtype
-    itemsize = dtypes.itemsize(dtype)
-    held_by = {b: rs for b, rs in owners(held).items() if not b.empty}
-    total = math.prod(shape) * itemsize
-    if total <= small_bytes or not held_by:
-        # One plain chunk, assembled by one writer from the holders' boxes.
-        var.layout = "small"
-        full = Box.full(shape)
-        whole = [rs for b, rs in held_by.items() if b == full]
-        writer = balancer.pick(whole[0] if whole else small_writers, total)
-        sources = tuple(
-            (writer if writer in rs else rs[0], box) for box, rs in sorted(held_by.items())
-        )
-        block = tuple(max(1, n) for n in shape)
-        var.pieces.append(
-            Piece(
-                id=next_id,
-                var=var.name,
-                dtype=dtype,
-                file=f"{var.path}/{zarr_meta.chunk_key([0] * len(shape))}",
-                box=full,
-                block=block,
-                inner=None,
-                writer=writer,
-                sources=sources,
-                meta_file=f"{var.path}/{zarr_meta.ZARR_JSON}",
-                meta=zarr_meta.array_meta(shape, dtype, block, None),
-            )
-        )
-        return next_id + 1
-    boxes = sorted(held_by)
-    grid = regular_grid(shape, boxes)
-    if grid is not None:
-        var.layout = "regular"
-        inner = inner_chunks(grid, itemsize, inner_bytes)
-        codec = codecs.make(choice, itemsize)
-        meta = _meta(shape, dtype, grid, inner, codec)
-        # Biggest boxes first for the balance; the first piece's writer writes zarr.json.
-        for i, box in enumerate(sorted(boxes, key=lambda b: (-b.numel, b))):
-            writer = balancer.pick(held_by[box], box.numel * itemsize)
-            coord = tuple(o // c for o, c in zip(box.offsets, grid, strict=True))
-            var.pieces.append(
-                Piece(
-                    id=next_id,
-                    var=var.name,
-                    dtype=dtype,
-                    file=f"{var.path}/{zarr_meta.chunk_key(coord)}",
-                    box=box,
-                    block=grid,
-                    inner=inner,
-                    writer=writer,
-                    sources=((writer, box),),
-                    meta_file=f"{var.path}/{zarr_meta.ZARR_JSON}" if i == 0 else None,
-                    meta=meta if i == 0 else None,
-                    codec=codec,
-                )
-            )
-            next_id += 1
-        return next_id
-    var.layout = "boxes"
-    for k, box in enumerate(boxes):
-        writer = balancer.pick(held_by[box], box.numel * itemsize)
-        var.pieces.append(
-            _single_block_piece(
-                next_id,
-                var.name,
-                f"{var.path}/p{k}",
-                dtype,
-                box.lengths,
-                writer,
-                ((writer, box),),
-                small_bytes,
-                inner_bytes,
-                choice,
-                box=box,
-            )
-        )
-        next_id += 1
-    return next_id
-
-
-def _single_block_piece(
-    piece_id: int,
-    name: str,
+    h: Holders,
+    part: _Partition,
     path: str,
-    dtype: str,
-    shape: tuple[int, ...],
-    writer: int,
-    sources: tuple[tuple[int, Box], ...],
+    choice: str | None,
+    load: np.ndarray,
+    small_writers: np.ndarray,
     small_bytes: int,
     inner_bytes: int,
-    choice: str | None,
-    box: Box | None = None,
-) -> Piece:
-    """A piece that is a whole array of its own (one box of an irregular partition, or
-    one rank's per-rank tensor)."""
+) -> tuple[VarSpec, np.ndarray, dict[int, np.ndarray]]:
+    assert h.dtype is not None and h.shape is not None
+    shape, dtype = h.shape, h.dtype
     itemsize = dtypes.itemsize(dtype)
-    block = tuple(max(1, n) for n in shape)
-    small = math.prod(shape) * itemsize <= small_bytes or not shape
-    inner = None if small else inner_chunks(block, itemsize, inner_bytes)
-    codec = None if small else codecs.make(choice, itemsize)
-    return Piece(
-        id=piece_id,
-        var=name,
-        dtype=dtype,
-        file=f"{path}/{zarr_meta.chunk_key([0] * len(shape))}",
-        box=box or Box.full(shape),
-        block=block,
-        inner=inner,
-        writer=writer,
-        sources=sources,
-        meta_file=f"{path}/{zarr_meta.ZARR_JSON}",
-        meta=_meta(shape, dtype, block, inner, codec),
-        codec=codec,
+    total = h.nbytes
+    if total <= small_bytes or len(part.offsets) == 0:
+        # One plain chunk, assembled by one writer from the holders' boxes.
+        full = (
+            np.all(part.lengths == np.asarray(shape, dtype=np.int64), axis=1)
+            if shape
+            else (np.ones(len(part.offsets), dtype=bool))
+        )
+        holders_full = (
+            h.ranks[np.isin(part.box_of, np.flatnonzero(full))] if len(part.offsets) else _NONE
+        )
+        candidates = holders_full if len(holders_full) else small_writers
+        writer = int(candidates[np.lexsort((candidates, load[candidates]))[0]])
+        load[writer] += total
+        # Each distinct box from the writer if it holds it, else from its lowest holder
+        # (holders are in rank order).
+        held = part.box_of >= 0
+        _, lowest = np.unique(part.box_of[held], return_index=True)
+        src_rank = h.ranks[held][lowest]
+        mine = np.flatnonzero((h.ranks == writer) & held)
+        if len(mine):
+            src_rank[part.box_of[mine[0]]] = writer
+        sources = np.concatenate([src_rank[:, None], part.offsets, part.lengths], axis=1)
+        spec = VarSpec(h.name, "tensor", path, dtype, shape, "small", choice=choice)
+        return spec, np.array([writer], dtype=np.int64), {0: sources}
+    nbytes = np.prod(part.lengths, axis=1) * itemsize
+    if part.grid is not None:
+        grid = part.grid
+        counts = tuple(-(-n // c) for n, c in zip(shape, grid, strict=True))
+        coords = part.offsets // np.asarray(grid, dtype=np.int64)
+        linear = np.ravel_multi_index(tuple(coords.T), counts) if shape else np.zeros(1, np.int64)
+        writers_by_box = _pick(load, h.ranks, part.box_of, nbytes)
+        writers = np.empty(len(linear), dtype=np.int64)
+        writers[linear] = writers_by_box
+        spec = VarSpec(
+            h.name,
+            "tensor",
+            path,
+            dtype,
+            shape,
+            "regular",
+            chunks=grid,
+            inner=inner_chunks(grid, itemsize, inner_bytes),
+            codec=codecs.make(choice, itemsize),
+            choice=choice,
+        )
+        return spec, writers, {}
+    boxes = part.boxes()  # sorted: np.unique orders them
+    writers = _pick(load, h.ranks, part.box_of, nbytes)
+    spec = VarSpec(h.name, "tensor", path, dtype, shape, "boxes", boxes=tuple(boxes), choice=choice)
+    return spec, writers, {}
+
+
+def _plan_per_rank(
+    h: Holders, path: str, choice: str | None, load: np.ndarray
+) -> tuple[VarSpec, np.ndarray, dict[int, np.ndarray]]:
+    ranks: list[int] = []
+    shapes: list[tuple[int, ...]] = []
+    for r, shape in zip(h.ranks.tolist(), h.shapes, strict=True):
+        if shape is None:  # a per-rank value, stored in the index
+            continue
+        ranks.append(r)
+        shapes.append(shape)
+        if h.dtype is not None:
+            load[r] += math.prod(shape) * dtypes.itemsize(h.dtype)
+    spec = VarSpec(
+        h.name,
+        "per_rank",
+        path,
+        h.dtype,
+        h.shape,
+        "per_rank",
+        ranks=tuple(ranks),
+        shapes=tuple(shapes),
+        choice=choice,
     )
+    return spec, np.asarray(ranks, dtype=np.int64), {}
+
+
+def _small_writers(
+    planners: list[tuple[Holders, _Partition | None]], world: int, small_bytes: int
+) -> np.ndarray:
+    """The ranks that write small tensors no single rank holds whole: evenly spread, one
+    per :data:`SMALL_WRITER_BYTES` of them."""
+    total = 0
+    for h, part in planners:
+        if h.kind != "tensor" or part is None or h.shape is None:
+            continue
+        n = h.nbytes
+        if n > small_bytes:
+            continue
+        shape = np.asarray(h.shape, dtype=np.int64)
+        if not np.any(np.all(part.lengths == shape, axis=1)):
+            total += n
+    count = min(world, max(1, -(-total // SMALL_WRITER_BYTES)))
+    return np.asarray(sorted({i * world // count for i in range(count)}), dtype=np.int64)
 
 
 def _meta(
@@ -459,11 +895,11 @@ def _meta(
     return zarr_meta.array_meta(shape, dtype, chunks, inner, compressor=compressor)
 
 
-def _groups(variables: list[VarPlan]) -> list[str]:
+def _groups(specs: list[VarSpec]) -> list[str]:
     """Every group node: the root, each ancestor of a variable, and the variables stored as
     groups of arrays."""
     groups = {""}
-    for v in variables:
+    for v in specs:
         if v.kind == "value":
             continue
         parts = v.path.split("/")
@@ -472,3 +908,62 @@ def _groups(variables: list[VarPlan]) -> list[str]:
         if v.layout in ("boxes", "per_rank"):
             groups.add(v.path)
     return sorted(groups)
+
+
+def make_save_plan(
+    descs_by_rank: Sequence[Sequence[Desc]],
+    *,
+    small_bytes: int = DEFAULT_SMALL_BYTES,
+    inner_bytes: int = DEFAULT_INNER_BYTES,
+    compression: Compression = None,
+) -> SavePlan:
+    """:func:`plan_save` over per-leaf descriptions (tests)."""
+    return plan_save(
+        [rank_desc(d) for d in descs_by_rank],
+        small_bytes=small_bytes,
+        inner_bytes=inner_bytes,
+        compression=compression,
+    )
+
+
+# The per-leaf validation the Hugging Face export shares (it plans files, not arrays).
+
+
+def validate(descs_by_rank: Sequence[Sequence[Desc]]) -> dict[str, list[tuple[int, Desc]]]:
+    """Every variable's descriptions by rank, in order of first appearance, once they are
+    consistent; else :class:`ValidationError` naming every inconsistent variable."""
+    ranks = [rank_desc(d) for d in descs_by_rank]
+    holders, errors = survey(ranks)
+    errors += check_contents({n: h.kind for n, h in holders.items()}, ranks)
+    for h in holders.values():
+        if h.kind == "tensor":
+            part = _Partition.of(h)
+            if part.error is not None:
+                errors.append(part.error)
+    _fail(errors)
+    by_name: dict[str, list[tuple[int, Desc]]] = defaultdict(list)
+    for rank, descs in enumerate(descs_by_rank):
+        for d in descs:
+            by_name[d.name].append((rank, d))
+    return by_name
+
+
+def owners(held: list[tuple[int, Desc]]) -> dict[Box, list[int]]:
+    """Distinct boxes and the ranks holding each (replicas share a box)."""
+    found: dict[Box, list[int]] = defaultdict(list)
+    for r, d in held:
+        assert d.box is not None
+        found[d.box].append(r)
+    return found
+
+
+class Balancer:
+    """Picks, among the ranks that could write some bytes, the one with the least so far."""
+
+    def __init__(self, world_size: int) -> None:
+        self.load = [0] * world_size
+
+    def pick(self, candidates: Sequence[int], nbytes: int) -> int:
+        rank = min(candidates, key=lambda r: (self.load[r], r))
+        self.load[rank] += nbytes
+        return rank

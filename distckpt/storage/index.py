@@ -4,17 +4,29 @@ Layout of ``<checkpoint>/zarr.json``::
 
     {"zarr_format": 3, "node_type": "group",
      "attributes": {"distckpt": {
-         "format": "distckpt", "format_version": 1, "library_version": "...",
+         "format": "distckpt", "format_version": 3, "library_version": "...",
          "created": <unix time>, "world_size": 4,
          "variables": {
              "net/l1.weight": {"kind": "tensor", "dtype": "float32", "shape": [8, 4],
                                "path": "net/l1.weight", "layout": "regular",
-                               "pieces": [{"file": "net/l1.weight/c.0.0",
-                                           "box": [[0, 0], [4, 4]], "block": [4, 4],
-                                           "inner": [4, 4], "crc": 123, "size": 88,
-                                           "codec": {"name": "zstd", ...}}]},
+                               "chunks": [4, 4], "inner": [4, 4],
+                               "crc": [123, 456], "size": [88, 88]},
+             "net/l1.bias": {"kind": "tensor", "dtype": "float32", "shape": [8],
+                             "path": "net/l1.bias", "layout": "small",
+                             "pieces": [{"file": "net/l1.bias/c.0", "box": [[0], [8]],
+                                         "block": [8], "inner": null, "crc": 7, "size": 36}]},
              "step": {"kind": "value", "value": 10},
              "rng": {"kind": "per_rank", "ranks": {"0": {<tensor entry>} | {"value": ...}}}}}}}
+
+A **regular** array (``layout`` "regular") is one zarr array of ``chunks``-shaped shards,
+stored compactly whatever its number of shards: shard ``k`` (in C order of the grid
+coordinates) is the file ``<path>/c.<i>.<j>``, holds the box its coordinate gives, and
+``crc[k]`` and ``size[k]`` are its checksum and bytes; ``codec``, if present, compressed
+every shard's inner chunks. ``crc`` and ``size`` are JSON lists, or for more than
+:data:`INLINE_PIECES` shards the base64 of little-endian ``uint32``/``uint64`` arrays
+(a job of 8,192 ranks writes 8,192 shards of each variable). The other layouts list their
+pieces one by one (``pieces``): a small tensor's one plain chunk, an irregular partition's
+boxes, a per-rank tensor's array. :class:`Pieces` reads both forms.
 
 A checkpoint is committed exactly when its index exists under its final name: on a file
 system the index is written last into the staging directory, which is then renamed; on
@@ -24,20 +36,26 @@ directory is trusted unless the index names it. ``crc`` is the piece's data chec
 the crc32c of a shard's checksum table, or of a plain chunk's bytes
 (see :mod:`distckpt.storage.shard_io`).
 
-``codec``, present only on a compressed piece, is the zarr v3 JSON of the codec that
+``codec``, on a compressed regular entry or piece, is the zarr v3 JSON of the codec that
 compressed each of its inner chunks (:mod:`distckpt.storage.codecs`); the checksum table
 and the crc32c after each inner chunk are then of the compressed bytes, as stored.
-A checkpoint with a compressed piece has ``format_version`` 2, so a distckpt that
-predates compression refuses it clearly instead of misreading it; one without any stays
-at version 1, readable by every distckpt.
+Format versions: 1 lists every piece, uncompressed; 2 adds compressed pieces; 3 adds the
+compact regular entries. A checkpoint records the lowest version that reads it, so a
+distckpt that predates a feature it uses refuses it clearly instead of misreading it.
 """
 
 from __future__ import annotations
 
+import base64
+import itertools
 import json
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from distckpt.slices import Box
@@ -45,10 +63,15 @@ from distckpt.storage import codecs, zarr_meta
 from distckpt.storage.backend import Store, resolve
 
 FORMAT = "distckpt"
-FORMAT_VERSION = 2
-#: The version of a checkpoint with no compressed piece (format 1 had no compression).
+FORMAT_VERSION = 3
+#: The version of a checkpoint with no regular entry and no compressed piece.
 FORMAT_VERSION_UNCOMPRESSED = 1
+#: The version of a checkpoint with compressed pieces but no regular entry.
+FORMAT_VERSION_COMPRESSED = 2
 ATTRIBUTE = "distckpt"
+#: A regular entry's ``crc`` and ``size`` are JSON lists up to this many shards, base64
+#: beyond (compact, and decoded without a Python object per shard).
+INLINE_PIECES = 64
 
 
 @dataclass(frozen=True)
@@ -91,18 +114,206 @@ class StoredPiece:
         )
 
 
+def column(values: np.ndarray) -> list[int] | str:
+    """A regular entry's ``crc`` or ``size`` column: a list of ints, or base64 when long."""
+    if len(values) <= INLINE_PIECES:
+        return [int(v) for v in values.tolist()]
+    return base64.b64encode(values.astype(values.dtype.newbyteorder("<")).tobytes()).decode()
+
+
+class Column:
+    """A regular entry's ``crc`` or ``size`` column, decoded lazily: a rank reading a few
+    shards of a variable of thousands decodes only their entries, not the whole column."""
+
+    def __init__(self, data: Any, dtype: str, count: int, what: str) -> None:
+        self.dtype = np.dtype(dtype)
+        self.count = count
+        self.what = what
+        self._values: np.ndarray | None = None
+        self._text: str | None = None
+        if isinstance(data, str):
+            if len(data) != 4 * -(-count * self.dtype.itemsize // 3):
+                raise CorruptCheckpointError(f"{what} does not hold {count} entries")
+            self._text = data
+        elif isinstance(data, list) and len(data) == count:
+            if not all(isinstance(v, int) and v >= 0 for v in data):
+                raise CorruptCheckpointError(f"{what} holds something other than counts")
+            self._values = np.asarray(data, dtype=self.dtype) if data else np.zeros(0, self.dtype)
+        else:
+            raise CorruptCheckpointError(f"{what} does not hold {count} entries")
+
+    def _decode(self, first: int, end: int) -> np.ndarray:
+        assert self._text is not None
+        size = self.dtype.itemsize
+        lo, hi = first * size, end * size  # bytes wanted
+        start, stop = lo // 3 * 4, -(-hi // 3) * 4  # base64 characters holding them
+        try:
+            raw = base64.b64decode(self._text[start:stop], validate=True)
+        except ValueError:
+            raise CorruptCheckpointError(f"{self.what} is not base64") from None
+        skip = lo - start // 4 * 3
+        return np.frombuffer(raw[skip : skip + hi - lo], dtype=self.dtype)
+
+    def __getitem__(self, k: int) -> int:
+        return int(self.span(k, k + 1)[0])
+
+    def span(self, first: int, end: int) -> np.ndarray:
+        """Entries ``first`` to ``end`` (exclusive)."""
+        if self._values is not None:
+            return self._values[first:end]
+        return self._decode(first, end)
+
+    def values(self) -> np.ndarray:
+        if self._values is None:
+            self._values = self._decode(0, self.count)
+        return self._values
+
+
+def regular_entry(
+    dtype: str,
+    shape: tuple[int, ...],
+    path: str,
+    chunks: tuple[int, ...],
+    inner: tuple[int, ...] | None,
+    codec: codecs.Codec | None,
+    crc: np.ndarray,
+    size: np.ndarray,
+) -> dict[str, Any]:
+    """The index entry of a regular array (``crc``, ``size``: by shard, C order)."""
+    entry: dict[str, Any] = {
+        "kind": "tensor",
+        "dtype": dtype,
+        "shape": list(shape),
+        "path": path,
+        "layout": "regular",
+        "chunks": list(chunks),
+        "inner": None if inner is None else list(inner),
+    }
+    if codec is not None:
+        entry["codec"] = codec.to_json()
+    entry["crc"] = column(crc.astype(np.uint32))
+    entry["size"] = column(size.astype(np.uint64))
+    return entry
+
+
+class Pieces:
+    """The stored pieces of one tensor entry of the index, in either form: compact
+    (a regular entry: ``chunks``, ``crc``, ``size``) or listed (``pieces``). Checked on
+    construction: a malformed entry raises :class:`CorruptCheckpointError`, an unknown
+    codec :class:`UnsupportedFormatError`, naming ``variable``."""
+
+    def __init__(self, entry: dict[str, Any], variable: str) -> None:
+        self.variable = variable
+        self._listed: list[StoredPiece] | None = None
+        try:
+            shape = tuple(int(n) for n in entry["shape"])
+            if "chunks" in entry:
+                self.path = str(entry["path"])
+                self.shape = shape
+                self.chunks = tuple(int(n) for n in entry["chunks"])
+                inner = entry.get("inner")
+                self.inner = None if inner is None else tuple(int(n) for n in inner)
+                if len(self.chunks) != len(shape) or any(c <= 0 for c in self.chunks):
+                    raise ValueError
+                if self.inner is not None and len(self.inner) != len(shape):
+                    raise ValueError
+                codec = entry.get("codec")
+                self.codec = None if codec is None else codecs.from_json(codec, variable)
+                self.grid = tuple(-(-n // c) for n, c in zip(shape, self.chunks, strict=True))
+                count = math.prod(self.grid)
+                what = f"variable {variable!r}: the index's"
+                self.crc = Column(entry["crc"], "<u4", count, f"{what} crc column")
+                self.size = Column(entry["size"], "<u8", count, f"{what} size column")
+            else:
+                self._listed = [StoredPiece.from_json(p, variable) for p in entry["pieces"]]
+        except CorruptCheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CorruptCheckpointError(f"variable {variable!r}: malformed index entry") from None
+
+    def __len__(self) -> int:
+        return len(self._listed) if self._listed is not None else self.crc.count
+
+    def __iter__(self) -> Iterator[StoredPiece]:
+        if self._listed is not None:
+            return iter(self._listed)
+        return (self._piece(coord) for coord in itertools.product(*map(range, self.grid)))
+
+    @property
+    def stored_bytes(self) -> int:
+        if self._listed is not None:
+            return sum(p.size for p in self._listed)
+        return int(self.size.values().sum())
+
+    def covering(self, box: Box) -> list[StoredPiece]:
+        """The pieces that hold part of ``box`` (global coordinates): for a regular entry
+        found by arithmetic on the grid, so a rank's read plan costs what it reads."""
+        if self._listed is not None:
+            return [p for p in self._listed if p.box.intersect(box) is not None]
+        if box.empty:
+            return []
+        ranges = [
+            range(o // c, -(-(o + n) // c))
+            for o, n, c in zip(box.offsets, box.lengths, self.chunks, strict=True)
+        ]
+        coords = list(itertools.product(*ranges))
+        linear = [self._linear(c) for c in coords]
+        first, end = min(linear), max(linear) + 1
+        crcs, sizes = self.crc.span(first, end), self.size.span(first, end)
+        return [
+            self._piece(c, int(crcs[k - first]), int(sizes[k - first]))
+            for c, k in zip(coords, linear, strict=True)
+        ]
+
+    def _linear(self, coord: tuple[int, ...]) -> int:
+        k = 0
+        for i, n in zip(coord, self.grid, strict=True):
+            k = k * n + i
+        return k
+
+    def _piece(
+        self, coord: tuple[int, ...], crc: int | None = None, size: int | None = None
+    ) -> StoredPiece:
+        if crc is None or size is None:
+            k = self._linear(coord)
+            crc, size = self.crc[k], self.size[k]
+        offsets = tuple(i * c for i, c in zip(coord, self.chunks, strict=True))
+        lengths = tuple(
+            min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape, strict=True)
+        )
+        return StoredPiece(
+            f"{self.path}/{zarr_meta.chunk_key(coord)}",
+            Box.known(offsets, lengths),
+            self.chunks,
+            self.inner,
+            crc,
+            size,
+            self.codec,
+        )
+
+
 def read_index(checkpoint: str | os.PathLike[str] | Store) -> dict[str, Any]:
     """The index of a committed checkpoint, checked for format and version."""
     store = resolve(checkpoint)
-    path = store.where(zarr_meta.ZARR_JSON)
+    return parse_index(read_index_bytes(store), store)
+
+
+def read_index_bytes(store: Store) -> bytes:
+    """The bytes of a committed checkpoint's index document (its root ``zarr.json``)."""
     try:
-        raw = store.read(zarr_meta.ZARR_JSON)
+        return store.read(zarr_meta.ZARR_JSON)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         if store.is_dir(""):
             raise CheckpointNotFoundError(
                 f"{store.url} is not a distckpt checkpoint (no zarr.json index)"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {store.url}") from None
+
+
+def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
+    """The index in ``raw`` (the root ``zarr.json`` of ``store``), checked for format and
+    version."""
+    path = store.where(zarr_meta.ZARR_JSON)
     try:
         doc = json.loads(raw)
         index = doc["attributes"][ATTRIBUTE]
@@ -110,14 +321,15 @@ def read_index(checkpoint: str | os.PathLike[str] | Store) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path}: the index is not readable JSON") from None
     except (KeyError, TypeError):
         raise CheckpointNotFoundError(
-            f"{checkpoint} is not a distckpt checkpoint (its zarr.json has no '{ATTRIBUTE}' index)"
+            f"{store.url} is not a distckpt checkpoint (its zarr.json has no '{ATTRIBUTE}' index)"
         ) from None
-    if index.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{path}: unknown format {index.get('format')!r}")
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        what = index.get("format") if isinstance(index, dict) else index
+        raise CorruptCheckpointError(f"{path}: unknown format {what!r}")
     version = index.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise UnsupportedFormatError(
-            f"{checkpoint} was written in distckpt format version {version}; this distckpt "
+            f"{store.url} was written in distckpt format version {version}; this distckpt "
             f"reads versions up to {FORMAT_VERSION}: upgrade distckpt to read it"
         )
     if not isinstance(index.get("variables"), dict):

@@ -19,7 +19,7 @@ from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.index import StoredPiece
+from distckpt.storage.index import Pieces, StoredPiece
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _add(name: str, entry: Any, tensors: dict[str, TensorVar], values: dict[str,
     try:
         dtype = str(entry["dtype"])
         shape = tuple(int(n) for n in entry["shape"])
-        pieces = tuple(StoredPiece.from_json(p, name) for p in entry["pieces"])
+        pieces = tuple(Pieces(entry, name))
         dtypes.numpy_dtype(dtype)
     except UnsupportedValueError as exc:
         raise CorruptCheckpointError(f"variable {name!r}: {exc}") from None

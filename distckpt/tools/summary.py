@@ -9,6 +9,7 @@ from typing import Any
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
 from distckpt.storage import index as index_mod
+from distckpt.storage.index import Pieces
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -41,12 +42,13 @@ def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
         "shape": entry["shape"],
         "layout": entry["layout"],
         "bytes": math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"]),
-        "slices": [p["box"] for p in entry["pieces"]],
     }
-    compressed = sorted({p["codec"]["name"] for p in entry["pieces"] if "codec" in p})
+    pieces = list(Pieces(entry, name))
+    row["slices"] = [p.box.to_json() for p in pieces]
+    compressed = sorted({p.codec.name for p in pieces if p.codec is not None})
     if compressed:  # as stored: the codecs and the bytes of the files
         row["codecs"] = compressed
-        row["stored_bytes"] = sum(int(p["size"]) for p in entry["pieces"])
+        row["stored_bytes"] = sum(p.size for p in pieces)
     return row
 
 

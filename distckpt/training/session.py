@@ -24,11 +24,10 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.engine.load import load
+from distckpt.engine.load import load, read_shared_index
 from distckpt.errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve
-from distckpt.storage.index import read_index
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
 from distckpt.training.plan import Plan, Slot
@@ -67,7 +66,7 @@ class RestoreSession:
         self.io_workers = io_workers
         self.comm = comm
         self._root = weakref.ref(root)
-        variables = dict(read_index(path)["variables"])
+        variables = dict(read_shared_index(resolve(path), comm)["variables"])
         aliases = variables.pop(ALIASES, None)
         self.aliases: dict[str, str] = (
             decode(aliases["value"]) if aliases and aliases.get("kind") == "value" else {}

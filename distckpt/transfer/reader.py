@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.read_plan import Copy, plan_reads
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
-from distckpt.storage.index import StoredPiece
+from distckpt.storage.index import Pieces, StoredPiece
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.storage.shard_io import EMPTY
 from distckpt.transfer import slabs
@@ -53,7 +53,7 @@ class ReadTarget:
     box: Box
     tensor: torch.Tensor | None = None
     out: np.ndarray | None = None
-    pieces: list[StoredPiece] = field(default_factory=list)
+    stored: Pieces | None = None  # the entry's pieces, if already read
 
 
 class _Tally:
@@ -81,8 +81,9 @@ def read_targets(
     for t in targets:
         if t.box.empty:
             continue
-        t.pieces = [StoredPiece.from_json(p, t.name) for p in t.entry["pieces"]]
-        copies = list(plan_reads(t.box, t.pieces))
+        if t.stored is None:
+            t.stored = Pieces(t.entry, t.name)
+        copies = list(plan_reads(t.box, t.stored.covering(t.box)))
         if sum(c.dst.numel for c in copies) != t.box.numel:
             raise CorruptCheckpointError(
                 f"variable {t.name!r}: the stored pieces do not cover slice {t.box} "
@@ -263,6 +264,7 @@ def _submit_staged(
     # The copies run on the workers, onto a side stream that must first see the work
     # queued on this (the caller's) current stream, such as the target's initialisation.
     follow_current(tensor.device)
+    assert t.stored is not None
     for band in c_order_bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
         group.check()
         nbytes = band.numel * dtype.itemsize
@@ -270,7 +272,8 @@ def _submit_staged(
         count = 0
         try:
             staged = landing.region.array[:nbytes].view(dtype).reshape(band.lengths)
-            for copy in plan_reads(band.shifted(t.box.offsets), t.pieces):
+            where = band.shifted(t.box.offsets)
+            for copy in plan_reads(where, t.stored.covering(where)):
                 for fn, args in _copy_tasks(root, t, copy, staged, headers, tally):
                     group.submit(fn, *args, release=landing.done)
                     count += 1

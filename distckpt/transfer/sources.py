@@ -211,7 +211,7 @@ class FileData:
     def crc(self) -> int:
         """crc32c of the tensor's bytes, read a task's worth at a time."""
         crc = 0
-        buffer = np.empty(min(self.nbytes, ranges.TASK_BYTES), dtype=np.uint8)
+        buffer = np.empty(max(1, min(self.nbytes, ranges.TASK_BYTES)), dtype=np.uint8)
         for start in range(0, self.nbytes, buffer.nbytes):
             n = min(buffer.nbytes, self.nbytes - start)
             self._read(iter([(start, n)]), buffer, n)

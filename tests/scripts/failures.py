@@ -66,6 +66,9 @@ from distckpt.storage.staging import leftovers
 
 # w: 4 inner chunks of 2 rows per shard
 KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}
+# Check every replicated tensor at every save: the cases reuse one another's plans, and a
+# reused plan checks a rotating share of them by default.
+os.environ["DISTCKPT_REPLICA_CHECK"] = "1"
 ROWS = 8  # rows of w per rank
 
 

@@ -561,7 +561,7 @@ def check_catalog(c: Checker, path: Path, n_saved: int) -> None:
 
 def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
     """The checkpoint exercises the layouts this test claims to cover."""
-    from distckpt.storage.index import read_index
+    from distckpt.storage.index import Pieces, read_index
 
     index = read_index(path)
     variables = index["variables"]
@@ -569,18 +569,21 @@ def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
     c.value(f"{path} dt/even layout", variables["dt/even"]["layout"], "small")
     big = variables["big"]
     c.value(f"{path} big layout", big["layout"], "regular")
-    c.value(f"{path} big pieces", len(big["pieces"]), n_saved)
-    for piece in big["pieces"]:
-        inner, block = piece["inner"], piece["block"]
+    pieces = list(Pieces(big, "big"))
+    c.value(f"{path} big pieces", len(pieces), n_saved)
+    for piece in pieces:
+        inner, block = piece.inner, piece.block
         if inner is None or not inner[0] < block[0]:
             c.fail(f"{path} big", f"a shard without several inner chunks: {piece}")
-    codecs = {p.get("codec", {}).get("name") for p in variables["big"]["pieces"]}
+    codecs = {p.codec.name if p.codec else None for p in pieces}
     c.value(f"{path} big codecs", codecs, {"zstd"})
     codecs = {p.get("codec", {}).get("name") for p in variables["dt/even"]["pieces"]}
     c.value(f"{path} dt/even codecs", codecs, {None})
     flat = variables["irr/flat"]
     c.value(f"{path} irr/flat layout", flat["layout"], "regular" if n_saved == 1 else "boxes")
-    if n_saved == 2:  # its second box (300 KB) is above small_bytes: inner chunks
+    if (
+        n_saved == 2
+    ):  # listed pieces: one array per box  # its second box (300 KB) is above small_bytes: inner chunks
         c.value(f"{path} irr/flat p1 inner", flat["pieces"][1]["inner"] is not None, True)
         c.value(f"{path} irr/flat p1 codec", flat["pieces"][1]["codec"]["name"], "blosc")
 
