@@ -581,9 +581,7 @@ def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
     c.value(f"{path} dt/even codecs", codecs, {None})
     flat = variables["irr/flat"]
     c.value(f"{path} irr/flat layout", flat["layout"], "regular" if n_saved == 1 else "boxes")
-    if (
-        n_saved == 2
-    ):  # listed pieces: one array per box  # its second box (300 KB) is above small_bytes: inner chunks
+    if n_saved == 2:  # listed: its second box (300 KB) is above small_bytes: inner chunks
         c.value(f"{path} irr/flat p1 inner", flat["pieces"][1]["inner"] is not None, True)
         c.value(f"{path} irr/flat p1 codec", flat["pieces"][1]["codec"]["name"], "blosc")
 
