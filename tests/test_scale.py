@@ -1,18 +1,28 @@
-"""Planning at scale, in one process: the coordinator plans for 256 to 8,192 simulated
-ranks (:mod:`simulated_job`), and what it produces is checked whole: every piece written
-by exactly one rank that holds its box, shares that add up to the plan, an index whose
+"""Coordination at scale.
+
+In one process, the coordinator plans for 256 to 8,192 simulated ranks
+(:mod:`simulated_job`), and what it produces is checked whole: every piece written by
+exactly one rank that holds its box, shares that add up to the plan, an index whose
 compact entries read back as the reports wrote them, resharded read plans that fill their
 targets exactly, and sizes that grow no faster than ranks x variables. Timings are the
-scale benchmark's (``benchmarks/bench_scale.py``), not asserted here."""
+scale benchmark's (``benchmarks/bench_scale.py``), not asserted here.
+
+With real processes (``scripts/scale_ranks.py``: 16 ranks under mpiexec, 4 under
+torchrun): plans reused while nothing changes, sampled replica checks that still catch a
+difference, and loads of replicated state that read every stored byte once over all ranks.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import simulated_job as sim
+from launch_util import SCRIPTS, check, needs_mpi, output, run_mpi, run_torchrun
 
 from distckpt.engine import agree
 from distckpt.engine.commit import build_index, index_bytes
@@ -121,3 +131,49 @@ def _boxes(job: sim.Job, rank: int) -> list[Box | None]:
             )
         )
     return out
+
+
+SCRIPT = SCRIPTS / "scale_ranks.py"
+JOB_ENV = {"DISTCKPT_TIMEOUT": "120"}
+
+
+def _cases(proc: Any, world: int) -> dict[str, list[dict[str, Any]]]:
+    check(proc)
+    done = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
+    assert done == list(range(world)), output(proc)
+    cases: dict[str, list[dict[str, Any]]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            row = json.loads(line[5:])
+            cases.setdefault(row["case"], []).append(row)
+    return cases
+
+
+def _each_byte_read_once(rows: list[dict[str, Any]], world: int) -> None:
+    """Over all ranks, the stored bytes are read once (the small shard headers by each
+    rank that reads part of a shard), and each rank got the rest from the others."""
+    assert len(rows) == world
+    stored, headers = rows[0]["stored"], rows[0]["headers"]
+    read = sum(r["read"] for r in rows)
+    assert stored <= read <= stored + world * headers, (read, stored, headers)
+    assert all(r["exchanged"] > 0 for r in rows), rows
+
+
+@needs_mpi
+@pytest.mark.timeout(400)
+def test_sixteen_ranks_reuse_plans_and_read_replicated_state_once(tmp_path: Path):
+    proc = run_mpi(16, SCRIPT, str(tmp_path), timeout=360, env=JOB_ENV)
+    cases = _cases(proc, 16)
+    assert {tuple(r["reused"]) for r in cases["reuse"]} == {(False, True, True, False)}
+    assert {r["caught"] for r in cases["sampled"]} <= {2, 3}
+    _each_byte_read_once(cases["replicated"], 16)
+    _each_byte_read_once(cases["hsdp"], 16)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_ranks_exchange_over_gloo_groups(tmp_path: Path):
+    proc = run_torchrun(4, SCRIPT, str(tmp_path), timeout=240, env=JOB_ENV)
+    cases = _cases(proc, 4)
+    assert {tuple(r["reused"]) for r in cases["reuse"]} == {(False, True, True, False)}
+    _each_byte_read_once(cases["replicated"], 4)
+    _each_byte_read_once(cases["hsdp"], 4)

@@ -36,6 +36,9 @@ _abort_registered = False
 #: Background communicators already created: Fortran handle of the communicator -> dup.
 _BACKGROUND: dict[int, MPIComm] = {}
 
+#: Communicators split off before: (Fortran handle, every rank's color) -> this rank's.
+_SPLITS: dict[tuple[int, tuple[int, ...]], MPIComm | None] = {}
+
 
 def _abort_at_exit() -> None:
     """At interpreter exit, abort the MPI job rather than wait in MPI_Finalize (once)."""
@@ -146,6 +149,31 @@ class MPIComm:
         dup = MPIComm(self.comm.Dup(), self.timeout, abort_at_exit=self.abort_at_exit)
         _BACKGROUND[key] = dup
         return dup
+
+    def split(self, color: int) -> MPIComm | None:
+        """Collective: the communicator of the ranks that pass the same ``color`` (ranks
+        in this one's order); None for a negative color. Cached per colors, so a job
+        restoring the same way again splits once."""
+        from mpi4py import MPI
+
+        colors = tuple(self.allgather(int(color)))
+        key = (self.comm.py2f(), colors)
+        if key not in _SPLITS:
+            self._arrive("split")
+            sub = self.comm.Split(color if color >= 0 else MPI.UNDEFINED, self.rank)
+            _SPLITS[key] = (
+                None
+                if sub == MPI.COMM_NULL
+                else MPIComm(sub, self.timeout, abort_at_exit=self.abort_at_exit)
+            )
+        return _SPLITS[key]
+
+    def broadcast_array(self, array: Any, root: int = 0) -> None:
+        """Collective: fill ``array`` (a contiguous NumPy array, the same size on every
+        rank) with ``root``'s, in place."""
+        self._check_root(root)
+        self._arrive("broadcast_array")
+        self.comm.Bcast(array, root=root)
 
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""

@@ -93,6 +93,10 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
 _LIVE: weakref.WeakSet[TorchComm] = weakref.WeakSet()
 
 
+#: Exchange groups split off before: (world, group, time-out, colors) -> this rank's.
+_SPLITS: dict[tuple[Any, Any, float, tuple[int, ...]], TorchComm | None] = {}
+
+
 def _release_groups() -> None:
     """At exit, drop every reference distckpt holds to a process group.
 
@@ -104,6 +108,7 @@ def _release_groups() -> None:
     """
     _SIDE_GROUPS.clear()
     _BACKGROUND.clear()
+    _SPLITS.clear()
     for comm in list(_LIVE):
         comm._pg = None
         comm.group = None
@@ -206,6 +211,47 @@ class TorchComm:
         )
         _BACKGROUND[key] = TorchComm(group, self.timeout)
         return _BACKGROUND[key]
+
+    def split(self, color: int) -> TorchComm | None:
+        """Collective: a communicator over a new gloo group of the ranks that pass the
+        same ``color``; None for a negative color. Only the members create the group
+        (``use_local_synchronization``); cached per colors, so a job restoring the same
+        way again creates no group."""
+        import torch.distributed as dist
+
+        colors = tuple(self.allgather(int(color)))
+        world = dist.group.WORLD
+        for stale in [k for k in _SPLITS if k[0] is not world]:  # from a destroyed world
+            del _SPLITS[stale]
+        key = (world, self.group, self.timeout, colors)
+        if key not in _SPLITS:
+            sub = None
+            if color >= 0:
+                members = [r for r, c in enumerate(colors) if c == color]
+                assert self.group is not None
+                ranks = [dist.get_global_rank(self.group, r) for r in members]
+                group = dist.new_group(
+                    ranks=ranks,
+                    backend="gloo",
+                    timeout=timedelta(seconds=self.timeout),
+                    use_local_synchronization=True,
+                    group_desc="distckpt_exchange",
+                )
+                sub = TorchComm(group, self.timeout)
+            _SPLITS[key] = sub
+        return _SPLITS[key]
+
+    def broadcast_array(self, array: Any, root: int = 0) -> None:
+        """Collective: fill ``array`` (a contiguous NumPy array, the same size on every
+        rank) with ``root``'s, in place."""
+        import torch
+        import torch.distributed as dist
+
+        self._check_root(root)
+        if self.size == 1:
+            return
+        with self._guard("broadcast_array"):
+            dist.broadcast(torch.from_numpy(array), group=self._pg, group_src=root)
 
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""

@@ -39,6 +39,7 @@ from distckpt.slices import Box
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, is_remote, location, resolve
 from distckpt.storage.index import Pieces
+from distckpt.transfer import exchange
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.reader import ReadTarget, read_targets
 from distckpt.values import decode
@@ -58,7 +59,18 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
     bytes_read: int = 0
+    bytes_exchanged: int = 0  # received from ranks that read them (see transfer.exchange)
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Prepared:
+    """A rank's reads, checked before anything is read, and where they go."""
+
+    reads: list[ReadTarget]
+    replicated: list[bool]  # per read: a plain tensor's (the same on every rank)
+    fresh: list[tuple[Leaf, torch.Tensor]]  # tensors to put in place once read
+    t_plan: float
 
 
 def load(
@@ -90,14 +102,21 @@ def load(
     result = LoadResult(location(store))
     t0 = time.perf_counter()
     error: BaseException | None = None
+    prepared: _Prepared | None = None
+    workers = 1
     try:
         index = read_shared_index(store, comm)
         workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
-        _load_local(
-            state, store, index, result, comm.rank, comm.size, strict, allow_pickle, workers
-        )
+        prepared = _prepare(state, index, result, comm.rank, comm.size, strict, allow_pickle)
     except Exception as exc:
         error = exc
+    try:
+        _read(comm, store, prepared, result, workers)
+    except Exception as exc:
+        error = error or exc
+    if prepared is not None:
+        result.timings["plan"] = prepared.t_plan - t0
+        result.timings["read"] = time.perf_counter() - prepared.t_plan
     return settle(comm, result, error, t0)
 
 
@@ -137,18 +156,16 @@ def settle(
     return result
 
 
-def _load_local(
+def _prepare(
     state: dict[str, Any],
-    store: Store,
     index: dict[str, Any],
     result: LoadResult,
     rank: int,
     world: int,
     strict: bool,
     allow_pickle: bool,
-    workers: int,
-) -> None:
-    t0 = time.perf_counter()
+) -> _Prepared:
+    """Match the state's leaves to the index and check every one; restore the values."""
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}
@@ -181,31 +198,73 @@ def _load_local(
             saved_world,
             ", ".join(moved),
         )
-    targets = [(leaf, entry, pieces, target_box(leaf, entry)) for leaf, entry, pieces in jobs]
-    total = sum(
-        box.numel * dtypes.itemsize(entry["dtype"])
-        for _, entry, _, box in targets
-        if box is not None
-    )
-    t_plan = time.perf_counter()
-    reads: list[ReadTarget] = []
-    fresh: list[tuple[Leaf, torch.Tensor]] = []
-    for leaf, entry, pieces, box in targets:
+    prepared = _Prepared([], [], [], 0.0)
+    for leaf, entry, pieces in jobs:
+        box = target_box(leaf, entry)
         if box is None:
             assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
             tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
-            reads.append(ReadTarget(leaf.name, entry, box, tensor, stored=pieces))
-            fresh.append((leaf, tensor))
+            prepared.reads.append(ReadTarget(leaf.name, entry, box, tensor, stored=pieces))
+            prepared.replicated.append(False)
+            prepared.fresh.append((leaf, tensor))
         else:
-            reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor, stored=pieces))
+            prepared.reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor, stored=pieces))
+            prepared.replicated.append(leaf.replicated)
         result.loaded.append(leaf.name)
-    with progress(f"loading {store.name} (rank 0's share)", total, rank=rank) as bar:
-        result.bytes_read = read_targets(store, reads, workers=workers, on_bytes=bar.update)
-    for leaf, tensor in fresh:
+    prepared.t_plan = time.perf_counter()
+    return prepared
+
+
+def _read(
+    comm: Communicator,
+    store: Store,
+    prepared: _Prepared | None,
+    result: LoadResult,
+    workers: int,
+) -> None:
+    """Read every prepared target: each rank its own, and a share of those it restores
+    like other ranks, then exchanged (:mod:`distckpt.transfer.exchange`). Collective when
+    the communicator can exchange, even for a rank whose preparation failed (it then
+    makes every rank skip reading: the load fails on every rank anyway)."""
+    groups: list[exchange.Group] = []
+    mine = prepared.reads if prepared is not None else []
+    if exchange.can_exchange(comm):
+        kinds = [[], []] if prepared is None else exchange.classes(mine, prepared.replicated)
+        offer = None if prepared is None else tuple(exchange.digest(k) for k in kinds)
+        everyone = comm.allgather(offer)
+        if any(o is None for o in everyone):
+            return
+        for kind in (exchange.REPLICATED, exchange.OTHER):
+            colors = exchange.colors(everyone, kind)
+            if max(colors) < 0:  # nobody shares these targets: no group to make
+                continue
+            sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
+            if sub is not None:
+                groups.append(exchange.Group(sub, kinds[kind]))
+        shared = {id(t) for g in groups for t in g.targets}
+        mine = [t for t in mine if id(t) not in shared]
+        for g in groups:
+            g.units = exchange.plan_units(g.targets, g.comm.size)
+            mine += [
+                exchange.unit_target(g.targets[u.target], u) for u in g.units if u.owner == g.member
+            ]
+    if prepared is None:
+        return
+    error: BaseException | None = None
+    total = sum(t.box.numel * dtypes.itemsize(t.entry["dtype"]) for t in mine)
+    try:
+        with progress(f"loading {store.name} (rank 0's share)", total, rank=comm.rank) as bar:
+            result.bytes_read = read_targets(store, mine, workers=workers, on_bytes=bar.update)
+    except Exception as exc:
+        error = exc
+    for g in groups:  # every member learns whether every member read its share
+        if all(g.comm.allgather(error is None)):
+            result.bytes_exchanged += exchange.exchange(g)
+    if error is not None:
+        raise error
+    for leaf, tensor in prepared.fresh:
         assign(leaf, tensor)
-    result.timings["plan"] = t_plan - t0
-    result.timings["read"] = time.perf_counter() - t_plan
 
 
 def check_names(
