@@ -68,16 +68,23 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when they do not overlap."""
-        starts = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
-        ends = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
-        if any(e <= s for s, e in zip(starts, ends, strict=True)):
-            return None
-        return Box.known(starts, tuple(e - s for s, e in zip(starts, ends, strict=True)))
+        starts = []
+        lengths = []
+        for a, n, b, m in zip(
+            self.offsets, self.lengths, other.offsets, other.lengths, strict=True
+        ):
+            start = a if a > b else b
+            end = min(a + n, b + m)
+            if end <= start:
+                return None
+            starts.append(start)
+            lengths.append(end - start)
+        return Box.known(tuple(starts), tuple(lengths))
 
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it)."""
-        offsets = tuple(o - b for o, b in zip(self.offsets, outer.offsets, strict=True))
-        if any(o < 0 for o in offsets):
+        offsets = tuple([o - b for o, b in zip(self.offsets, outer.offsets, strict=True)])
+        if offsets and min(offsets) < 0:
             raise ValueError(f"box {self} is not inside {outer}")
         return Box.known(offsets, self.lengths)
 

@@ -46,6 +46,12 @@ class Communicator(Protocol):
     ``rank`` and ``size`` are this process's place in the group. ``timeout`` bounds every
     collective (seconds): a rank that died or stopped participating makes the others raise
     :class:`~distckpt.errors.CommTimeoutError` instead of hanging.
+
+    Optional, used where present (the bundled communicators have them): ``scatter(objs,
+    root)`` (each rank receives only its object of a new save plan; without it the list
+    is broadcast), ``split(color)`` (the communicator of the ranks passing the same color,
+    None for a negative one) and ``broadcast_array(array, root)`` (in place), with which
+    ranks restoring the same boxes share their reads (:mod:`distckpt.transfer.exchange`).
     """
 
     rank: int

@@ -23,12 +23,15 @@ once per replica. Instead:
 Bytes read from storage per load are then the checkpoint's, not the world's multiple of
 it; :class:`~distckpt.engine.load.LoadResult` reports both the bytes read and the bytes
 received from other ranks. A communicator without ``split`` and ``broadcast_array``
-(:mod:`distckpt.comm.base`) makes every rank read what it restores, as before.
+(:mod:`distckpt.comm.base`), or ``DISTCKPT_EXCHANGE=0``, makes every rank read what it
+restores: on one host with a local file system the page cache already serves repeated
+reads, and there the exchange (over gloo or MPI) can cost more than it saves.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +51,8 @@ UNIT_BYTES = 64 << 20
 SPLIT_BYTES = 1 << 20
 
 REPLICATED, OTHER = 0, 1
+#: ``0`` turns the exchange off: every rank reads what it restores.
+ENV = "DISTCKPT_EXCHANGE"
 
 
 @dataclass
@@ -98,6 +103,10 @@ def classes(reads: Sequence[ReadTarget], replicated: Sequence[bool]) -> list[lis
 
 
 def can_exchange(comm: Communicator) -> bool:
+    """Whether loads over ``comm`` share their reads: a communicator of several ranks
+    that can ``split`` and ``broadcast_array``, unless ``$DISTCKPT_EXCHANGE`` is ``0``."""
+    if os.environ.get(ENV, "").strip() == "0":
+        return False
     return comm.size > 1 and hasattr(comm, "split") and hasattr(comm, "broadcast_array")
 
 
