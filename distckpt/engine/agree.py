@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ from distckpt.planning.save_plan import (
     check_contents,
     rank_desc,
 )
+from distckpt.transfer.workers import env_int
 
 COORDINATOR = 0
 #: Default ``k``: each replicated tensor is checked at least once every ``k`` saves.
@@ -64,16 +64,7 @@ CACHED_PLANS = 4
 
 
 def replica_check_every() -> int:
-    raw = os.environ.get(REPLICA_CHECK_ENV, "").strip()
-    if not raw:
-        return REPLICA_CHECK_EVERY
-    try:
-        k = int(raw)
-    except ValueError:
-        raise ValueError(f"{REPLICA_CHECK_ENV}={raw!r} is not a whole number") from None
-    if k < 0:
-        raise ValueError(f"{REPLICA_CHECK_ENV}={raw!r} must be 0 or more")
-    return k
+    return env_int(REPLICA_CHECK_ENV, REPLICA_CHECK_EVERY, minimum=0)
 
 
 @dataclass
@@ -190,17 +181,14 @@ def agree(
     offers = comm.gather(offer, root=COORDINATOR)
     begun: list[Agreed] = []  # the coordinator's agreement, once its transaction began
     try:
-        decision: Any = None
-        if comm.rank == COORDINATOR:
-            assert offers is not None
-            decision = first_failure(offers)
-            if decision is None:
-                try:
-                    decision, agreed = decide(offers, options, begin)
-                    if agreed is not None:
-                        begun.append(agreed)
-                except Exception as exc:
-                    local_error, decision = exc, Failure.capture(exc, comm.rank)
+
+        def reuse_or_describe() -> Any:
+            decision, agreed = decide(offers, options, begin)  # type: ignore[arg-type]
+            if agreed is not None:
+                begun.append(agreed)
+            return decision
+
+        decision, local_error = _coordinate(comm, offers, reuse_or_describe, local_error)
         decision = comm.broadcast(decision, root=COORDINATOR)
         if isinstance(decision, Failure):
             decision.raise_here(comm.rank, local_error)
@@ -226,19 +214,16 @@ def agree(
             except Exception as exc:
                 local_error, full = exc, Failure.capture(exc, comm.rank)
         fulls = comm.gather(full, root=COORDINATOR)
-        outcome: Any = None
         shares: list[Share] | None = None
-        if comm.rank == COORDINATOR:
+
+        def make() -> Any:
+            nonlocal shares
             assert offers is not None and fulls is not None and mine is not None
-            outcome = first_failure(fulls)
-            if outcome is None:
-                try:
-                    outcome, shares, agreed = plan_fresh(
-                        offers, fulls, mine.schema, options, plan, begin
-                    )
-                    begun.append(agreed)
-                except Exception as exc:
-                    local_error, outcome = exc, Failure.capture(exc, comm.rank)
+            outcome, shares, agreed = plan_fresh(offers, fulls, mine.schema, options, plan, begin)
+            begun.append(agreed)
+            return outcome
+
+        outcome, local_error = _coordinate(comm, fulls, make, local_error)
         outcome = comm.broadcast(outcome, root=COORDINATOR)
         if isinstance(outcome, Failure):
             outcome.raise_here(comm.rank, local_error)
@@ -254,6 +239,25 @@ def agree(
         for agreed in begun:
             agreed.begun.abort()
         raise
+
+
+def _coordinate(
+    comm: Communicator,
+    gathered: list[Any] | None,
+    decide: Callable[[], Any],
+    local_error: BaseException | None,
+) -> tuple[Any, BaseException | None]:
+    """On the coordinator, what to broadcast after a gather: the first rank's failure, or
+    ``decide()``, or the failure it raised (then also this rank's error); None elsewhere."""
+    if comm.rank != COORDINATOR:
+        return None, local_error
+    failure = first_failure(gathered)
+    if failure is not None:
+        return failure, local_error
+    try:
+        return decide(), local_error
+    except Exception as exc:
+        return Failure.capture(exc, comm.rank), exc
 
 
 def _finish(begun: list[Agreed], work: RankWork, *, reused: bool) -> Agreed:

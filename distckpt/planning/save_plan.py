@@ -42,7 +42,7 @@ import hashlib
 import math
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -540,32 +540,40 @@ def _consistent(
 def check_contents(kinds: dict[str, str], ranks: Sequence[RankDesc]) -> list[str]:
     """The values that differ between the ranks holding them, and the replicated tensors
     whose checksums differ (of those checked on more than one rank)."""
-    errors: list[str] = []
+    values = (
+        (r, name, value)
+        for r, desc in enumerate(ranks)
+        for name, value in desc.values.items()
+        if kinds.get(name) == "value"
+    )
+    crcs = ((r, name, crc) for r, desc in enumerate(ranks) for name, crc in desc.checksums.items())
+    return [
+        *(
+            f"{name!r}: the value differs between rank {r0} ({v0!r}) and rank {r} ({v!r}); "
+            "wrap state that differs by rank in distckpt.PerRank"
+            for name, r0, v0, r, v in _differences(values)
+        ),
+        *(
+            f"{name!r}: a plain tensor is saved as replicated but differs between rank {r0} "
+            f"and rank {r}; use distckpt.Shard or a DTensor for partitioned values and "
+            "distckpt.PerRank for per-rank state"
+            for name, r0, _, r, _ in _differences(crcs)
+        ),
+    ]
+
+
+def _differences(
+    held: Iterable[tuple[int, str, Any]],
+) -> Iterator[tuple[str, int, Any, int, Any]]:
+    """For each name, the first rank whose item differs from the first rank's: (name,
+    first rank, its item, that rank, its item)."""
     firsts: dict[str, tuple[int, Any]] = {}
-    bad: set[str] = set()
-    for r, desc in enumerate(ranks):
-        for name, value in desc.values.items():
-            if kinds.get(name) != "value":
-                continue
-            seen = firsts.setdefault(name, (r, value))
-            if seen[1] != value and name not in bad:
-                bad.add(name)
-                errors.append(
-                    f"{name!r}: the value differs between rank {seen[0]} ({seen[1]!r}) and "
-                    f"rank {r} ({value!r}); wrap state that differs by rank in distckpt.PerRank"
-                )
-    crcs: dict[str, tuple[int, int]] = {}
-    for r, desc in enumerate(ranks):
-        for name, crc in desc.checksums.items():
-            seen_crc = crcs.setdefault(name, (r, crc))
-            if seen_crc[1] != crc and name not in bad:
-                bad.add(name)
-                errors.append(
-                    f"{name!r}: a plain tensor is saved as replicated but differs between rank "
-                    f"{seen_crc[0]} and rank {r}; use distckpt.Shard or a DTensor for "
-                    "partitioned values and distckpt.PerRank for per-rank state"
-                )
-    return errors
+    reported: set[str] = set()
+    for r, name, item in held:
+        r0, first = firsts.setdefault(name, (r, item))
+        if first != item and name not in reported:
+            reported.add(name)
+            yield name, r0, first, r, item
 
 
 def plan_save(

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distckpt.transfer.workers import positive_int
+from distckpt.transfer.workers import env_int
 
 MiB = 1 << 20
 DEFAULT_SLAB_BYTES = 64 * MiB
@@ -36,11 +36,6 @@ DEFAULT_SLABS = 4
 SLAB_ENV = "DISTCKPT_SLAB_MIB"
 COUNT_ENV = "DISTCKPT_SLABS"
 ALIGN = 64  # every region starts at a multiple of this (any dtype's alignment)
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    return positive_int(raw, name) if raw else default
 
 
 @dataclass
@@ -203,8 +198,8 @@ def set_staging(slab_bytes: int | None = None, slabs: int | None = None) -> None
 
 
 def _sizes() -> tuple[int, int]:
-    slab_bytes = _config.get("slab_bytes") or _env_int(SLAB_ENV, DEFAULT_SLAB_BYTES // MiB) * MiB
-    count = _config.get("slabs") or _env_int(COUNT_ENV, DEFAULT_SLABS)
+    slab_bytes = _config.get("slab_bytes") or env_int(SLAB_ENV, DEFAULT_SLAB_BYTES // MiB) * MiB
+    count = _config.get("slabs") or env_int(COUNT_ENV, DEFAULT_SLABS)
     return slab_bytes, count
 
 

@@ -84,15 +84,23 @@ def default_io_workers(local: int | None = None) -> int:
     return max(1, min(_affinity(), cpus // max(1, local), MAX_DEFAULT))
 
 
-def positive_int(raw: object, what: str) -> int:
-    """``raw`` as a whole number of at least 1; ValueError naming ``what`` otherwise."""
+def positive_int(raw: object, what: str, minimum: int = 1) -> int:
+    """``raw`` as a whole number of at least ``minimum``; ValueError naming ``what``
+    otherwise."""
     try:
         n = int(str(raw))
     except ValueError:
         raise ValueError(f"{what}={raw!r} is not a whole number") from None
-    if n < 1:
-        raise ValueError(f"{what} must be at least 1, got {n}")
+    if n < minimum:
+        raise ValueError(f"{what} must be at least {minimum}, got {n}")
     return n
+
+
+def env_int(name: str, default: int, minimum: int = 1) -> int:
+    """The environment variable ``name`` as a whole number of at least ``minimum``;
+    ``default`` when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    return positive_int(raw, name, minimum) if raw else default
 
 
 #: The fewest workers a rank uses by default against an object store, whatever its share
