@@ -188,10 +188,7 @@ def agree(
                 begun.append(agreed)
             return decision
 
-        decision, local_error = _coordinate(comm, offers, reuse_or_describe, local_error)
-        decision = comm.broadcast(decision, root=COORDINATOR)
-        if isinstance(decision, Failure):
-            decision.raise_here(comm.rank, local_error)
+        decision = _broadcast_decision(comm, offers, reuse_or_describe, local_error)
         if isinstance(decision, Reuse):
             assert cached is not None and cached.plan_id == decision.plan_id
             cached.saves += 1
@@ -223,11 +220,7 @@ def agree(
             begun.append(agreed)
             return outcome
 
-        outcome, local_error = _coordinate(comm, fulls, make, local_error)
-        outcome = comm.broadcast(outcome, root=COORDINATOR)
-        if isinstance(outcome, Failure):
-            outcome.raise_here(comm.rank, local_error)
-        plan_id, token, shared = outcome
+        plan_id, token, shared = _broadcast_decision(comm, fulls, make, local_error)
         share = scatter(comm, shares, root=COORDINATOR)
         work = shared.expand(share, comm.rank, token)
         assert isinstance(offer, Offer)
@@ -241,23 +234,27 @@ def agree(
         raise
 
 
-def _coordinate(
+def _broadcast_decision(
     comm: Communicator,
     gathered: list[Any] | None,
     decide: Callable[[], Any],
     local_error: BaseException | None,
-) -> tuple[Any, BaseException | None]:
-    """On the coordinator, what to broadcast after a gather: the first rank's failure, or
-    ``decide()``, or the failure it raised (then also this rank's error); None elsewhere."""
-    if comm.rank != COORDINATOR:
-        return None, local_error
-    failure = first_failure(gathered)
-    if failure is not None:
-        return failure, local_error
-    try:
-        return decide(), local_error
-    except Exception as exc:
-        return Failure.capture(exc, comm.rank), exc
+) -> Any:
+    """Collective, after a gather: the coordinator's decision on every rank, which is the
+    first rank's failure or ``decide()`` (run on the coordinator); a failure is raised on
+    every rank (as itself on the rank where it happened)."""
+    decision: Any = None
+    if comm.rank == COORDINATOR:
+        decision = first_failure(gathered)
+        if decision is None:
+            try:
+                decision = decide()
+            except Exception as exc:
+                decision, local_error = Failure.capture(exc, comm.rank), exc
+    decision = comm.broadcast(decision, root=COORDINATOR)
+    if isinstance(decision, Failure):
+        decision.raise_here(comm.rank, local_error)
+    return decision
 
 
 def _finish(begun: list[Agreed], work: RankWork, *, reused: bool) -> Agreed:
