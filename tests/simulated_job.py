@@ -72,7 +72,10 @@ def job(world: int, layers: int = 1000, norms: int = 100) -> Job:
         boxes[:, slot + d] = np.minimum(start + size, shape[0]) - start
     values = {"step": {"int": 1000}, "epoch": {"int": 3}}
     ranks = [RankDesc(schema, schema.digest, boxes[r].copy(), dict(values)) for r in range(world)]
-    offers = [agree.Offer(None, agree.fingerprint(r), schema.digest, r.values, {}) for r in ranks]
+    offers = [
+        agree.Offer(None, agree.fingerprint(d, r), schema.digest, d.values, {})
+        for r, d in enumerate(ranks)
+    ]
     fulls = [agree.Full(schema if r == 0 else None, ranks[r].boxes, {}) for r in range(world)]
     return Job(world, schema, ranks, offers, fulls)
 

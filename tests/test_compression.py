@@ -298,3 +298,24 @@ def test_training_layer_compresses(tmp_path: Path) -> None:
     fresh = torch.nn.Linear(256, 512)
     distckpt.Checkpoint(net=fresh).restore(path).expect_partial()
     assert_same_bits(fresh.weight.detach(), net.weight.detach())
+
+
+def test_a_plan_is_reused_only_with_the_same_compression_choices(tmp_path: Path) -> None:
+    from distckpt.engine.agree import forget_plans
+
+    forget_plans()
+    state = {"w": random_tensor(torch.float32, (256, 256), 3)}
+    choices: dict[str, str | None] = {"w*": None}
+    runs = []
+    for name, compression in [
+        ("a", choices),
+        ("b", choices),  # after the edit below: zstd
+        ("c", {"*": None, "w*": "zstd"}),  # the first matching pattern wins: raw
+        ("d", {"*": None, "w*": "zstd"}),
+    ]:
+        if name == "b":
+            choices["w*"] = "zstd"  # the same dict, edited in place
+        result = save1(state, tmp_path / name, small_bytes=1024, compression=compression)
+        entry = index_of(tmp_path / name)["variables"]["w"]
+        runs.append((result.plan_reused, entry.get("codec", {}).get("name")))
+    assert runs == [(False, None), (False, "zstd"), (False, None), (True, None)]

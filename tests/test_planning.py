@@ -223,3 +223,51 @@ def _reshard_in_memory(shape, save_world, load_world, split_dim):
 def test_reshard_any_world_size_to_any_other(save_world, load_world):
     _reshard_in_memory((13, 5), save_world, load_world, split_dim=0)
     _reshard_in_memory((3, 11), save_world, load_world, split_dim=1)
+
+
+def test_per_rank_tensors_keep_each_rank_s_dtype_and_values_mix_with_tensors():
+    descs = [
+        [Desc("x", "per_rank", dtype="float32", shape=(3,), box=Box.full((3,)))],
+        [Desc("x", "per_rank", dtype="int64", shape=(5,), box=Box.full((5,)))],
+        [Desc("x", "per_rank", value={"int": 7})],
+    ]
+    plan = make_save_plan(descs)
+    (var,) = plan.specs
+    pieces = plan.pieces_of(var)
+    assert [(p.rank, p.dtype, p.box.lengths) for p in pieces] == [
+        (0, "float32", (3,)),
+        (1, "int64", (5,)),
+    ]
+    assert [p.meta["data_type"] for p in pieces if p.meta] == ["float32", "int64"]
+    assert [w.writes[0].dtype for w in plan.work()[:2]] == ["float32", "int64"]
+
+
+def test_a_tensor_no_rank_holds_a_box_of_is_refused():
+    empty = Box((0,), (0,))
+    descs = [[Desc("t", "tensor", dtype="float32", shape=(4,), box=empty)] for _ in range(2)]
+    with pytest.raises(ValidationError, match="'t': the ranks' slices cover 0 of the 4"):
+        make_save_plan(descs)
+
+
+def test_a_rank_without_leaves_takes_part_in_a_fresh_plan():
+    from distckpt.engine import agree
+    from distckpt.planning.save_plan import plan_save, rank_desc
+
+    ranks = [rank_desc([Desc("a", "tensor", dtype="float32", shape=(4,), box=Box.full((4,)))])]
+    ranks.append(rank_desc([]))
+    offers = [
+        agree.Offer(None, agree.fingerprint(d, r), d.digest, {}, {}) for r, d in enumerate(ranks)
+    ]
+    fulls = [agree.Full(d.schema, d.boxes, {}) for d in ranks]
+
+    class Nothing:
+        def abort(self) -> None:
+            pass
+
+    try:
+        _, shares, agreed = agree.plan_fresh(
+            offers, fulls, ranks[0].schema, ("t",), plan_save, lambda token: Nothing()
+        )
+    finally:
+        agree.forget_plans()
+    assert agreed.plan is not None and [s.writes.tolist() for s in shares] == [[0], []]

@@ -139,8 +139,9 @@ class Agreed:
     begun: Any = None
 
 
-def fingerprint(desc: RankDesc) -> bytes:
-    h = hashlib.blake2b(desc.digest, digest_size=16)
+def fingerprint(desc: RankDesc, rank: int) -> bytes:
+    """What identifies rank ``rank``'s description between saves."""
+    h = hashlib.blake2b(desc.digest + rank.to_bytes(8, "little"), digest_size=16)
     h.update(np.ascontiguousarray(desc.boxes, dtype=np.int64).tobytes())
     return h.digest()
 
@@ -168,7 +169,7 @@ def agree(
     else:
         try:
             mine = rank_desc(descs)
-            own = fingerprint(mine)
+            own = fingerprint(mine, comm.rank)
             cached = _RANK_PLANS.get(own)
             replicated = [d.name for d in descs if d.replicated and d.kind == "tensor"]
             checked = _sample(replicated, cached, comm.size)
@@ -338,9 +339,16 @@ def plan_fresh(
     for offer, full in zip(offers, fulls, strict=True):
         checksums = {**offer.checksums, **full.checksums}
         ranks.append(
-            RankDesc(full.schema or schema, offer.digest, full.boxes, offer.values, checksums)
+            RankDesc(
+                full.schema if full.schema is not None else schema,
+                offer.digest,
+                full.boxes,
+                offer.values,
+                checksums,
+            )
         )
     made = plan(ranks)
+    shares = made.shares()
     plan_id = uuid.uuid4().hex
     token = uuid.uuid4().hex[:16]
     agreed = Agreed(RankWork(token, [], [], []), False, made, _values(made, offers), begin(token))
@@ -349,4 +357,4 @@ def plan_fresh(
         plan_id,
         _CoordinatorPlan(made, [o.fingerprint for o in offers], options),
     )
-    return (plan_id, token, made.shared), made.shares(), agreed
+    return (plan_id, token, made.shared), shares, agreed

@@ -98,7 +98,7 @@ def build_index(
                 rank = spec.ranks[k]
                 layout = "small" if piece["inner"] is None else "regular"
                 ranks[str(rank)] = _tensor_entry(
-                    str(spec.dtype), spec.shapes[k], f"{spec.path}/r{rank}", layout, [piece]
+                    spec.dtypes[k], spec.shapes[k], f"{spec.path}/r{rank}", layout, [piece]
                 )
                 if "codec" in piece:
                     newest = max(newest, index_mod.FORMAT_VERSION_COMPRESSED)

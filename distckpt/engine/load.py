@@ -231,11 +231,12 @@ def _read(
     mine = prepared.reads if prepared is not None else []
     if exchange.can_exchange(comm):
         kinds = [[], []] if prepared is None else exchange.classes(mine, prepared.replicated)
-        offer = None if prepared is None else tuple(exchange.digest(k) for k in kinds)
-        everyone = comm.allgather(offer)
-        if any(o is None for o in everyone):
+        offer = None if prepared is None else (exchange.wanted(), *map(exchange.digest, kinds))
+        offers = comm.allgather(offer)
+        if any(o is None for o in offers):
             return
-        for kind in (exchange.REPLICATED, exchange.OTHER):
+        everyone = [o[1:] for o in offers] if all(o[0] for o in offers) else []
+        for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
             colors = exchange.colors(everyone, kind)
             if max(colors) < 0:  # nobody shares these targets: no group to make
                 continue

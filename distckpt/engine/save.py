@@ -428,7 +428,12 @@ def _protocol(
             descs = _describe(local)
         except Exception as exc:
             error, descs = exc, Failure.capture(exc, comm.rank)
-    options = (opts.small_bytes, opts.inner_bytes, opts.compression, comm.size)
+    # What a cached plan must have been made with (a mapping of compression choices is
+    # ordered: its first matching pattern wins; copied, so a later edit is a change).
+    choices = opts.compression
+    if choices is not None and not isinstance(choices, str):
+        choices = tuple(choices.items())  # type: ignore[assignment]
+    options = (opts.small_bytes, opts.inner_bytes, choices, comm.size)
     staging: Transaction | None = None
     try:
         agreed = agree(

@@ -184,6 +184,7 @@ class VarSpec:
     boxes: tuple[Box, ...] = ()  # boxes: one per piece
     ranks: tuple[int, ...] = ()  # per_rank: the rank of each piece
     shapes: tuple[tuple[int, ...], ...] = ()  # per_rank: the shape of each piece
+    dtypes: tuple[str, ...] = ()  # per_rank: the dtype of each piece
     choice: str | None = None  # the compression chosen for this name
 
     def grid(self) -> tuple[int, ...]:
@@ -219,20 +220,24 @@ class VarSpec:
         """Piece ``k``, written by ``writer`` from ``sources`` (default: its own box),
         with the ``zarr.json`` it writes along with it (the first piece of a regular
         array, every piece of the other layouts)."""
-        assert self.dtype is not None and self.shape is not None
         box = self.box_of(k)
         src = sources if sources is not None else ((writer, box),)
         pid = self.first + k
+        if self.layout == "per_rank":  # each rank's tensor has its own dtype and shape
+            dtype = self.dtypes[k]
+        else:
+            assert self.dtype is not None and self.shape is not None
+            dtype = self.dtype
         if self.layout == "regular":
-            assert self.chunks is not None
+            assert self.chunks is not None and self.shape is not None
             coord = np.unravel_index(k, self.grid()) if self.shape else ()
             meta = None
             if k == 0:
-                meta = _meta(self.shape, self.dtype, self.chunks, self.inner, self.codec)
+                meta = _meta(self.shape, dtype, self.chunks, self.inner, self.codec)
             return Piece(
                 pid,
                 self.name,
-                self.dtype,
+                dtype,
                 f"{self.path}/{zarr_meta.chunk_key([int(c) for c in coord])}",
                 box,
                 self.chunks,
@@ -244,11 +249,12 @@ class VarSpec:
                 codec=self.codec,
             )
         if self.layout == "small":
+            assert self.shape is not None
             block = tuple(max(1, n) for n in self.shape)
             return Piece(
                 pid,
                 self.name,
-                self.dtype,
+                dtype,
                 f"{self.path}/{zarr_meta.chunk_key([0] * len(self.shape))}",
                 box,
                 block,
@@ -256,10 +262,10 @@ class VarSpec:
                 writer,
                 src,
                 meta_file=f"{self.path}/{zarr_meta.ZARR_JSON}",
-                meta=zarr_meta.array_meta(self.shape, self.dtype, block, None),
+                meta=zarr_meta.array_meta(self.shape, dtype, block, None),
             )
         sub = f"{self.path}/p{k}" if self.layout == "boxes" else f"{self.path}/r{self.ranks[k]}"
-        itemsize = dtypes.itemsize(self.dtype)
+        itemsize = dtypes.itemsize(dtype)
         lengths = box.lengths
         block = tuple(max(1, n) for n in lengths)
         small = math.prod(lengths) * itemsize <= small_bytes or not lengths
@@ -268,7 +274,7 @@ class VarSpec:
         return Piece(
             pid,
             self.name,
-            self.dtype,
+            dtype,
             f"{sub}/{zarr_meta.chunk_key([0] * len(lengths))}",
             box,
             block,
@@ -276,7 +282,7 @@ class VarSpec:
             writer,
             src,
             meta_file=f"{sub}/{zarr_meta.ZARR_JSON}",
-            meta=_meta(lengths, self.dtype, block, inner, codec),
+            meta=_meta(lengths, dtype, block, inner, codec),
             rank=self.ranks[k] if self.layout == "per_rank" else None,
             codec=codec,
         )
@@ -430,7 +436,8 @@ class Holders:
     offsets: np.ndarray
     lengths: np.ndarray
     replicated: np.ndarray  # bool per holder
-    shapes: list[tuple[int, ...] | None]  # per holder, of a per-rank variable (they differ)
+    forms: list[tuple[str | None, tuple[int, ...] | None]]  # per holder of a per-rank
+    # variable: its dtype and shape (None, None: a per-rank value)
 
     @property
     def nbytes(self) -> int:
@@ -472,7 +479,7 @@ def survey(ranks: Sequence[RankDesc]) -> tuple[dict[str, Holders], list[str]]:
         offs: list[np.ndarray] = []
         lens: list[np.ndarray] = []
         reps: list[np.ndarray] = []
-        shapes: list[tuple[int, ...] | None] = []
+        forms: list[tuple[str | None, tuple[int, ...] | None]] = []
         for sch, j, group_ranks, box_matrix in found:
             rank_parts.append(group_ranks)
             slot = sch.slots[j]
@@ -482,8 +489,8 @@ def survey(ranks: Sequence[RankDesc]) -> tuple[dict[str, Holders], list[str]]:
                 offs.append(box_matrix[:, slot : slot + d])
                 lens.append(box_matrix[:, slot + d : slot + 2 * d])
             reps.append(np.full(len(group_ranks), sch.entries[j][4]))
-            if kind == "per_rank":  # each rank's own shape (or None: a value)
-                shapes.extend([entry_shape] * len(group_ranks))
+            if kind == "per_rank":  # each rank's own dtype and shape (None: a value)
+                forms.extend([(sch.entries[j][2], entry_shape)] * len(group_ranks))
         ndim = len(shape) if shape is not None else 0
         all_ranks = np.concatenate(rank_parts) if len(rank_parts) > 1 else rank_parts[0]
         empty = np.zeros((len(all_ranks), ndim), dtype=np.int64)
@@ -496,14 +503,14 @@ def survey(ranks: Sequence[RankDesc]) -> tuple[dict[str, Holders], list[str]]:
             np.concatenate(offs) if len(offs) > 1 else (offs[0] if offs else empty),
             np.concatenate(lens) if len(lens) > 1 else (lens[0] if lens else empty),
             np.concatenate(reps) if len(reps) > 1 else reps[0],
-            shapes,
+            forms,
         )
         if len(rank_parts) > 1:  # in rank order
             order = np.argsort(all_ranks, kind="stable")
             h.ranks, h.offsets = all_ranks[order], h.offsets[order]
             h.lengths = h.lengths[order]
             h.replicated = h.replicated[order]
-            h.shapes = [shapes[k] for k in order.tolist()] if shapes else []
+            h.forms = [forms[k] for k in order.tolist()] if forms else []
         holders[name] = h
     return holders, errors
 
@@ -670,7 +677,7 @@ class _Partition:
         box_of[nonempty] = inverse
         offsets, lengths = distinct[:, :ndim], distinct[:, ndim:]
         part = cls(offsets, lengths, box_of, _regular_grid(shape, offsets, lengths))
-        if part.grid is None and len(distinct) and h.nbytes:
+        if part.grid is None and h.nbytes:  # (no box at all: nothing covered)
             part.error = part._irregular_error(h)
         return part
 
@@ -852,22 +859,22 @@ def _plan_per_rank(
 ) -> tuple[VarSpec, np.ndarray, dict[int, np.ndarray]]:
     ranks: list[int] = []
     shapes: list[tuple[int, ...]] = []
-    for r, shape in zip(h.ranks.tolist(), h.shapes, strict=True):
-        if shape is None:  # a per-rank value, stored in the index
+    kinds: list[str] = []
+    for r, (dtype, shape) in zip(h.ranks.tolist(), h.forms, strict=True):
+        if dtype is None or shape is None:  # a per-rank value, stored in the index
             continue
         ranks.append(r)
         shapes.append(shape)
-        if h.dtype is not None:
-            load[r] += math.prod(shape) * dtypes.itemsize(h.dtype)
+        kinds.append(dtype)
+        load[r] += math.prod(shape) * dtypes.itemsize(dtype)
     spec = VarSpec(
         h.name,
         "per_rank",
         path,
-        h.dtype,
-        h.shape,
-        "per_rank",
+        layout="per_rank",
         ranks=tuple(ranks),
         shapes=tuple(shapes),
+        dtypes=tuple(kinds),
         choice=choice,
     )
     return spec, np.asarray(ranks, dtype=np.int64), {}

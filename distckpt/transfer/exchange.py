@@ -103,11 +103,14 @@ def classes(reads: Sequence[ReadTarget], replicated: Sequence[bool]) -> list[lis
 
 
 def can_exchange(comm: Communicator) -> bool:
-    """Whether loads over ``comm`` share their reads: a communicator of several ranks
-    that can ``split`` and ``broadcast_array``, unless ``$DISTCKPT_EXCHANGE`` is ``0``."""
-    if os.environ.get(ENV, "").strip() == "0":
-        return False
+    """Whether ``comm`` has several ranks and can ``split`` and ``broadcast_array``."""
     return comm.size > 1 and hasattr(comm, "split") and hasattr(comm, "broadcast_array")
+
+
+def wanted() -> bool:
+    """This rank's ``$DISTCKPT_EXCHANGE`` (``0``: off); the ranks exchange only if all
+    want to."""
+    return os.environ.get(ENV, "").strip() != "0"
 
 
 def colors(everyone: Sequence[tuple[bytes | None, bytes | None]], kind: int) -> list[int]:
@@ -214,44 +217,61 @@ def _put(t: ReadTarget, unit: Unit, data: np.ndarray) -> None:
 
 def exchange(group: Group) -> int:
     """Broadcast every unit from its reader to the group's other members; returns the
-    bytes this rank received. Collective over ``group.comm``, in the same order on every
-    member."""
+    bytes this rank received. Collective over ``group.comm``: every member makes the same
+    broadcasts in the same order, decided by the units alone (a member whose target cannot
+    take a broadcast in place goes through a buffer of its own)."""
     comm: Any = group.comm
     me = group.member
     received = 0
     packs: dict[int, list[Unit]] = {}
     for unit in group.units:
+        if unit.nbytes < SPLIT_BYTES:
+            packs.setdefault(unit.owner, []).append(unit)
+            continue
         t = group.targets[unit.target]
         view = _view(t, unit)
-        if view is not None and unit.nbytes >= SPLIT_BYTES:
+        if view is not None:
             comm.broadcast_array(view.reshape(-1).view(np.uint8), root=unit.owner)
-            received += 0 if unit.owner == me else unit.nbytes
         else:
-            packs.setdefault(unit.owner, []).append(unit)
+            buffer = np.empty(unit.nbytes, dtype=np.uint8)
+            if unit.owner == me:
+                _get(t, unit, buffer)
+            comm.broadcast_array(buffer, root=unit.owner)
+            if unit.owner != me:
+                _put(t, unit, buffer)
+        received += 0 if unit.owner == me else unit.nbytes
     for owner in sorted(packs):
         batch: list[Unit] = []
         size = 0
         for unit in packs[owner]:
             if batch and size + unit.nbytes > UNIT_BYTES:
-                received += _pack(group, owner, batch, size)
+                received += _pack(group, owner, batch)
                 batch, size = [], 0
             batch.append(unit)
-            size += unit.nbytes
-        received += _pack(group, owner, batch, size)
+            size += _aligned(unit.nbytes)
+        received += _pack(group, owner, batch)
     return received
 
 
-def _pack(group: Group, owner: int, batch: list[Unit], size: int) -> int:
-    """One broadcast of a pack of units read by ``owner``."""
+#: Each unit of a pack starts at a multiple of this (any dtype's alignment).
+ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _pack(group: Group, owner: int, batch: list[Unit]) -> int:
+    """One broadcast of a pack of units read by ``owner``, each at an aligned offset."""
     comm: Any = group.comm
-    buffer = np.empty(size, dtype=np.uint8)
-    offsets = np.cumsum([0, *(u.nbytes for u in batch)])
+    offsets = np.cumsum([0, *(_aligned(u.nbytes) for u in batch)]).tolist()
+    buffer = np.empty(offsets[-1], dtype=np.uint8)
     if group.member == owner:
-        for unit, lo, hi in zip(batch, offsets, offsets[1:], strict=False):
-            _get(group.targets[unit.target], unit, buffer[lo:hi])
+        for unit, lo in zip(batch, offsets, strict=False):
+            _get(group.targets[unit.target], unit, buffer[lo : lo + unit.nbytes])
     comm.broadcast_array(buffer, root=owner)
     if group.member == owner:
         return 0
-    for unit, lo, hi in zip(batch, offsets, offsets[1:], strict=False):
-        _put(group.targets[unit.target], unit, buffer[lo:hi])
-    return size
+    for unit, lo in zip(batch, offsets, strict=False):
+        _put(group.targets[unit.target], unit, buffer[lo : lo + unit.nbytes])
+    return sum(u.nbytes for u in batch)

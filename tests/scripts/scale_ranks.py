@@ -10,8 +10,9 @@ Cases, each checked on every rank:
   after; a new variable makes a new plan; every checkpoint restores bit for bit.
 * ``sampled``: with ``DISTCKPT_REPLICA_CHECK=2`` a replicated tensor that differs on one
   rank is caught within two saves of a reused plan, naming it; nothing is committed.
-* ``replicated``: a load of fully replicated state (1,000 small tensors and two large
-  ones) reads every stored byte once over all ranks, the rest being exchanged.
+* ``replicated``: a load of fully replicated state (1,000 small tensors, two large ones
+  and a few of odd sizes and dtypes) reads every stored byte once over all ranks, the
+  rest being exchanged.
 * ``hsdp``: two replicas of a row-sharded state (ranks r and r + world/2 hold the same
   box) read each stored byte once too.
 
@@ -57,6 +58,13 @@ def replicated_state(seed: int) -> dict[str, Any]:
         f"small/{i}": generate(("small", i, seed), (48, 64)) for i in range(SMALL)
     }
     state.update({name: generate((name, seed), shape) for name, shape in BIG.items()})
+    # Odd sizes and dtypes travel packed together: each must land aligned.
+    x = generate(("odd", seed), (16,))
+    state["odd/f64"] = x[0].double()
+    state["odd/c128"] = torch.complex(x[1:4].double(), x[4:7].double())
+    state["odd/bool"] = x[:7] > 0
+    state["odd/bf16"] = x[:15].reshape(5, 3).bfloat16()
+    state["odd/i8"] = (x[:9] * 50).to(torch.int8)
     return state
 
 
