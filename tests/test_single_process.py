@@ -739,3 +739,35 @@ def test_gc_restores_a_checkpoint_from_an_interrupted_commit(tmp_path: Path) -> 
     load1({"w": w}, tmp_path / "ck")
     assert_same_bits(w, torch.arange(4.0))
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda e: e.update(crc=e["crc"] + [1]), "crc column does not hold 4 entries"),
+        (lambda e: e.update(size=["88"] * 4), "size column holds something other than counts"),
+        (lambda e: e.update(crc="AAAA"), "crc column does not hold 4 entries"),
+        (lambda e: e.update(crc="!" * 24), "crc column is not base64"),
+        (lambda e: e.update(chunks=[0]), "malformed index entry"),
+        (lambda e: e.pop("size"), "malformed index entry"),
+    ],
+)
+def test_a_malformed_regular_entry_is_refused_before_any_read(
+    tmp_path: Path, edit: Any, words: str
+) -> None:
+    """A compact regular entry (shard shape, crc and size columns) read from an untrusted
+    index: every inconsistency is an error naming the variable, and nothing is read."""
+    ck = tmp_path / "ck"
+    save1({"w": torch.arange(4096.0), "a": torch.ones(3)}, ck, small_bytes=0, inner_bytes=1024)
+    doc = json.loads((ck / "zarr.json").read_bytes())
+    entry = doc["attributes"]["distckpt"]["variables"]["w"]
+    assert entry["layout"] == "regular" and entry["chunks"] == [4096]
+    entry["chunks"] = [1024]  # described as four shards of the one there is, then broken
+    entry["crc"], entry["size"] = entry["crc"] * 4, entry["size"] * 4
+    edit(entry)
+    (ck / "zarr.json").write_text(json.dumps(doc))
+    before = torch.full((3,), -1.0)
+    with pytest.raises(CorruptCheckpointError, match="variable 'w'") as ei:
+        load1({"a": before, "w": torch.zeros(4096)}, ck)
+    assert words in str(ei.value)
+    assert (before == -1).all()

@@ -125,22 +125,27 @@ class Column:
     """A regular entry's ``crc`` or ``size`` column, decoded lazily: a rank reading a few
     shards of a variable of thousands decodes only their entries, not the whole column."""
 
-    def __init__(self, data: Any, dtype: str, count: int, what: str) -> None:
+    def __init__(self, data: Any, dtype: str, count: int, variable: str, name: str) -> None:
         self.dtype = np.dtype(dtype)
         self.count = count
-        self.what = what
+        self.variable, self.name = variable, name
         self._values: np.ndarray | None = None
         self._text: str | None = None
         if isinstance(data, str):
             if len(data) != 4 * -(-count * self.dtype.itemsize // 3):
-                raise CorruptCheckpointError(f"{what} does not hold {count} entries")
+                raise self._error(f"does not hold {count} entries")
             self._text = data
         elif isinstance(data, list) and len(data) == count:
             if not all(isinstance(v, int) and v >= 0 for v in data):
-                raise CorruptCheckpointError(f"{what} holds something other than counts")
+                raise self._error("holds something other than counts")
             self._values = np.asarray(data, dtype=self.dtype) if data else np.zeros(0, self.dtype)
         else:
-            raise CorruptCheckpointError(f"{what} does not hold {count} entries")
+            raise self._error(f"does not hold {count} entries")
+
+    def _error(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"variable {self.variable!r}: the index's {self.name} column {what}"
+        )
 
     def _decode(self, first: int, end: int) -> np.ndarray:
         assert self._text is not None
@@ -150,7 +155,7 @@ class Column:
         try:
             raw = base64.b64decode(self._text[start:stop], validate=True)
         except ValueError:
-            raise CorruptCheckpointError(f"{self.what} is not base64") from None
+            raise self._error("is not base64") from None
         skip = lo - start // 4 * 3
         return np.frombuffer(raw[skip : skip + hi - lo], dtype=self.dtype)
 
@@ -206,24 +211,23 @@ class Pieces:
         self.variable = variable
         self._listed: list[StoredPiece] | None = None
         try:
-            shape = tuple(int(n) for n in entry["shape"])
+            shape = tuple(map(int, entry["shape"]))
             if "chunks" in entry:
                 self.path = str(entry["path"])
                 self.shape = shape
-                self.chunks = tuple(int(n) for n in entry["chunks"])
+                self.chunks = chunks = tuple(map(int, entry["chunks"]))
                 inner = entry.get("inner")
-                self.inner = None if inner is None else tuple(int(n) for n in inner)
-                if len(self.chunks) != len(shape) or any(c <= 0 for c in self.chunks):
+                self.inner = None if inner is None else tuple(map(int, inner))
+                if len(chunks) != len(shape) or (chunks and min(chunks) <= 0):
                     raise ValueError
                 if self.inner is not None and len(self.inner) != len(shape):
                     raise ValueError
                 codec = entry.get("codec")
                 self.codec = None if codec is None else codecs.from_json(codec, variable)
-                self.grid = tuple(-(-n // c) for n, c in zip(shape, self.chunks, strict=True))
+                self.grid = tuple([-(-n // c) for n, c in zip(shape, chunks)])
                 count = math.prod(self.grid)
-                what = f"variable {variable!r}: the index's"
-                self.crc = Column(entry["crc"], "<u4", count, f"{what} crc column")
-                self.size = Column(entry["size"], "<u8", count, f"{what} size column")
+                self.crc = Column(entry["crc"], "<u4", count, variable, "crc")
+                self.size = Column(entry["size"], "<u8", count, variable, "size")
             else:
                 self._listed = [StoredPiece.from_json(p, variable) for p in entry["pieces"]]
         except CorruptCheckpointError:
@@ -277,10 +281,8 @@ class Pieces:
         if crc is None or size is None:
             k = self._linear(coord)
             crc, size = self.crc[k], self.size[k]
-        offsets = tuple(i * c for i, c in zip(coord, self.chunks, strict=True))
-        lengths = tuple(
-            min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape, strict=True)
-        )
+        offsets = tuple([i * c for i, c in zip(coord, self.chunks)])
+        lengths = tuple([min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape)])
         return StoredPiece(
             f"{self.path}/{zarr_meta.chunk_key(coord)}",
             Box.known(offsets, lengths),
