@@ -98,14 +98,38 @@ def load(
     """
     background.finish_pending()  # also raises the error of a save nobody waited for
     comm = comm or auto()
-    store = resolve(path)
+    return load_indexed(
+        state,
+        resolve(path),
+        None,
+        comm,
+        strict=strict,
+        allow_pickle=allow_pickle,
+        io_workers=io_workers,
+    )
+
+
+def load_indexed(
+    state: dict[str, Any],
+    store: Store,
+    index: dict[str, Any] | None,
+    comm: Communicator,
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    io_workers: int | None = None,
+) -> LoadResult:
+    """:func:`load` from ``store`` with its ``index`` already read on every rank (by
+    :func:`read_shared_index`; None: read it now), as a restore that loads in several
+    rounds does."""
     result = LoadResult(location(store))
     t0 = time.perf_counter()
     error: BaseException | None = None
     prepared: _Prepared | None = None
     workers = 1
     try:
-        index = read_shared_index(store, comm)
+        if index is None:
+            index = read_shared_index(store, comm)
         workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
         prepared = _prepare(state, index, result, comm.rank, comm.size, strict, allow_pickle)
     except Exception as exc:

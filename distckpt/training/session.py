@@ -24,7 +24,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.engine.load import load, read_shared_index
+from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve
@@ -61,12 +61,14 @@ class RestoreSession:
         allow_pickle: bool = False,
         io_workers: int | None = None,
     ) -> None:
-        self.path = location(resolve(path))
+        self.store = resolve(path)
+        self.path = location(self.store)
         self.allow_pickle = allow_pickle
         self.io_workers = io_workers
         self.comm = comm
         self._root = weakref.ref(root)
-        variables = dict(read_shared_index(resolve(path), comm)["variables"])
+        self.index = read_shared_index(self.store, comm)
+        variables = dict(self.index["variables"])
         aliases = variables.pop(ALIASES, None)
         self.aliases: dict[str, str] = (
             decode(aliases["value"]) if aliases and aliases.get("kind") == "value" else {}
@@ -154,9 +156,10 @@ class RestoreSession:
         raise_if_any_failed(self.comm, error)
         for batch in rounds:
             if batch:
-                load(
+                load_indexed(
                     nest(batch),
-                    self.path,
+                    self.store,
+                    self.index,  # read once for every round of this restore
                     self.comm,
                     strict=False,
                     allow_pickle=self.allow_pickle,
