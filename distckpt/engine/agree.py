@@ -41,7 +41,6 @@ import numpy as np
 from distckpt.comm import Communicator
 from distckpt.comm.base import scatter
 from distckpt.comm.outcome import Failure, first_failure
-from distckpt.errors import ValidationError
 from distckpt.planning.save_plan import (
     Desc,
     RankDesc,
@@ -51,6 +50,7 @@ from distckpt.planning.save_plan import (
     Share,
     Shared,
     check_contents,
+    raise_inconsistent,
     rank_desc,
 )
 from distckpt.transfer.workers import env_int
@@ -311,11 +311,7 @@ def decide(
     plan = cached.plan
     kinds = {s.name: s.kind for s in plan.specs}
     ranks = [RankDesc(None, o.digest, _NO_BOXES, o.values, o.checksums) for o in offers]
-    errors = check_contents(kinds, ranks)
-    if errors:
-        raise ValidationError(
-            "cannot save: the ranks' states are inconsistent:\n  " + "\n  ".join(errors[:10])
-        )
+    raise_inconsistent(check_contents(kinds, ranks))
     _COORDINATOR_PLANS.move_to_end(first.plan_id)  # type: ignore[arg-type]
     token = uuid.uuid4().hex[:16]
     agreed = Agreed(RankWork(token, [], [], []), True, plan, _values(plan, offers), begin(token))

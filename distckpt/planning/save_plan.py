@@ -414,7 +414,8 @@ class SavePlan:
         return [self.shared.expand(s, r, token) for r, s in enumerate(self.shares())]
 
 
-def _fail(errors: list[str]) -> None:
+def raise_inconsistent(errors: list[str]) -> None:
+    """Raise :class:`ValidationError` listing ``errors`` (the first ten), if any."""
     if errors:
         shown = errors[:10]
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
@@ -583,6 +584,21 @@ def _differences(
             yield name, r0, first, r, item
 
 
+def checked(ranks: Sequence[RankDesc]) -> list[tuple[Holders, _Partition | None]]:
+    """Every variable's holders and, for a tensor, its partition, once every rank's
+    description is consistent; else :class:`ValidationError` naming every inconsistency."""
+    holders, errors = survey(ranks)
+    errors += check_contents({n: h.kind for n, h in holders.items()}, ranks)
+    out: list[tuple[Holders, _Partition | None]] = []
+    for h in holders.values():
+        part = _Partition.of(h) if h.kind == "tensor" else None
+        if part is not None and part.error is not None:
+            errors.append(part.error)
+        out.append((h, part))
+    raise_inconsistent(errors)
+    return out
+
+
 def plan_save(
     ranks: Sequence[RankDesc],
     *,
@@ -597,19 +613,7 @@ def plan_save(
     """
     world = len(ranks)
     codecs.check(compression)
-    holders, errors = survey(ranks)
-    errors += check_contents({n: h.kind for n, h in holders.items()}, ranks)
-    planners: list[tuple[Holders, _Partition | None]] = []
-    for h in holders.values():
-        if h.kind != "tensor":
-            planners.append((h, None))
-            continue
-        part = _Partition.of(h)
-        if part.error is not None:
-            errors.append(part.error)
-        planners.append((h, part))
-    _fail(errors)
-
+    planners = checked(ranks)
     load = np.zeros(world, dtype=np.int64)
     small_writers = _small_writers(planners, world, small_bytes)
     # Largest first, so the greedy balance spreads big tensors before small ones.
@@ -947,15 +951,7 @@ def make_save_plan(
 def validate(descs_by_rank: Sequence[Sequence[Desc]]) -> dict[str, list[tuple[int, Desc]]]:
     """Every variable's descriptions by rank, in order of first appearance, once they are
     consistent; else :class:`ValidationError` naming every inconsistent variable."""
-    ranks = [rank_desc(d) for d in descs_by_rank]
-    holders, errors = survey(ranks)
-    errors += check_contents({n: h.kind for n, h in holders.items()}, ranks)
-    for h in holders.values():
-        if h.kind == "tensor":
-            part = _Partition.of(h)
-            if part.error is not None:
-                errors.append(part.error)
-    _fail(errors)
+    checked([rank_desc(d) for d in descs_by_rank])
     by_name: dict[str, list[tuple[int, Desc]]] = defaultdict(list)
     for rank, descs in enumerate(descs_by_rank):
         for d in descs:
