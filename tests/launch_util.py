@@ -23,7 +23,10 @@ Scripts print what the test checks (e.g. a final ``OK <rank>`` line per rank).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,6 +34,8 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -239,3 +244,31 @@ def check(proc: subprocess.CompletedProcess[str]) -> None:
     """Assert the job exited with 0; the message holds the command and all its output."""
     cmd = proc.args if isinstance(proc.args, str) else " ".join(map(str, proc.args))
     assert proc.returncode == 0, f"{cmd}\nexited with {proc.returncode}\n{output(proc)}"
+
+
+def assert_all_ok(proc: subprocess.CompletedProcess[str], nprocs: int) -> None:
+    """Assert the job exited with 0, printed no ``FAIL`` line and ``OK <rank>`` for every
+    one of its ``nprocs`` ranks (the scripts' convention)."""
+    check(proc)
+    assert "FAIL " not in proc.stdout, output(proc)
+    ranks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
+    assert ranks == list(range(nprocs)), f"ranks that finished: {ranks}\n{output(proc)}"
+
+
+def cases(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[int, dict[str, Any]]]:
+    """The ``CASE {json}`` records a job's ranks printed, by case and rank."""
+    found: dict[str, dict[int, dict[str, Any]]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            record = json.loads(line[5:])
+            found.setdefault(record["case"], {})[record["rank"]] = record
+    return found
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script of ``SCRIPTS`` imported as a module (its values and helpers), not run."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

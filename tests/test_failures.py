@@ -9,7 +9,6 @@ rank in the middle of a save; this process then checks what is left on disk.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch_util import SCRIPTS, check, needs_mpi, output, run_mpi, run_torchrun
+from launch_util import SCRIPTS, check, load_script, needs_mpi, output, run_mpi, run_torchrun
 from make_golden import TWO_RANKS, assert_same_bits
 
 import distckpt
@@ -31,15 +30,7 @@ from distckpt.storage.staging import OWNER_FILE, collect_garbage, leftovers
 SCRIPT = SCRIPTS / "failures.py"
 
 
-def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("failures_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fs = _script_module()
+fs = load_script(SCRIPT, "failures_script")
 
 
 GROUPS: dict[str, list[str]] = {

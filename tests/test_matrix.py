@@ -14,17 +14,14 @@ bit for bit (tests/scripts/matrix.py does the work and prints ``OK <rank>``).
 
 from __future__ import annotations
 
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 from launch_util import (
     HAVE_MPIEXEC,
     SCRIPTS,
-    check,
+    assert_all_ok,
     needs_mpi,
-    output,
     run_mpi,
     run_single,
     run_torchrun,
@@ -36,12 +33,6 @@ LAUNCH_TIMEOUT = 120  # seconds per launch (a loaded 2-core machine needs ~5-25 
 #: distckpt's collective time-out in the jobs: a dead rank fails the launch, not the clock
 JOB_ENV = {"DISTCKPT_TIMEOUT": "60"}
 TEST_TIMEOUT = 10 * LAUNCH_TIMEOUT  # a test may also run both fixtures (8 save launches)
-
-
-def assert_all_ok(proc: subprocess.CompletedProcess[str], nprocs: int) -> None:
-    check(proc)
-    ranks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
-    assert ranks == list(range(nprocs)), f"ranks that finished: {ranks}\n{output(proc)}"
 
 
 def restore_args(*sets: Path) -> list[str]:

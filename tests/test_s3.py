@@ -9,8 +9,6 @@ see its docstring); the checks of what is left in the bucket are made here.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -22,7 +20,19 @@ from typing import Any
 
 import pytest
 import torch
-from launch_util import SCRIPTS, check, finish, needs_mpi, output, run_mpi, run_torchrun, start
+from launch_util import (
+    SCRIPTS,
+    assert_all_ok,
+    cases,
+    check,
+    finish,
+    load_script,
+    needs_mpi,
+    output,
+    run_mpi,
+    run_torchrun,
+    start,
+)
 from s3_server import S3Server, use
 
 import distckpt
@@ -41,35 +51,11 @@ JOB_ENV = {"DISTCKPT_TIMEOUT": "30"}  # a dead or desynchronised rank fails, nev
 COMM = SingleComm()
 
 
-def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("s3_ranks_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sr = _script_module()
+sr = load_script(SCRIPT, "s3_ranks_script")
 
 
 def job_env(server: S3Server, **extra: str) -> dict[str, str]:
     return {**server.env, **JOB_ENV, **extra}
-
-
-def assert_all_ok(proc: subprocess.CompletedProcess[str], nprocs: int) -> None:
-    check(proc)
-    assert "FAIL " not in proc.stdout, output(proc)
-    ranks = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
-    assert ranks == list(range(nprocs)), f"ranks that finished: {ranks}\n{output(proc)}"
-
-
-def cases(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[int, dict[str, Any]]]:
-    found: dict[str, dict[int, dict[str, Any]]] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            record = json.loads(line[5:])
-            found.setdefault(record["case"], {})[record["rank"]] = record
-    return found
 
 
 def keys(server: S3Server, url: str) -> list[str]:
@@ -104,17 +90,14 @@ def in_env(s3_server: S3Server) -> Iterator[S3Server]:
 
 @needs_mpi
 @pytest.mark.timeout(260)
-def test_save_4_restore_3_torchrun(saved_on_4: str, s3_server: S3Server) -> None:
-    proc = run_torchrun(3, SCRIPT, "restore", saved_on_4, "4", timeout=120, env=job_env(s3_server))
-    assert_all_ok(proc, 3)
-    assert set(cases(proc)) == {"catalog", "resharded", "whole"}
-
-
-@needs_mpi
-@pytest.mark.timeout(260)
-def test_save_4_restore_2_mpiexec(saved_on_4: str, s3_server: S3Server) -> None:
-    proc = run_mpi(2, SCRIPT, "restore", saved_on_4, "4", timeout=120, env=job_env(s3_server))
-    assert_all_ok(proc, 2)
+@pytest.mark.parametrize(
+    ("run", "world"), [(run_torchrun, 3), (run_mpi, 2)], ids=["torchrun3", "mpiexec2"]
+)
+def test_save_4_restore_resharded(
+    saved_on_4: str, s3_server: S3Server, run: Any, world: int
+) -> None:
+    proc = run(world, SCRIPT, "restore", saved_on_4, "4", timeout=120, env=job_env(s3_server))
+    assert_all_ok(proc, world)
     assert set(cases(proc)) == {"catalog", "resharded", "whole"}
 
 

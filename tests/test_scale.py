@@ -15,14 +15,13 @@ difference, and loads of replicated state that read every stored byte once over 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import simulated_job as sim
-from launch_util import SCRIPTS, check, needs_mpi, output, run_mpi, run_torchrun
+from launch_util import SCRIPTS, assert_all_ok, cases, needs_mpi, run_mpi, run_torchrun
 
 from distckpt.engine import agree
 from distckpt.engine.commit import build_index, index_bytes
@@ -138,15 +137,8 @@ JOB_ENV = {"DISTCKPT_TIMEOUT": "120"}
 
 
 def _cases(proc: Any, world: int) -> dict[str, list[dict[str, Any]]]:
-    check(proc)
-    done = sorted(int(m) for m in re.findall(r"^OK (\d+)$", proc.stdout, re.MULTILINE))
-    assert done == list(range(world)), output(proc)
-    cases: dict[str, list[dict[str, Any]]] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            row = json.loads(line[5:])
-            cases.setdefault(row["case"], []).append(row)
-    return cases
+    assert_all_ok(proc, world)
+    return {case: list(by_rank.values()) for case, by_rank in cases(proc).items()}
 
 
 def _each_byte_read_once(rows: list[dict[str, Any]], world: int) -> None:
