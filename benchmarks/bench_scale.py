@@ -189,11 +189,16 @@ class Worker(h.RankWorker):
             for who in order:
                 dst = {k: torch.full_like(v, -1.0) for k, v in want.items()}
                 if who == "dcp":
-                    s = h.timed(self, lambda: self.dcp.load(dst, checkpoint_id=str(paths["dcp"])))
+                    s = h.timed(
+                        self, lambda dst=dst: self.dcp.load(dst, checkpoint_id=str(paths["dcp"]))
+                    )
                     read = exchanged = None
                 else:
                     comm = self.comm if who == "distckpt" else plain
-                    s = h.timed(self, lambda: self.distckpt.load(dst, paths["distckpt"], comm))
+                    s = h.timed(
+                        self,
+                        lambda dst=dst, comm=comm: self.distckpt.load(dst, paths["distckpt"], comm),
+                    )
                     got = self.gather((s.results[0].bytes_read, s.results[0].bytes_exchanged))
                     read = sum(g[0] for g in got)
                     exchanged = sum(g[1] for g in got)

@@ -34,6 +34,7 @@ from distckpt.errors import (  # noqa: E402
 )
 from distckpt.hf import export_hf, load_hf, save_hf  # noqa: E402
 from distckpt.items import PerRank, Shard  # noqa: E402
+from distckpt.local import LocalTier  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
 from distckpt.training import (  # noqa: E402
     Checkpoint,
@@ -79,6 +80,7 @@ __all__ = [
     "CommTimeoutError",
     "CorruptCheckpointError",
     "LoadResult",
+    "LocalTier",
     "MissingVariablesError",
     "PerRank",
     "PointerConflictError",

@@ -51,7 +51,9 @@ class Communicator(Protocol):
     root)`` (each rank receives only its object of a new save plan; without it the list
     is broadcast), ``split(color)`` (the communicator of the ranks passing the same color,
     None for a negative one) and ``broadcast_array(array, root)`` (in place), with which
-    ranks restoring the same boxes share their reads (:mod:`distckpt.transfer.exchange`).
+    ranks restoring the same boxes share their reads (:mod:`distckpt.transfer.exchange`),
+    and ``sendrecv(sends, recvs)`` (point-to-point byte arrays, all at once), with which
+    the node-local tier copies partitions to peers and back (:mod:`distckpt.local`).
     """
 
     rank: int

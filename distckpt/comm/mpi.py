@@ -33,6 +33,9 @@ _POLL_MAX = 0.01
 
 _abort_registered = False
 
+#: The tag of :meth:`MPIComm.sendrecv`'s messages.
+_P2P_TAG = 7117
+
 #: Background communicators already created: Fortran handle of the communicator -> dup.
 _BACKGROUND: dict[int, MPIComm] = {}
 
@@ -174,6 +177,17 @@ class MPIComm:
         self._check_root(root)
         self._arrive("broadcast_array")
         self.comm.Bcast(array, root=root)
+
+    def sendrecv(self, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]]) -> None:
+        """Collective: send each ``(peer, array)`` of ``sends`` and fill each ``(peer,
+        array)`` of ``recvs`` (contiguous NumPy byte arrays, at most one of each per peer,
+        sized alike on both ends) at once; returns when all are done."""
+        from mpi4py import MPI
+
+        self._arrive("sendrecv")
+        requests = [self.comm.Isend(array, dest=peer, tag=_P2P_TAG) for peer, array in sends]
+        requests += [self.comm.Irecv(array, source=peer, tag=_P2P_TAG) for peer, array in recvs]
+        MPI.Request.Waitall(requests)
 
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""

@@ -31,6 +31,11 @@ class SingleComm:
         """This communicator: one process has no collectives to keep apart."""
         return self
 
+    def sendrecv(self, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]]) -> None:
+        """One rank has no peers: only empty lists are accepted."""
+        if sends or recvs:
+            raise ValueError("a SingleComm has no peer to send to or receive from")
+
     def barrier(self) -> None:
         """Return at once."""
 

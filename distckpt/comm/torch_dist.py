@@ -253,6 +253,27 @@ class TorchComm:
         with self._guard("broadcast_array"):
             dist.broadcast(torch.from_numpy(array), group=self._pg, group_src=root)
 
+    def sendrecv(self, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]]) -> None:
+        """Collective: send each ``(peer, array)`` of ``sends`` and fill each ``(peer,
+        array)`` of ``recvs`` (contiguous NumPy byte arrays, at most one of each per peer,
+        sized alike on both ends) at once, over the gloo group; returns when all are done."""
+        import torch
+        import torch.distributed as dist
+
+        ops = [
+            dist.P2POp(dist.isend, torch.from_numpy(a), group=self._pg, group_peer=peer)
+            for peer, a in sends
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, torch.from_numpy(a), group=self._pg, group_peer=peer)
+            for peer, a in recvs
+        ]
+        if not ops:
+            return
+        with self._guard("sendrecv"):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""
         import torch.distributed as dist

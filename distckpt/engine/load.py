@@ -188,8 +188,12 @@ def _prepare(
     world: int,
     strict: bool,
     allow_pickle: bool,
+    *,
+    located: bool = True,
 ) -> _Prepared:
-    """Match the state's leaves to the index and check every one; restore the values."""
+    """Match the state's leaves to the index and check every one; restore the values.
+    ``located=False``: the index describes the variables but not where their pieces are
+    (the node-local tier's), so no :class:`~distckpt.storage.index.Pieces` are made."""
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}
@@ -211,7 +215,7 @@ def _prepare(
                 moved.append(leaf.name)
         check_leaf(leaf, entry)
         # A malformed entry or an unknown codec fails before anything is read.
-        pieces = Pieces(entry, leaf.name) if entry.get("kind") == "tensor" else None
+        pieces = Pieces(entry, leaf.name) if located and entry.get("kind") == "tensor" else None
         jobs.append((leaf, entry, pieces))
     if moved and rank == 0:
         log.warning(

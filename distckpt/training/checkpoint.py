@@ -28,7 +28,13 @@ from distckpt.training.lazy import guard_optimizer_steps
 from distckpt.training.names import nest
 from distckpt.training.plan import Plan, Slot
 from distckpt.training.pointer import advance_pointer
-from distckpt.training.session import ALIASES, SAVE_COUNTER, RestoreSession
+from distckpt.training.session import (
+    ALIASES,
+    SAVE_COUNTER,
+    RestoreSession,
+    Source,
+    StoredCheckpoint,
+)
 from distckpt.training.status import CheckpointLoadStatus, InitializationOnlyStatus
 from distckpt.training.tracking import Node, ObjectGraphError, track, walk
 
@@ -160,22 +166,29 @@ class Checkpoint(Node):
         io_workers: int | None = None,
     ) -> Any:
         comm = comm or auto()
-        self._warn_unresolved()
-        stable: set[str] = set()
-        state = self._state(allow_pickle, stable)
-        if lazy:
-            guard_optimizer_steps(v.obj for v in walk(self) if v.kind == "optimizer")
+        state, lazy_names = self._to_save(allow_pickle, lazy)
         return engine_save(
             state,
             path,
             comm,
             allow_pickle=allow_pickle,
             async_save=async_save or lazy,
-            lazy=stable.__contains__ if lazy else False,
+            lazy=lazy_names,
             after_commit=after_commit,
             compression=compression,
             io_workers=io_workers,
         )
+
+    def _to_save(self, allow_pickle: bool, lazy: bool) -> tuple[dict[str, Any], Any]:
+        """The state a save writes, and (``lazy``) the predicate naming the tensors that
+        the background copies (the next step of a tracked optimizer waits for them)."""
+        self._warn_unresolved()
+        stable: set[str] = set()
+        state = self._state(allow_pickle, stable)
+        if not lazy:
+            return state, False
+        guard_optimizer_steps(v.obj for v in walk(self) if v.kind == "optimizer")
+        return state, stable.__contains__
 
     def _state(self, allow_pickle: bool, stable: set[str] | None = None) -> dict[str, Any]:
         """The graph as the nested state the engine saves."""
@@ -286,11 +299,25 @@ class Checkpoint(Node):
         if path is None:
             return InitializationOnlyStatus()
         comm = comm or auto()
+        source = StoredCheckpoint(path, comm)
+        return self._restore_from(source, comm, allow_pickle=allow_pickle, io_workers=io_workers)
+
+    def _restore_from(
+        self,
+        source: Source,
+        comm: Communicator,
+        *,
+        allow_pickle: bool = False,
+        io_workers: int | None = None,
+    ) -> CheckpointLoadStatus:
+        """Fill the graph from ``source`` (a persistent checkpoint or a local step)."""
         if self._session is not None:
             self._session.deactivate()
         if self._finalizer is not None:
             self._finalizer.detach()
-        session = RestoreSession(path, comm, self, allow_pickle=allow_pickle, io_workers=io_workers)
+        session = RestoreSession(
+            source, comm, self, allow_pickle=allow_pickle, io_workers=io_workers
+        )
         self._session = session
         plan = Plan([Slot(SAVE_COUNTER, None, self._set_counter)])
         try:

@@ -57,16 +57,21 @@ import json
 import logging
 import os
 import re
+import secrets
 import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from distckpt.comm import Communicator, auto, raise_if_any_failed
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from distckpt.local import LocalTier, files
+from distckpt.local.restore import LocalStep, choose
+from distckpt.local.save import Step, save_local, topology
 from distckpt.storage import codecs
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, child_location, is_remote, resolve
@@ -78,7 +83,21 @@ from distckpt.training.pointer import FORMAT, VERSION, Pointer, move, read_versi
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "DirectoryLockedError"]
+__all__ = ["CheckpointManager", "DirectoryLockedError", "Restored"]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`CheckpointManager.restore_or_initialize` restored: the ``tier``
+    (``"local"`` or ``"persistent"``), the checkpoint ``number`` (the ``N`` of
+    ``ckpt-N``, or of the local step), its ``path`` (for a local step, this rank's node
+    directory of it) and, in words, ``reason``: why that tier."""
+
+    tier: str
+    number: int
+    path: str
+    reason: str
+
 
 # This process's newest manager of each directory, by real path, on every rank: the one a
 # new manager of that directory takes over from.
@@ -153,8 +172,13 @@ class CheckpointManager:
         compression: Compression = None,
         io_workers: int | None = None,
         prepare_async: bool = False,
+        local: LocalTier | None = None,
     ) -> None:
         codecs.check(compression)
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"local must be a distckpt.LocalTier, got {type(local).__name__}")
+        if local is not None and local.interval is not None and step_counter is None:
+            raise ValueError("a LocalTier interval (in steps) needs the manager's step_counter")
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
         if checkpoint_interval is not None:
@@ -184,6 +208,12 @@ class CheckpointManager:
         self._allow_pickle = allow_pickle
         self._compression = compression
         self._io_workers = io_workers
+        self._local = local
+        self._local_store = None if local is None else resolve(local.path())
+        self._last_any_step: int | None = None  # rank 0: the last save of either tier
+        self._last_any_time: float | None = None
+        self.restored: Restored | None = None
+        self._local_reason = ""
 
         comm = self._comm
         if directory is None:
@@ -396,27 +426,41 @@ class CheckpointManager:
     # ------------------------------------------------------------ saving
 
     def _decide(self, checkpoint_number: int | None, check_interval: bool) -> dict[str, Any]:
-        """Rank 0: whether to save, under which name and counter."""
+        """Rank 0: whether to save, to which tier, under which name and counter."""
         if self._lock is not None:
             self._lock.check()
         now = float(self._clock())
         step = None if self._step_counter is None else _step_value(self._step_counter)
-        if check_interval:
-            if (
-                self._checkpoint_interval is not None
-                and step is not None
-                and self._last_step is not None
-                and step - self._last_step < self._checkpoint_interval
-            ):
-                return {"save": False}
-            if (
-                self._save_interval_secs is not None
-                and self._last_save_time is not None
-                and now - self._last_save_time < self._save_interval_secs
-            ):
-                return {"save": False}
         counter = self._checkpoint.save_counter + 1
         number = counter if checkpoint_number is None else int(checkpoint_number)
+        if check_interval and not self._due(
+            step,
+            now,
+            self._last_step,
+            self._last_save_time,
+            self._checkpoint_interval,
+            self._save_interval_secs,
+        ):
+            local = self._local
+            if local is None or not self._due(
+                step,
+                now,
+                self._last_any_step,
+                self._last_any_time,
+                local.interval,
+                local.interval_secs,
+            ):
+                return {"save": False}
+            token = secrets.token_hex(8)
+            return {
+                "save": True,
+                "tier": "local",
+                "number": number,
+                "counter": counter,
+                "step": step,
+                "token": token,
+                "now": now,
+            }
         taken = {*self._managed, *self._preserved}
         first = number
         while f"{self._name}-{number}" in taken or self._occupied(f"{self._name}-{number}"):
@@ -427,7 +471,36 @@ class CheckpointManager:
             )
             if checkpoint_number is None:
                 counter = number
-        return {"save": True, "name": f"{self._name}-{number}", "counter": counter, "step": step}
+        return {
+            "save": True,
+            "tier": "persistent",
+            "name": f"{self._name}-{number}",
+            "counter": counter,
+            "step": step,
+            "now": now,
+        }
+
+    @staticmethod
+    def _due(
+        step: int | None,
+        now: float,
+        last_step: int | None,
+        last_time: float | None,
+        interval: int | None,
+        interval_secs: float | None,
+    ) -> bool:
+        """Whether the schedule (``interval`` steps, ``interval_secs`` seconds since the
+        last save) lets a save happen now; the first save always happens."""
+        too_few_steps = (
+            interval is not None
+            and step is not None
+            and last_step is not None
+            and step - last_step < interval
+        )
+        too_soon = (
+            interval_secs is not None and last_time is not None and now - last_time < interval_secs
+        )
+        return not (too_few_steps or too_soon)
 
     def save(
         self,
@@ -465,7 +538,7 @@ class CheckpointManager:
         if comm.rank == 0:
             try:
                 decision = self._decide(checkpoint_number, check_interval)
-                if decision["save"]:
+                if decision["save"] and decision["tier"] == "persistent":
                     now = float(self._clock())
                     decision["state"], decision["doomed"] = self._retain(decision["name"], now)
             except BaseException as exc:
@@ -475,6 +548,8 @@ class CheckpointManager:
         assert decision is not None
         if not decision["save"]:
             return None
+        if decision["tier"] == "local":
+            return self._save_local(decision, async_save, lazy)
         name = decision["name"]
         path = self._path(name)
         checkpoint = self._checkpoint
@@ -492,8 +567,8 @@ class CheckpointManager:
                     checkpoint._save_counter = previous
                 return
             self._set_state(decision["state"])
-            self._last_step = decision["step"]
-            self._last_save_time = decision["state"]["times"][name]
+            self._last_step = self._last_any_step = decision["step"]
+            self._last_save_time = self._last_any_time = decision["state"]["times"][name]
 
         try:
             handle = checkpoint._write(
@@ -515,6 +590,50 @@ class CheckpointManager:
             return handle
         settle(None)
         return path
+
+    def _save_local(self, decision: dict[str, Any], async_save: bool, lazy: bool) -> Any:
+        """Save to the node-local tier (see :mod:`distckpt.local.save`); collective."""
+        assert self._local is not None and self._local_store is not None
+        checkpoint = self._checkpoint
+        previous = checkpoint._save_counter
+        checkpoint._save_counter = decision["counter"]
+        step = Step(
+            decision["number"],
+            decision["token"],
+            self._store.url,
+            self._local.replicas,
+            self._local.max_to_keep,
+        )
+
+        def settle(failure: BaseException | None) -> None:
+            if failure is not None:
+                if checkpoint._save_counter == decision["counter"]:
+                    checkpoint._save_counter = previous
+                return
+            self._last_any_step = decision["step"]
+            self._last_any_time = decision["now"]
+
+        try:
+            state, lazy_names = checkpoint._to_save(self._allow_pickle, lazy)
+            handle = save_local(
+                state,
+                self._local_store,
+                step,
+                self._comm,
+                allow_pickle=self._allow_pickle,
+                async_save=async_save or lazy,
+                lazy=lazy_names,
+                io_workers=self._io_workers,
+            )
+        except BaseException as exc:
+            settle(exc)
+            raise
+        if isinstance(handle, AsyncSave):
+            handle.add_done_callback(settle)
+            self._pending = handle
+            return handle
+        settle(None)
+        return os.fspath(handle.path)
 
     def sync(self) -> None:
         """Wait for this manager's background save, if any; raise its error. Local."""
@@ -569,17 +688,82 @@ class CheckpointManager:
     # ------------------------------------------------------------ restoring
 
     def restore_or_initialize(self) -> str | None:
-        """Restore the latest checkpoint and return its path, or return None; collective."""
+        """Restore the newest checkpoint and return its path, or return None; collective.
+
+        With a :class:`~distckpt.LocalTier`, the newest local step that the surviving
+        nodes hold whole (originals plus replicas) is restored when it is newer than the
+        newest persistent checkpoint, on any world size; else the persistent one. If the
+        local restore fails (a piece fails its checksum, a peer is lost) the persistent
+        checkpoint is restored instead. :attr:`restored` says which and why; for a local
+        step the path returned is this rank's node directory of it. Local steps newer than
+        the one restored belong to a timeline the job left: they are removed.
+        """
         self.sync()
         path = self.latest_checkpoint
+        number = None if path is None else self._number(path)
+        reason = "no local tier" if self._local is None else ""
+        if self._local is not None:
+            restored = self._restore_local(number)
+            if restored is not None:
+                self.restored = restored
+                self._after_restore(restored.number)
+                return restored.path
+            reason = self._local_reason
         if path is None:
+            self.restored = None
+            self._after_restore(None)
             return None
         self._checkpoint.restore(
             path, self._comm, allow_pickle=self._allow_pickle, io_workers=self._io_workers
         )
-        if self._step_counter is not None:
-            self._last_step = _step_value(self._step_counter)
+        assert number is not None
+        self.restored = Restored("persistent", number, path, reason)
+        if self._local is not None and self._comm.rank == 0:
+            log.info("restored %s from the shared directory: %s", path, reason)
+        self._after_restore(number)
         return path
+
+    def _number(self, path: str) -> int:
+        match = self._pattern.match(os.path.basename(path.rstrip("/")))
+        return int(match.group(1)) if match else 0
+
+    def _restore_local(self, newer_than: int | None) -> Restored | None:
+        """Collective: restore the newest whole local step newer than ``newer_than``, or
+        return None (and the reason in ``self._local_reason``)."""
+        assert self._local is not None and self._local_store is not None
+        comm = self._comm
+        survey = choose(comm, self._local_store, self._store.url, newer_than)
+        self._local_reason = survey.reason
+        choice = survey.choice
+        if choice is None:
+            return None
+        reason = survey.reason
+        if choice.world != comm.size:
+            reason += f"; saved on {choice.world} ranks, resharded onto {comm.size}"
+        try:
+            step = LocalStep.open(self._local_store, choice, comm)
+            self._checkpoint._restore_from(
+                step, comm, allow_pickle=self._allow_pickle, io_workers=self._io_workers
+            )
+        except Exception as exc:
+            self._local_reason = f"restoring local step {choice.step} failed ({exc})"
+            if comm.rank == 0:
+                log.warning("%s; falling back to the shared directory", self._local_reason)
+            return None
+        if comm.rank == 0:
+            log.info("restored local step %d from the node-local tier: %s", choice.step, reason)
+        where = self._local_store.where(files.step_dir(choice.step))
+        return Restored("local", choice.step, where, reason)
+
+    def _after_restore(self, number: int | None) -> None:
+        """Every rank: note the restored step for the schedules; with a local tier, the
+        lowest rank of each node removes its steps newer than ``number`` (collective)."""
+        if number is not None and self._step_counter is not None:
+            self._last_step = self._last_any_step = _step_value(self._step_counter)
+        if self._local is None or self._local_store is None:
+            return
+        if topology(self._comm).leader(self._comm.rank):
+            files.drop_newer(self._local_store, -1 if number is None else number)
 
     # ------------------------------------------------------------ lifetime
 

@@ -6,7 +6,9 @@ nodes of the graph keep it (see :class:`~distckpt.training.tracking.Position`) a
 restore children assigned to them later; lazy modules keep it until their first
 forward. A later ``restore`` of the same root deactivates it.
 
-Reads go through :func:`distckpt.load` (tensors, per-rank entries) and are collective:
+Reads go through the session's :class:`Source`: a persistent checkpoint
+(:class:`StoredCheckpoint`, read as :func:`distckpt.load` does) or a step of the
+node-local tier (:class:`distckpt.local.restore.LocalStep`). They are collective:
 every rank must reach each restore, delayed ones included, at the same point, as SPMD
 training code does. Python values are read from the index directly.
 """
@@ -18,7 +20,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,6 +42,53 @@ SAVE_COUNTER = "save_counter"
 ALIASES = "_aliases"
 
 
+class Source(Protocol):
+    """Where a restore reads from: a checkpoint's ``index`` (read once) and a ``load`` of
+    a nested state from it, collective, as :func:`distckpt.load`."""
+
+    path: Any
+    index: dict[str, Any]
+
+    def load(
+        self,
+        state: dict[str, Any],
+        comm: Communicator,
+        *,
+        strict: bool,
+        allow_pickle: bool,
+        io_workers: int | None,
+    ) -> Any: ...
+
+
+class StoredCheckpoint:
+    """A checkpoint in a directory or object store: its index is read once, by rank 0,
+    for every round of loads of a restore. Collective to construct."""
+
+    def __init__(self, path: str | os.PathLike[str], comm: Communicator) -> None:
+        self.store = resolve(path)
+        self.path = location(self.store)
+        self.index = read_shared_index(self.store, comm)
+
+    def load(
+        self,
+        state: dict[str, Any],
+        comm: Communicator,
+        *,
+        strict: bool,
+        allow_pickle: bool,
+        io_workers: int | None,
+    ) -> Any:
+        return load_indexed(
+            state,
+            self.store,
+            self.index,
+            comm,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            io_workers=io_workers,
+        )
+
+
 @dataclass
 class Found:
     """Where a graph name was found: ``source`` is the checkpoint name read."""
@@ -54,20 +103,20 @@ class RestoreSession:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        source: Source,
         comm: Communicator,
         root: Any,
         *,
         allow_pickle: bool = False,
         io_workers: int | None = None,
     ) -> None:
-        self.store = resolve(path)
-        self.path = location(self.store)
+        self.source = source
+        self.path = source.path
         self.allow_pickle = allow_pickle
         self.io_workers = io_workers
         self.comm = comm
         self._root = weakref.ref(root)
-        self.index = read_shared_index(self.store, comm)
+        self.index = source.index
         variables = dict(self.index["variables"])
         aliases = variables.pop(ALIASES, None)
         self.aliases: dict[str, str] = (
@@ -156,10 +205,8 @@ class RestoreSession:
         raise_if_any_failed(self.comm, error)
         for batch in rounds:
             if batch:
-                load_indexed(
+                self.source.load(
                     nest(batch),
-                    self.store,
-                    self.index,  # read once for every round of this restore
                     self.comm,
                     strict=False,
                     allow_pickle=self.allow_pickle,

@@ -1,0 +1,197 @@
+"""The node-local tier on disk: one directory per node, one subdirectory per step.
+
+::
+
+    <node directory>/
+      step-12/
+        o3.<token>.data    rank 3's partitions of step 12, back to back, 64-byte aligned
+        o3.<token>.json    their manifest: names, dtypes, global shapes, boxes, offsets,
+                           sizes and crc32c, the Python values, the step, run and world
+        done.<token>.r3    the mark of rank 3: written once every rank confirmed the step
+
+``o<owner>`` files hold owner rank ``owner``'s partitions: its own, written by itself, or
+a replica written by the peer that received them. Each save has a fresh ``token`` (chosen
+by rank 0), so files of an older save of the same step number (a run that went back to
+an older checkpoint) are never mistaken for the new one. A step's files on a node count
+only when a ``done.<token>`` mark of the same token is there: a mark is written after the
+one collective that confirmed that every rank's data and replicas were durable, so one
+mark on a node vouches for every file of that token on it.
+
+Nothing here is ever unpickled: manifests and marks are JSON, values are typed JSON
+(:mod:`distckpt.values`), and every piece is checked against its crc32c before use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from distckpt.errors import CorruptCheckpointError
+from distckpt.storage.backend import Store
+
+log = logging.getLogger("distckpt")
+
+FORMAT = "distckpt-local"
+VERSION = 1
+
+#: Each piece of a data file starts at a multiple of this.
+ALIGN = 64
+
+_STEP = re.compile(r"^step-(\d+)$")
+_MARK = re.compile(r"^done\.([0-9a-f]+)\.r(\d+)$")
+_MANIFEST = re.compile(r"^o(\d+)\.([0-9a-f]+)\.json$")
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step}"
+
+
+def data_key(step: int, owner: int, token: str) -> str:
+    return f"{step_dir(step)}/o{owner}.{token}.data"
+
+
+def manifest_key(step: int, owner: int, token: str) -> str:
+    return f"{step_dir(step)}/o{owner}.{token}.json"
+
+
+def mark_key(step: int, token: str, rank: int) -> str:
+    return f"{step_dir(step)}/done.{token}.r{rank}"
+
+
+@dataclass
+class Held:
+    """One committed save of a step on this node: whose partitions it holds."""
+
+    step: int
+    token: str
+    world: int
+    run: str
+    owners: list[int] = field(default_factory=list)
+
+
+def survey(store: Store, run: str) -> list[Held]:
+    """The committed saves of run ``run`` in the node directory ``store``, newest first,
+    with the owners whose manifest and data are both there. Unreadable marks and foreign
+    files are skipped (logged), never raised: a restart must get past a damaged tier."""
+    found: list[Held] = []
+    try:
+        steps = store.list()
+    except FileNotFoundError:
+        return []
+    for name in steps:
+        match = _STEP.match(name)
+        if not match:
+            continue
+        step = int(match.group(1))
+        try:
+            entries = store.list(name)
+        except FileNotFoundError:
+            continue
+        marks: dict[str, dict[str, Any]] = {}
+        for entry in entries:
+            m = _MARK.match(entry)
+            if m is None or m.group(1) in marks:
+                continue
+            try:
+                mark = json.loads(store.read(f"{name}/{entry}"))
+                if mark.get("format") != FORMAT or int(mark["step"]) != step:
+                    raise ValueError("not a mark of this step")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("local tier: ignoring %s: %s", store.where(f"{name}/{entry}"), exc)
+                continue
+            marks[m.group(1)] = mark
+        present = set(entries)
+        for token, mark in marks.items():
+            if mark.get("run") != run:
+                continue
+            owners = []
+            for entry in entries:
+                m = _MANIFEST.match(entry)
+                if m and m.group(2) == token and f"o{m.group(1)}.{token}.data" in present:
+                    owners.append(int(m.group(1)))
+            found.append(Held(step, token, int(mark["world"]), run, sorted(owners)))
+    found.sort(key=lambda h: (h.step, h.token), reverse=True)
+    return found
+
+
+def read_manifest(store: Store, step: int, owner: int, token: str) -> dict[str, Any]:
+    """The manifest of ``owner``'s partitions of ``step``, checked to be one."""
+    key = manifest_key(step, owner, token)
+    try:
+        doc = json.loads(store.read(key))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{store.where(key)}: not a readable manifest: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{store.where(key)}: not a distckpt local-tier manifest")
+    if doc.get("version") != VERSION:
+        raise CorruptCheckpointError(
+            f"{store.where(key)}: local-tier format version {doc.get('version')} is not "
+            f"{VERSION}; upgrade distckpt"
+        )
+    if doc.get("step") != step or doc.get("owner") != owner or doc.get("token") != token:
+        raise CorruptCheckpointError(f"{store.where(key)}: manifest of another save")
+    return doc
+
+
+def mark(store: Store, held: Held, rank: int) -> None:
+    """Write rank ``rank``'s mark of the confirmed save ``held``, durably."""
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": held.step,
+        "token": held.token,
+        "world": held.world,
+        "run": held.run,
+    }
+    store.write(mark_key(held.step, held.token, rank), json.dumps(doc).encode())
+
+
+def retain(store: Store, keep: int, run: str) -> list[int]:
+    """Remove this node's steps older than its ``keep`` newest committed ones of ``run``,
+    and the other files of kept steps; returns the steps removed. Logged, never raised."""
+    held = survey(store, run)
+    kept = sorted({h.step for h in held}, reverse=True)[:keep]
+    if not kept:
+        return []
+    oldest = kept[-1]
+    tokens = {h.step: h.token for h in held if h.step in kept}
+    removed = []
+    for name in store.list():
+        match = _STEP.match(name)
+        if not match:
+            continue
+        step = int(match.group(1))
+        try:
+            if step < oldest:
+                store.delete_tree(name)
+                removed.append(step)
+            elif step in tokens:
+                for entry in store.list(name):
+                    if tokens[step] not in entry.split("."):
+                        store.delete(f"{name}/{entry}")
+        except OSError as exc:
+            log.warning("local tier: could not remove %s: %s", store.where(name), exc)
+    return removed
+
+
+def drop_newer(store: Store, step: int) -> None:
+    """Remove this node's steps newer than ``step``: they belong to a timeline the job
+    left when it restored ``step`` (or an older checkpoint)."""
+    try:
+        names = store.list()
+    except FileNotFoundError:
+        return
+    for name in names:
+        match = _STEP.match(name)
+        if match and int(match.group(1)) > step:
+            try:
+                store.delete_tree(name)
+            except OSError as exc:
+                log.warning("local tier: could not remove %s: %s", store.where(name), exc)

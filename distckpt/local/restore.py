@@ -1,0 +1,429 @@
+"""Restoring from the node-local tier: which step the surviving nodes hold whole, and
+each rank's partitions fetched from whichever rank holds them.
+
+1. **Choose** (*one allgather*): each rank lists the committed saves its node directory
+   holds (:func:`distckpt.local.files.survey`) and whose partitions they are. A save is
+   *whole* when every rank of the job that saved it is held by some surviving rank,
+   original or replica. Every rank picks the same one: the newest whole save newer than
+   the newest persistent checkpoint, or none.
+2. **Read the manifests** (*one allgather*): the first holder of each saved rank reads
+   its manifest; from all of them every rank builds an index of the step, as a
+   persistent checkpoint's, so the restore matches names, kinds, shapes and dtypes and
+   reshards exactly as :func:`distckpt.load` does.
+3. **Fetch** (*one allgather of requests, then rounds of point-to-point sends*): each rank
+   asks, for every stored piece that intersects a box it restores, a rank that holds it
+   (itself when it can, else one spread over the holders) for the intersection. A rank
+   serving a piece first checks its crc32c. Data travels in messages of at most
+   :data:`~distckpt.local.save.MESSAGE_BYTES`.
+
+The restore works on any world size: boxes are cut as needed, and per-rank values go to
+rank ``r`` from saved rank ``r % saved_world``, as in a persistent restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from distckpt import dtypes
+from distckpt.comm import Communicator, raise_if_any_failed
+from distckpt.engine.arrays import writable_view
+from distckpt.engine.load import LoadResult, _prepare, assign, settle
+from distckpt.errors import CorruptCheckpointError
+from distckpt.local import files
+from distckpt.local.save import MESSAGE_BYTES
+from distckpt.slices import Box, c_order_bands
+from distckpt.storage.backend import Store
+from distckpt.storage.shard_io import crc32c
+from distckpt.transfer.reader import ReadTarget
+
+log = logging.getLogger("distckpt")
+
+
+@dataclass
+class Choice:
+    """A whole save of the local tier: its step and token, the world that saved it, and
+    which ranks of this job hold each saved rank's partitions."""
+
+    step: int
+    token: str
+    world: int
+    holders: dict[int, list[int]]
+
+
+@dataclass
+class Survey:
+    """What the ranks found: the save chosen (or None), and why, in words."""
+
+    choice: Choice | None
+    reason: str
+    newest: int | None = None  # the newest step any node holds a committed save of
+
+
+def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -> Survey:
+    """Collective: the newest whole save of ``run`` newer than ``newer_than`` (None: any)."""
+    held = files.survey(store, run)
+    everyone = comm.allgather([(h.step, h.token, h.world, h.owners) for h in held])
+    saves: dict[tuple[int, str], tuple[int, dict[int, list[int]]]] = {}
+    for rank, found in enumerate(everyone):
+        for step, token, world, owners in found:
+            _, holders = saves.setdefault((step, token), (world, {}))
+            for owner in owners:
+                holders.setdefault(owner, []).append(rank)
+    if not saves:
+        return Survey(None, "the local tier holds no committed step")
+    newest = max(step for step, _ in saves)
+    missing: dict[int, list[int]] = {}
+    for (step, token), (world, holders) in sorted(saves.items(), reverse=True):
+        if newer_than is not None and step <= newer_than:
+            break
+        lost = [o for o in range(world) if o not in holders]
+        if lost:
+            missing.setdefault(step, lost)
+            continue
+        reason = f"local step {step} is held whole by the surviving nodes"
+        if missing:
+            reason += "; newer " + "; ".join(
+                f"step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
+                for s, lost in sorted(missing.items(), reverse=True)
+            )
+        return Survey(Choice(step, token, world, holders), reason, newest)
+    if missing:
+        reason = "; ".join(
+            f"local step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
+            for s, lost in sorted(missing.items(), reverse=True)
+        )
+    else:
+        reason = f"no local step is newer than persistent checkpoint number {newer_than}"
+    return Survey(None, reason, newest)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+@dataclass
+class _Piece:
+    owner: int
+    index: int  # its place in the owner's manifest
+    box: Box
+    offset: int
+    nbytes: int
+    crc: int
+    itemsize: int
+
+
+@dataclass
+class _Request:
+    """Part of a stored piece that a rank restores: ``box`` of ``piece``, served by
+    ``server`` to target ``target`` of the requesting rank."""
+
+    target: int
+    server: int
+    piece: _Piece
+    box: Box
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.piece.itemsize
+
+
+@dataclass
+class LocalStep:
+    """A restorable local step, as :class:`~distckpt.training.session.RestoreSession`
+    reads it: an ``index`` like a persistent checkpoint's and a :meth:`load`."""
+
+    store: Store
+    choice: Choice
+    comm: Communicator
+    path: str = ""
+    index: dict[str, Any] = field(default_factory=dict)
+    _pieces: dict[tuple[str, int | None], list[_Piece]] = field(default_factory=dict)
+    _maps: dict[int, np.ndarray] = field(default_factory=dict)
+    _verified: set[tuple[int, int]] = field(default_factory=set)
+
+    @classmethod
+    def open(cls, store: Store, choice: Choice, comm: Communicator) -> LocalStep:
+        """Collective: read the step's manifests (each by its first holder) and index it."""
+        step = cls(store, choice, comm)
+        step.path = f"{store.where(files.step_dir(choice.step))} (local tier)"
+        mine: dict[int, dict[str, Any]] = {}
+        error: BaseException | None = None
+        try:
+            for owner, holders in choice.holders.items():
+                if holders[0] == comm.rank:
+                    mine[owner] = files.read_manifest(store, choice.step, owner, choice.token)
+        except Exception as exc:
+            error = exc
+        raise_if_any_failed(comm, error)
+        manifests: dict[int, dict[str, Any]] = {}
+        for part in comm.allgather(mine):
+            manifests.update(part)
+        step._index(manifests)
+        return step
+
+    def _index(self, manifests: dict[int, dict[str, Any]]) -> None:
+        variables: dict[str, Any] = {}
+        where = self.path
+
+        def per_rank(name: str) -> dict[str, Any]:
+            entry = variables.setdefault(name, {"kind": "per_rank", "ranks": {}})
+            if entry["kind"] != "per_rank":
+                raise CorruptCheckpointError(f"{where}: {name!r} is per-rank on some ranks only")
+            ranks: dict[str, Any] = entry["ranks"]
+            return ranks
+
+        for owner in sorted(manifests):
+            doc = manifests[owner]
+            for i, t in enumerate(doc["tensors"]):
+                name, dtype, shape = t["name"], t["dtype"], list(t["shape"])
+                piece = _Piece(
+                    owner,
+                    i,
+                    Box.from_json(t["box"]),
+                    int(t["offset"]),
+                    int(t["nbytes"]),
+                    int(t["crc"]),
+                    dtypes.itemsize(dtype),
+                )
+                described = {"kind": "tensor", "shape": shape, "dtype": dtype}
+                if t["kind"] == "per_rank":
+                    per_rank(name)[str(owner)] = {**described, "owner": owner}
+                    self._pieces[(name, owner)] = [piece]
+                    continue
+                entry = variables.setdefault(name, described)
+                if entry != described:
+                    raise CorruptCheckpointError(
+                        f"{where}: variable {name!r} is stored as {entry} by one rank and "
+                        f"{described} by rank {owner}"
+                    )
+                self._pieces.setdefault((name, None), []).append(piece)
+            for name, value in doc["values"].items():
+                variables.setdefault(name, {"kind": "value", "value": value})
+            for name, value in doc["per_rank_values"].items():
+                per_rank(name)[str(owner)] = {"kind": "value", "value": value}
+        self.index = {"world_size": self.choice.world, "variables": variables}
+
+    # ------------------------------------------------------------ reading
+
+    def load(
+        self,
+        state: dict[str, Any],
+        comm: Communicator,
+        *,
+        strict: bool = True,
+        allow_pickle: bool = False,
+        io_workers: int | None = None,
+    ) -> LoadResult:
+        """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
+        checkpoint; collective."""
+        del io_workers  # reads are local memory maps: the page cache does the work
+        result = LoadResult(self.path)
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        reads: list[ReadTarget] = []
+        fresh: list[Any] = []
+        requests: list[_Request] = []
+        try:
+            prepared = _prepare(
+                state, self.index, result, comm.rank, comm.size, strict, allow_pickle, located=False
+            )
+            reads, fresh = prepared.reads, prepared.fresh
+            requests = [r for i, t in enumerate(reads) for r in self._requests(i, t, comm.rank)]
+        except Exception as exc:
+            error = exc
+        asked = [
+            (r.server, r.piece.owner, r.piece.index, r.box.offsets, r.box.lengths)
+            for r in requests
+            if r.server != comm.rank
+        ]
+        everyone = comm.allgather(None if error is not None else asked)
+        t_plan = time.perf_counter()
+        if all(a is not None for a in everyone):
+            try:
+                error = self._fetch(comm, reads, requests, everyone, result)
+                if error is None:
+                    for leaf, tensor in fresh:
+                        assign(leaf, tensor)
+            except Exception as exc:
+                error = exc
+        result.timings["plan"] = t_plan - t0
+        result.timings["read"] = time.perf_counter() - t_plan
+        return settle(comm, result, error, t0)
+
+    def _requests(self, i: int, t: ReadTarget, rank: int) -> list[_Request]:
+        owner = t.entry.get("owner")
+        pieces = self._pieces.get((t.name, owner), [])
+        holders = self.choice.holders
+        distinct: dict[Box, _Piece] = {}
+        for p in pieces:  # replicas of one box (HSDP): one this rank holds, else the first
+            kept = distinct.get(p.box)
+            if kept is None or (rank in holders[p.owner] and rank not in holders[kept.owner]):
+                distinct[p.box] = p
+        out = []
+        covered = 0
+        for box, p in distinct.items():
+            part = t.box.intersect(box)
+            if part is None:
+                continue
+            covered += part.numel
+            held_by = holders[p.owner]
+            server = rank if rank in held_by else held_by[rank % len(held_by)]
+            if server == rank:
+                out.append(_Request(i, server, p, part))
+                continue
+            for band in c_order_bands(part.lengths, p.itemsize, MESSAGE_BYTES):
+                out.append(_Request(i, server, p, band.shifted(part.offsets)))
+        if covered != t.box.numel:
+            raise CorruptCheckpointError(
+                f"{self.path}: the stored pieces of {t.name!r} cover {covered} of the "
+                f"{t.box.numel} elements of box {t.box} this rank restores"
+            )
+        return out
+
+    def _piece(self, p: _Piece) -> np.ndarray:
+        """Piece ``p`` as bytes shaped ``(*box, itemsize)``, from this node's file (mapped),
+        its crc32c checked the first time."""
+        if p.owner not in self._maps:
+            key = files.data_key(self.choice.step, p.owner, self.choice.token)
+            path = os.path.join(getattr(self.store, "path", self.store.url), key)
+            if os.path.getsize(path) == 0:
+                self._maps[p.owner] = np.zeros(0, np.uint8)
+            else:
+                self._maps[p.owner] = np.memmap(path, dtype=np.uint8, mode="r")
+        data = self._maps[p.owner][p.offset : p.offset + p.nbytes]
+        if data.size != p.nbytes:
+            raise CorruptCheckpointError(
+                f"{self.path}: the data of saved rank {p.owner} is truncated"
+            )
+        if (p.owner, p.index) not in self._verified:
+            if crc32c(data) != p.crc:
+                raise CorruptCheckpointError(
+                    f"{self.path}: piece {p.index} of saved rank {p.owner} fails its crc32c"
+                )
+            self._verified.add((p.owner, p.index))
+        return data.reshape(*p.box.lengths, p.itemsize)
+
+    def _part(self, p: _Piece, box: Box) -> np.ndarray:
+        return self._piece(p)[box.relative_to(p.box).slices()]
+
+    def _fetch(
+        self,
+        comm: Communicator,
+        reads: list[ReadTarget],
+        requests: list[_Request],
+        everyone: list[Any],
+        result: LoadResult,
+    ) -> BaseException | None:
+        """Serve and receive every request, in rounds every rank makes alike; copy what
+        this rank holds itself directly. Returns this rank's first error (the rounds go
+        on regardless, so no rank is left waiting)."""
+        me = comm.rank
+        error: BaseException | None = None
+        pieces = {(p.owner, p.index): p for ps in self._pieces.values() for p in ps}
+        # Messages per (server, requester): requests packed up to MESSAGE_BYTES.
+        outgoing: dict[int, list[list[Any]]] = {}
+        rounds = 0
+        for requester, asked in enumerate(everyone):
+            per_server: dict[int, list[list[Any]]] = {}
+            for server, owner, index, offsets, lengths in asked:
+                p = pieces[(owner, index)]
+                box = Box.known(tuple(offsets), tuple(lengths))
+                _pack(per_server.setdefault(server, []), (p, box), box.numel * p.itemsize)
+            for server, messages in per_server.items():
+                rounds = max(rounds, len(messages))
+                if server == me:
+                    outgoing[requester] = messages
+        incoming: dict[int, list[list[tuple[_Request, int]]]] = {}
+        for r in requests:
+            if r.server != me:
+                _pack(incoming.setdefault(r.server, []), r, r.nbytes)
+        exchange = getattr(comm, "sendrecv", None)
+        if rounds and exchange is None:
+            raise TypeError(f"{type(comm).__name__} has no sendrecv(), which this restore needs")
+        for k in range(rounds):
+            sends = []
+            for requester, messages in outgoing.items():
+                if k < len(messages):
+                    buffer, error = _fill(self, messages[k], error)
+                    sends.append((requester, buffer))
+            arriving = [
+                (server, np.empty(_size(m[k]), np.uint8), m[k])
+                for server, m in incoming.items()
+                if k < len(m)
+            ]
+            assert exchange is not None
+            exchange(sends, [(server, buffer) for server, buffer, _ in arriving])
+            for _, buffer, message in arriving:
+                offset = 0
+                for r, nbytes in message:
+                    data = buffer[offset : offset + nbytes]
+                    try:
+                        _put(reads[r.target], r.box, data, r.piece.itemsize)
+                    except Exception as exc:
+                        error = error or exc
+                    offset = files.aligned(offset + nbytes)
+                result.bytes_exchanged += buffer.size
+        for r in requests:
+            if r.server == me and error is None:
+                try:
+                    _put(reads[r.target], r.box, self._part(r.piece, r.box), r.piece.itemsize)
+                    result.bytes_read += r.nbytes
+                except Exception as exc:
+                    error = exc
+        return error
+
+
+def _pack(messages: list[list[Any]], item: Any, nbytes: int) -> None:
+    """Append ``item`` to the last message, or start a new one when it would pass
+    :data:`MESSAGE_BYTES` (each item starts at an aligned offset)."""
+    if messages:
+        used = sum(files.aligned(n) for _, n in messages[-1])
+        if used + nbytes <= MESSAGE_BYTES:
+            messages[-1].append((item, nbytes))
+            return
+    messages.append([(item, nbytes)])
+
+
+def _size(message: list[Any]) -> int:
+    return sum(files.aligned(n) for _, n in message)
+
+
+def _fill(
+    step: LocalStep, message: list[Any], error: BaseException | None
+) -> tuple[np.ndarray, BaseException | None]:
+    """One outgoing message: each requested part at an aligned offset. A part that cannot
+    be read is left zero and its error returned (the requester's load fails with it)."""
+    buffer = np.zeros(_size(message), np.uint8)
+    offset = 0
+    for (p, box), nbytes in message:
+        if error is None:
+            try:
+                part = step._part(p, box)
+                buffer[offset : offset + nbytes].reshape(part.shape)[...] = part
+            except Exception as exc:
+                error = exc
+        offset = files.aligned(offset + nbytes)
+    return buffer, error
+
+
+def _put(t: ReadTarget, box: Box, data: np.ndarray, itemsize: int) -> None:
+    """Copy ``data`` (the bytes of ``box``, C order) into its place in target ``t``."""
+    rel = box.relative_to(t.box).slices()
+    shape = (*box.lengths, itemsize)
+    view = writable_view(t.tensor) if t.tensor is not None else t.out
+    if view is not None and view.flags.c_contiguous:
+        whole = view.reshape(-1).view(np.uint8).reshape(*t.box.lengths, itemsize)
+        whole[rel] = data.reshape(shape)
+        return
+    assert t.tensor is not None
+    region = t.tensor[rel]
+    values = torch.from_numpy(np.array(data, copy=True).reshape(-1)).view(region.dtype)
+    with torch.no_grad():
+        region.copy_(values.reshape(region.shape))

@@ -1,0 +1,362 @@
+"""A save to the node-local tier: each rank writes its own partitions to its node's
+directory and sends a copy to its peers on other nodes; one collective confirms the step.
+
+The protocol, in the order every rank runs it (collectives marked *):
+
+1. **Topology** (*allgather of node identities, once per communicator): which ranks share
+   a node, and the peers of each rank (:mod:`distckpt.local.nodes`).
+2. **Lay out** (every rank): this rank's tensors back to back in one data file, each
+   with its box, dtype, offset and crc32c in a manifest; its Python values in the
+   manifest too. A plain tensor (the same on every rank) is written only by the lowest
+   rank of each node: every node then holds one copy of it, and no replica is needed.
+3. **Write and replicate** (*one allgather of sizes, then rounds of point-to-point
+   sends*): the I/O workers write the data file while this thread sends it to the peers,
+   in messages of at most :data:`MESSAGE_BYTES`, and receives the peers' files, which
+   the workers write likewise. Everything is made durable (fsync), then the manifests
+   are written.
+4. **Confirm** (*one allgather*): every rank learns whether every rank's data and
+   replicas are durable. Only then does each rank write its ``done`` mark
+   (:mod:`distckpt.local.files`), and the lowest rank of each node removes the node's
+   steps beyond the ones kept.
+
+No shared file system is touched and nothing is renamed. A rank that dies before step 4
+leaves its step without marks anywhere, so the step never counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import weakref
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distckpt.comm import Communicator, raise_if_any_failed
+from distckpt.comm.base import background as background_comm
+from distckpt.comm.outcome import Failure
+from distckpt.engine import background, snapshot
+from distckpt.engine.save import _POOL, SaveResult, _gather_leaves
+from distckpt.items import Leaf
+from distckpt.local import files
+from distckpt.local.nodes import Topology, node_identity
+from distckpt.storage.backend import Store
+from distckpt.storage.shard_io import as_bytes, crc32c
+from distckpt.transfer import workers as transfer_workers
+from distckpt.transfer.sources import source_for
+from distckpt.transfer.workers import TaskGroup
+
+log = logging.getLogger("distckpt")
+
+#: The largest message of a replica transfer (bytes).
+MESSAGE_BYTES = 64 << 20
+
+_warned: set[tuple[int, Topology]] = set()  # too many replicas for the nodes: said once
+_topologies: weakref.WeakKeyDictionary[Any, Topology] = weakref.WeakKeyDictionary()
+
+
+def topology(comm: Communicator) -> Topology:
+    """Collective the first time for ``comm``: every rank's node (cached)."""
+    try:
+        return _topologies[comm]
+    except (KeyError, TypeError):
+        pass
+    topo = Topology.of(comm.allgather(node_identity()))
+    with contextlib.suppress(TypeError):  # a communicator that cannot be weakly referenced
+        _topologies[comm] = topo
+    return topo
+
+
+@dataclass
+class Step:
+    """What one local save is: its number, its token, the run it belongs to."""
+
+    number: int
+    token: str
+    run: str
+    replicas: int
+    keep: int
+
+
+@dataclass
+class _Layout:
+    """This rank's data file: its pieces (offset, host bytes) and its manifest."""
+
+    pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    size: int = 0
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def _lay_out(
+    leaves: list[Leaf],
+    arrays: dict[str, np.ndarray],
+    values: dict[str, Any],
+    step: Step,
+    rank: int,
+    world: int,
+    node: str,
+    leader: bool,
+) -> _Layout:
+    layout = _Layout()
+    tensors = []
+    plain_values: dict[str, Any] = {}
+    per_rank_values: dict[str, Any] = {}
+    for leaf in leaves:
+        if leaf.tensor is None:
+            (per_rank_values if leaf.kind == "per_rank" else plain_values)[leaf.name] = values[
+                leaf.name
+            ]
+            continue
+        if leaf.replicated and not leader:
+            continue
+        data = as_bytes(arrays[leaf.name])
+        assert leaf.box is not None
+        tensors.append(
+            {
+                "name": leaf.name,
+                "kind": leaf.kind,
+                "dtype": leaf.dtype,
+                "shape": list(leaf.shape),
+                "box": leaf.box.to_json(),
+                "offset": layout.size,
+                "nbytes": int(data.size),
+            }
+        )
+        layout.pieces.append((layout.size, data))
+        layout.size = files.aligned(layout.size + int(data.size))
+    layout.manifest = {
+        "format": files.FORMAT,
+        "version": files.VERSION,
+        "run": step.run,
+        "step": step.number,
+        "token": step.token,
+        "world": world,
+        "owner": rank,
+        "node": node,
+        "size": layout.size,
+        "tensors": tensors,
+        "values": plain_values,
+        "per_rank_values": per_rank_values,
+    }
+    return layout
+
+
+def _messages(size: int) -> list[tuple[int, int]]:
+    """The (offset, length) of each message of a data file of ``size`` bytes."""
+    return [(lo, min(MESSAGE_BYTES, size - lo)) for lo in range(0, size, MESSAGE_BYTES)]
+
+
+def _message(layout: _Layout, lo: int, n: int) -> np.ndarray:
+    """Bytes ``lo .. lo + n`` of the data file, from the pieces in memory (a view when they
+    lie in one piece)."""
+    for offset, data in layout.pieces:
+        if offset <= lo and lo + n <= offset + data.size:
+            return data[lo - offset : lo - offset + n]
+    out = np.zeros(n, dtype=np.uint8)
+    for offset, data in layout.pieces:
+        a, b = max(lo, offset), min(lo + n, offset + data.size)
+        if a < b:
+            out[a - lo : b - lo] = data[a - offset : b - offset]
+    return out
+
+
+def _write_piece(handle: Any, offset: int, data: np.ndarray, entry: dict[str, Any]) -> int:
+    entry["crc"] = crc32c(data)
+    handle.write([data], offset)
+    return int(data.size)
+
+
+def _protocol(
+    comm: Communicator,
+    store: Store,
+    step: Step,
+    local: tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]] | Failure,
+    io_workers: int | None,
+    error: BaseException | None,
+) -> SaveResult:
+    result = SaveResult(store.where(files.step_dir(step.number)))
+    t0 = time.perf_counter()
+    topo = topology(comm)
+    rank = comm.rank
+    peers = topo.peers(rank, step.replicas)
+    sources = topo.sources(rank, step.replicas)
+    if step.replicas > len(peers) and rank == 0 and (step.replicas, topo) not in _warned:
+        _warned.add((step.replicas, topo))
+        log.warning(
+            "local tier: %d replica(s) asked, but the job spans %d node(s): keeping %d",
+            step.replicas,
+            len(topo.nodes),
+            len(peers),
+        )
+    layout: _Layout | None = None
+    handles: dict[int, Any] = {}
+    owners = (rank, *sources)
+    keys = [files.data_key(step.number, o, step.token) for o in owners]
+    if not isinstance(local, Failure):
+        try:
+            leaves, arrays, values = local
+            layout = _lay_out(
+                leaves, arrays, values, step, rank, comm.size, topo.name_of(rank), topo.leader(rank)
+            )
+            store.prepare(keys)
+            for o, key in zip(owners, keys, strict=True):
+                handles[o] = store.create(key, layout.size if o == rank else None)
+        except Exception as exc:
+            error = error or exc
+    # Every rank learns every file's size (so every transfer), and whether any rank failed.
+    sizes = comm.allgather(None if error is not None or layout is None else layout.size)
+    if error is not None or any(size is None for size in sizes):
+        for handle in handles.values():
+            handle.abort()
+        raise_if_any_failed(comm, error)
+    assert layout is not None
+    group = TaskGroup(transfer_workers.resolve(io_workers, comm))
+    try:
+        # 3. Write this rank's file while sending it to the peers.
+        entries = layout.manifest["tensors"]
+        own = [
+            group.submit(_write_piece, handles[rank], offset, data, entry)
+            for (offset, data), entry in zip(layout.pieces, entries, strict=True)
+        ]
+        received = _replicate(comm, layout, sizes, peers, sources, handles, group, own)
+        group.wait()
+        for o in owners:
+            handles.pop(o).finish(durable=True)
+        store.persist(keys)
+        for o, manifest in [(rank, layout.manifest), *received.items()]:
+            key = files.manifest_key(step.number, o, step.token)
+            store.write(key, json.dumps(manifest).encode())
+        result.bytes_written = layout.size + sum(sizes[s] for s in sources)
+    except Exception as exc:
+        error = error or exc
+    finally:
+        try:
+            group.wait()
+        except Exception as exc:
+            error = error or exc
+        for handle in handles.values():
+            handle.abort()
+    t_write = time.perf_counter()
+    # 4. Confirm: the step counts once every rank's data and replicas are durable.
+    raise_if_any_failed(comm, error)
+    held = files.Held(step.number, step.token, comm.size, step.run)
+    try:
+        files.mark(store, held, rank)
+    except OSError as exc:  # another mark on this node, or a replica elsewhere, vouches
+        log.warning("local tier: could not mark step %d: %s", step.number, exc)
+    if topo.leader(rank):
+        removed = files.retain(store, step.keep, step.run)
+        if removed:
+            log.debug("local tier: removed steps %s of %s", removed, store.url)
+    result.files_written = len(owners)
+    result.timings.update(write=t_write - t0, total=time.perf_counter() - t0)
+    return result
+
+
+def _replicate(
+    comm: Communicator,
+    layout: _Layout,
+    sizes: list[int],
+    peers: list[int],
+    sources: list[int],
+    handles: dict[int, Any],
+    group: TaskGroup,
+    own: list[Any],
+) -> dict[int, dict[str, Any]]:
+    """Send this rank's file and then its manifest (once ``own``, the writes that
+    checksum its pieces, are done) to ``peers``; receive those of ``sources``, their
+    files handed to the workers to write. Returns the manifests received. Collective:
+    every rank makes the same rounds. A failed write does not stop the rounds (the
+    workers skip what follows it, and the confirmation reports it)."""
+    exchange = getattr(comm, "sendrecv", None)
+    if exchange is None:
+        if comm.size == 1:
+            return {}
+        raise TypeError(
+            f"{type(comm).__name__} has no sendrecv(), which saving to the local tier needs"
+        )
+    rounds = max(len(_messages(size)) for size in sizes)
+    mine = _messages(layout.size)
+    theirs = {s: _messages(sizes[s]) for s in sources}
+    for k in range(rounds):
+        sends = []
+        if k < len(mine) and peers:
+            data = _message(layout, *mine[k])
+            sends = [(p, data) for p in peers]
+        recvs = [(s, np.empty(theirs[s][k][1], np.uint8)) for s in sources if k < len(theirs[s])]
+        exchange(sends, recvs)
+        for s, buffer in recvs:
+            group.submit(handles[s].write, [buffer], theirs[s][k][0])
+    futures.wait(own)  # the manifest carries the crc32c the writes computed
+    manifest = np.frombuffer(json.dumps(layout.manifest).encode(), dtype=np.uint8)
+    lengths = {s: np.zeros(1, np.int64) for s in sources}
+    exchange([(p, np.array([manifest.size], np.int64)) for p in peers], list(lengths.items()))
+    inbox = {s: np.empty(int(lengths[s][0]), np.uint8) for s in sources}
+    exchange([(p, manifest) for p in peers], list(inbox.items()))
+    return {s: json.loads(inbox[s].tobytes()) for s in sources}
+
+
+def save_local(
+    state: dict[str, Any],
+    store: Store,
+    step: Step,
+    comm: Communicator,
+    *,
+    allow_pickle: bool = False,
+    async_save: bool = False,
+    lazy: Any = False,
+    io_workers: int | None = None,
+) -> SaveResult | background.AsyncSave:
+    """Save ``state`` as local step ``step`` into this node's ``store``; collective.
+
+    Blocking, or (``async_save``) in the background after a snapshot into the same host
+    buffers as a background save to the shared store; ``lazy`` as there."""
+    background.finish_pending()
+    t0 = time.perf_counter()
+    error: BaseException | None = None
+    local: tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]] | Failure
+    if not async_save:
+        try:
+            leaves, values = _gather_leaves(state, allow_pickle)
+            arrays = {
+                leaf.name: source_for(leaf.tensor, leaf.name).host()
+                for leaf in leaves
+                if leaf.tensor is not None
+            }
+            local = (leaves, arrays, values)
+        except Exception as exc:
+            local, error = Failure.capture(exc, comm.rank), exc
+        return _protocol(comm, store, step, local, io_workers, error)
+
+    bg_comm = background_comm(comm)
+    is_lazy = lazy if callable(lazy) else (lambda name: bool(lazy))
+    snap: snapshot.Snapshot | Failure
+    encoded: dict[str, Any] = {}
+    try:
+        leaves, encoded = _gather_leaves(state, allow_pickle)
+        snap = snapshot.take(leaves, _POOL, is_lazy)
+    except Exception as exc:
+        snap, error = Failure.capture(exc, comm.rank), exc
+    blocked = time.perf_counter() - t0
+    rank = comm.rank
+
+    def body(handle: background.AsyncSave) -> SaveResult:
+        local: tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]] | Failure
+        if isinstance(snap, Failure):
+            local = snap
+        else:
+            try:
+                snapshot.finish(snap)
+                local = (snap.leaves, snap.arrays, encoded)
+            except Exception as exc:
+                local = Failure.capture(exc, rank)
+        handle._snapshot.set()
+        result = _protocol(bg_comm, store, step, local, io_workers, error)
+        result.timings["snapshot"] = blocked
+        return result
+
+    return background.start(store.where(files.step_dir(step.number)), body)
