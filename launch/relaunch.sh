@@ -17,11 +17,15 @@
 #                    (used when NPROCS_COMMAND is not set)
 #   NPROCS           used when neither is set (else the launcher's default)
 #   RELAUNCH_DELAY   seconds to wait between attempts (default: 0)
+#   RELAUNCH_ON_FAILURE  set to 1 to relaunch also after a failure (any exit code but 0),
+#                    as after a lost node: with a distckpt.LocalTier the next attempt
+#                    resumes from the newest local step the surviving nodes hold
 # Arguments: passed to the launcher, which passes them to the training script.
 #
 # Exit code: 0 once an attempt finishes normally; the code of the first attempt that
-# fails for any other reason than preemption (it is not retried); 75 when MAX_ATTEMPTS
-# attempts were all preempted, or when this script itself got SIGTERM or SIGUSR1 (it is
+# fails for any other reason than preemption (it is not retried, unless
+# RELAUNCH_ON_FAILURE=1; then the code of the last attempt when all MAX_ATTEMPTS ended
+# without success); 75 when MAX_ATTEMPTS attempts were all preempted, or when this script itself got SIGTERM or SIGUSR1 (it is
 # forwarded to the running attempt, and no further attempt starts), so that whatever
 # runs this script can requeue it.
 set -euo pipefail
@@ -35,6 +39,7 @@ MAX_ATTEMPTS="${MAX_ATTEMPTS:-10}"
 NPROCS_COMMAND="${NPROCS_COMMAND:-}"
 read -r -a sequence <<<"${NPROCS_SEQUENCE:-}"
 RELAUNCH_DELAY="${RELAUNCH_DELAY:-0}"
+RELAUNCH_ON_FAILURE="${RELAUNCH_ON_FAILURE:-0}"
 
 # nprocs_for ATTEMPT: print NPROCS for attempt ATTEMPT (1-based); nothing: launcher's default
 nprocs_for() {
@@ -70,6 +75,7 @@ trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 
 attempt=0
+last_failure=""
 while ((attempt < MAX_ATTEMPTS)); do
     if [[ -n "$stopping" ]]; then
         log "got $stopping between attempts; not relaunching"
@@ -92,18 +98,26 @@ while ((attempt < MAX_ATTEMPTS)); do
         exit 0
     fi
     if ((rc != EXIT_PREEMPTED)); then
-        log "attempt $attempt failed with exit code $rc; not relaunching"
-        exit "$rc"
-    fi
-    if [[ -n "$stopping" ]]; then
+        if [[ "$RELAUNCH_ON_FAILURE" != 1 || -n "$stopping" ]]; then
+            log "attempt $attempt failed with exit code $rc; not relaunching"
+            exit "$rc"
+        fi
+        last_failure=$rc
+        log "attempt $attempt failed with exit code $rc; relaunching (RELAUNCH_ON_FAILURE=1)"
+    elif [[ -n "$stopping" ]]; then
         log "attempt $attempt preempted by $stopping sent to ${0##*/}; not relaunching"
         exit "$EXIT_PREEMPTED"
+    else
+        log "attempt $attempt preempted"
     fi
-    log "attempt $attempt preempted"
     if ((attempt < MAX_ATTEMPTS)) && [[ "$RELAUNCH_DELAY" != 0 ]]; then
         sleep "$RELAUNCH_DELAY" &
         wait_for $! || true
     fi
 done
+if [[ -n "$last_failure" ]]; then
+    log "no attempt of $MAX_ATTEMPTS succeeded; giving up"
+    exit "$last_failure"
+fi
 log "all $MAX_ATTEMPTS attempts were preempted; giving up"
 exit "$EXIT_PREEMPTED"

@@ -99,6 +99,9 @@ class Restored:
     reason: str
 
 
+#: The file of a run directory that holds its identity (see ``_run_identity``).
+RUN_FILE = ".distckpt-run"
+
 # This process's newest manager of each directory, by real path, on every rank: the one a
 # new manager of that directory takes over from.
 _managers: weakref.WeakValueDictionary[str, CheckpointManager] = weakref.WeakValueDictionary()
@@ -245,6 +248,8 @@ class CheckpointManager:
                     self._lock.acquire()
                 collect_garbage(self._store)
                 state = self._recover()
+                if local is not None:
+                    state["run"] = self._run_identity()
             except BaseException as exc:
                 error = exc
                 if self._lock is not None and self._lock is not handed_over:
@@ -256,7 +261,9 @@ class CheckpointManager:
         if self._lock is not None:  # a manager dropped without close() frees its directory
             self._release_when_dropped = weakref.finalize(self, self._lock.release)
         _managers[key] = self
-        self._set_state(comm.broadcast(state))
+        state = comm.broadcast(state)
+        self._run = str(state.pop("run", ""))  # with a local tier: whose local steps count
+        self._set_state(state)
         if prepare_async:
             self.prepare_async()
 
@@ -403,6 +410,17 @@ class CheckpointManager:
         if adopted or (pointer is not None and known != pointer.all):
             self._write_pointer(state)
         return state
+
+    def _run_identity(self) -> str:
+        """Rank 0: this run directory's identity (created once, in ``RUN_FILE``): local
+        steps count only for the run that saved them, so a directory removed and made
+        anew, or another run's node-local leftovers, are never restored."""
+        fresh = secrets.token_hex(16)
+        try:
+            self._store.put_new(RUN_FILE, fresh.encode())
+            return fresh
+        except FileExistsError:
+            return self._store.read(RUN_FILE).decode().strip()
 
     def _write_pointer(self, state: dict[str, Any]) -> None:
         names = [*state["preserved"], *state["managed"]]
@@ -600,7 +618,7 @@ class CheckpointManager:
         step = Step(
             decision["number"],
             decision["token"],
-            self._store.url,
+            self._run,
             self._local.replicas,
             self._local.max_to_keep,
         )
@@ -732,7 +750,7 @@ class CheckpointManager:
         return None (and the reason in ``self._local_reason``)."""
         assert self._local is not None and self._local_store is not None
         comm = self._comm
-        survey = choose(comm, self._local_store, self._store.url, newer_than)
+        survey = choose(comm, self._local_store, self._run, newer_than)
         self._local_reason = survey.reason
         choice = survey.choice
         if choice is None:

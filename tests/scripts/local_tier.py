@@ -3,7 +3,7 @@
 Run under mpiexec or torchrun (any world size that divides 8), as 2 "nodes":
 ``$DISTCKPT_NODE`` set per node by the launcher, or ``--node-of-rank`` (the node of rank
 ``r`` is ``n{r // 2}``). Saves every step: persistently every ``--persistent-every``
-steps to ``--run``, node-locally (one replica) the other steps to ``--local``
+steps to ``--run``, node-locally (one replica) the other steps to ``--tier``
 (``{node}`` in it becomes each node's name).
 
 The state is updated elementwise from the step and each element's global index, so a
@@ -12,8 +12,9 @@ at the end every rank replays the whole run for its own boxes and compares.
 
 Failure injection:
 * ``--kill-node N --kill-at K``: after the save of step K, the ranks of node ``N`` delete
-  that node's local directory (the node is lost) and SIGKILL themselves. Only once per
-  run directory (a ``killed`` file marks it), so a relaunch goes on.
+  that node's local directory (the node is lost) and SIGKILL themselves. Only in the
+  first attempt on a run directory (a ``killed`` file marks later ones), so a relaunch
+  goes on.
 * ``--die-in-save-at K``: rank 1 SIGKILLs itself in the middle of the local save of step
   K (its data written, before the ranks confirm the step). Also only once.
 
@@ -57,8 +58,8 @@ def rows(length: int, parts: int, index: int) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--local", required=True)
+    ap.add_argument("--run", "--dir", required=True)
+    ap.add_argument("--tier", required=True)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--persistent-every", type=int, default=10)
     ap.add_argument("--node-of-rank", action="store_true")
@@ -89,7 +90,7 @@ def main() -> int:
         counter=distckpt.PerRank(counter),
         meta={"lr": 0.0},
     )
-    tier = distckpt.LocalTier(args.local, replicas=1, max_to_keep=2)
+    tier = distckpt.LocalTier(args.tier, replicas=1, max_to_keep=2)
     manager = distckpt.CheckpointManager(
         ckpt,
         args.run,
@@ -103,13 +104,20 @@ def main() -> int:
     restored = manager.restored
     counter = ckpt.counter.value  # a restore replaces the value a PerRank holds
     if rank == 0:
-        record = None if restored is None else {
-            "tier": restored.tier, "number": restored.number, "reason": restored.reason,
-        }
+        record = (
+            None
+            if restored is None
+            else {
+                "tier": restored.tier,
+                "number": restored.number,
+                "reason": restored.reason,
+            }
+        )
         print("RESTORED " + json.dumps({**(record or {"tier": None}), "world": size}), flush=True)
 
     marker = os.path.join(args.run, "killed")
-    if args.die_in_save_at >= 0 and rank == 1 and not os.path.exists(marker):
+    first_attempt = not os.path.exists(marker)
+    if args.die_in_save_at >= 0 and rank == 1 and first_attempt:
         from distckpt.local import save as local_save
 
         replicate = local_save._replicate
@@ -133,11 +141,13 @@ def main() -> int:
         handle = manager.save(async_save=args.async_save)
         if args.async_save and handle is not None:
             handle.wait()
-        if s == args.kill_at and node == args.kill_node and not os.path.exists(marker):
-            open(marker, "w").close()
-            shutil.rmtree(tier.path(), ignore_errors=True)
-            print(f"KILLED {rank} at {s}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if s == args.kill_at and first_attempt and args.kill_node is not None:
+            comm.barrier()  # every rank has marked step s: it is committed
+            if node == args.kill_node:
+                open(marker, "w").close()
+                shutil.rmtree(tier.path(), ignore_errors=True)
+                print(f"KILLED {rank} at {s}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
     manager.close()
 
     # An uninterrupted run of the same steps, for this rank's boxes.
