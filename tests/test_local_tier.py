@@ -174,7 +174,9 @@ def test_schedule_restore_and_retention(tmp_path: Path) -> None:
     # The first save is persistent, then every 5 steps; the others go to the local tier.
     persistent = [Path(p).parent == tmp_path / "run" for p in paths]
     assert persistent == [True, False, False, False, False, True, False, False]
-    assert sorted(os.listdir(job.local_dir)) == ["step-7", "step-8"]  # max_to_keep=2
+    # max_to_keep=2 older steps, plus the newest (until the next save confirms it is
+    # marked on every node).
+    assert sorted(os.listdir(job.local_dir)) == ["step-5", "step-7", "step-8"]
     expected = job.values()
     job.manager.close()
 
@@ -185,9 +187,11 @@ def test_schedule_restore_and_retention(tmp_path: Path) -> None:
     assert path == str(again.local_dir / "step-8")
     _same(again.values(), expected)
     assert again.ckpt.save_counter == 8
-    # Training goes on from there: the next persistent save is 5 steps after the restore.
+    # Training goes on from there; the persistent schedule from the last persistent save
+    # (step 6), not from the local step restored: a job that fails every few steps still
+    # reaches the shared store.
     paths = again.train(5)
-    assert [Path(p).parent == tmp_path / "run" for p in paths] == [False] * 4 + [True]
+    assert [Path(p).parent == tmp_path / "run" for p in paths] == [False, False, True, False, False]
     again.manager.close()
 
 
@@ -202,7 +206,7 @@ def test_persistent_newer_than_local_wins(tmp_path: Path) -> None:
     assert "no local step is newer than persistent checkpoint number 6" in restored.reason
     assert again.values()["step"] == 6
     # Local steps newer than the restored one are gone (none here); older ones stay.
-    assert sorted(os.listdir(again.local_dir)) == ["step-4", "step-5"]
+    assert sorted(os.listdir(again.local_dir)) == ["step-3", "step-4", "step-5"]
     again.manager.close()
 
 
@@ -446,7 +450,7 @@ def test_survey_reads_only_marked_tokens(tmp_path: Path) -> None:
     (held,) = files.survey(store, run)
     assert (held.step, held.token, held.world, held.owners) == (3, "aa", 2, [0, 1])
     assert files.survey(store, "another run") == []
-    np.testing.assert_equal(files.retain(store, 1, run), [])
+    np.testing.assert_equal(files.retain(store, 1, run, below=4), [])
     assert sorted(os.listdir(tmp_path / "step-3")) == [
         "done.aa.r0",
         "o0.aa.data",
@@ -454,3 +458,37 @@ def test_survey_reads_only_marked_tokens(tmp_path: Path) -> None:
         "o1.aa.data",
         "o1.aa.json",
     ]
+
+
+def test_going_back_replaces_the_abandoned_local_steps(tmp_path: Path) -> None:
+    job = Job(tmp_path, max_to_keep=3)
+    job.train(4)  # persistent 1, local 2, 3, 4
+    job.ckpt.restore(str(tmp_path / "run" / "ckpt-1"), SingleComm())  # e.g. a loss spike
+    assert job.values()["step"] == 1
+    (path,) = job.train(1)  # step 2 again, of the new timeline
+    assert Path(path).name == "step-2"
+    assert sorted(os.listdir(job.local_dir)) == ["step-2"]
+    expected = job.values()
+    job.manager.close()
+    again = Job(tmp_path)
+    again.manager.restore_or_initialize()
+    assert again.manager.restored is not None and again.manager.restored.number == 2
+    _same(again.values(), expected)
+    again.manager.close()
+
+
+def test_damaged_marks_are_skipped_not_raised(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    job.train(3)
+    job.manager.close()
+    step3 = job.local_dir / "step-3"
+    (step3 / "done.abc.r7").write_text("[]")
+    (step3 / "done.abd.r7").write_text('{"format": "distckpt-local", "step": 3}')
+    (job.local_dir / "step-9").mkdir()
+    (job.local_dir / "step-9" / "done.abe.r0").write_bytes(b"\xff\xfe")
+    again = Job(tmp_path)
+    again.manager.restore_or_initialize()
+    assert again.manager.restored is not None
+    assert (again.manager.restored.tier, again.manager.restored.number) == ("local", 3)
+    assert not (job.local_dir / "step-9").exists()
+    again.manager.close()

@@ -39,8 +39,9 @@ class LocalTier:
     save of either tier); with neither, every :meth:`~distckpt.CheckpointManager.save`
     that is not a persistent one is a local one. ``replicas`` is how many peers on other
     nodes keep a copy of each rank's partitions (0: none; losing a node then loses the
-    local steps, and the job falls back to the shared store). ``max_to_keep`` local steps
-    are kept on each node.
+    local steps, and the job falls back to the shared store). Each node keeps its
+    ``max_to_keep`` newest local steps before the newest one, and the newest: a step is
+    removed only once a newer one is confirmed and marked on every node.
     """
 
     directory: str | os.PathLike[str]

@@ -76,14 +76,32 @@ class Held:
     owners: list[int] = field(default_factory=list)
 
 
+def _read_mark(store: Store, key: str, step: int) -> tuple[int, str] | None:
+    """The (world, run) a mark records, or None (logged) when it is not a mark of
+    ``step``: a restart must get past a damaged tier, never fail on it."""
+    try:
+        mark = json.loads(store.read(key))
+        if not isinstance(mark, dict) or mark.get("format") != FORMAT:
+            raise ValueError("not a distckpt local-tier mark")
+        if mark.get("step") != step:
+            raise ValueError(f"a mark of step {mark.get('step')}, not {step}")
+        world, run = mark["world"], mark["run"]
+        if not isinstance(world, int) or world < 1 or not isinstance(run, str):
+            raise ValueError("no world size or run")
+        return world, run
+    except Exception as exc:
+        log.warning("local tier: ignoring %s: %s", store.where(key), exc)
+        return None
+
+
 def survey(store: Store, run: str) -> list[Held]:
-    """The committed saves of run ``run`` in the node directory ``store``, newest first,
-    with the owners whose manifest and data are both there. Unreadable marks and foreign
-    files are skipped (logged), never raised: a restart must get past a damaged tier."""
+    """The committed saves of run ``run`` in the node directory ``store``, newest first
+    (by step, then token), with the owners whose manifest and data are both there.
+    Never raises: what cannot be read is skipped (and logged)."""
     found: list[Held] = []
     try:
         steps = store.list()
-    except FileNotFoundError:
+    except Exception:
         return []
     for name in steps:
         match = _STEP.match(name)
@@ -92,31 +110,23 @@ def survey(store: Store, run: str) -> list[Held]:
         step = int(match.group(1))
         try:
             entries = store.list(name)
-        except FileNotFoundError:
+        except Exception:
             continue
-        marks: dict[str, dict[str, Any]] = {}
+        present = set(entries)
+        marks: dict[str, tuple[int, str] | None] = {}
         for entry in entries:
             m = _MARK.match(entry)
-            if m is None or m.group(1) in marks:
-                continue
-            try:
-                mark = json.loads(store.read(f"{name}/{entry}"))
-                if mark.get("format") != FORMAT or int(mark["step"]) != step:
-                    raise ValueError("not a mark of this step")
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("local tier: ignoring %s: %s", store.where(f"{name}/{entry}"), exc)
-                continue
-            marks[m.group(1)] = mark
-        present = set(entries)
+            if m is not None and marks.get(m.group(1)) is None:
+                marks[m.group(1)] = _read_mark(store, f"{name}/{entry}", step)
         for token, mark in marks.items():
-            if mark.get("run") != run:
+            if mark is None or mark[1] != run:
                 continue
             owners = []
             for entry in entries:
                 m = _MANIFEST.match(entry)
                 if m and m.group(2) == token and f"o{m.group(1)}.{token}.data" in present:
                     owners.append(int(m.group(1)))
-            found.append(Held(step, token, int(mark["world"]), run, sorted(owners)))
+            found.append(Held(step, token, mark[0], run, sorted(owners)))
     found.sort(key=lambda h: (h.step, h.token), reverse=True)
     return found
 
@@ -153,45 +163,54 @@ def mark(store: Store, held: Held, rank: int) -> None:
     store.write(mark_key(held.step, held.token, rank), json.dumps(doc).encode())
 
 
-def retain(store: Store, keep: int, run: str) -> list[int]:
-    """Remove this node's steps older than its ``keep`` newest committed ones of ``run``,
-    and the other files of kept steps; returns the steps removed. Logged, never raised."""
-    held = survey(store, run)
-    kept = sorted({h.step for h in held}, reverse=True)[:keep]
-    if not kept:
-        return []
-    oldest = kept[-1]
-    tokens = {h.step: h.token for h in held if h.step in kept}
-    removed = []
-    for name in store.list():
-        match = _STEP.match(name)
-        if not match:
-            continue
-        step = int(match.group(1))
-        try:
+def retain(store: Store, keep: int, run: str, below: int) -> list[int]:
+    """Remove this node's steps older than its ``keep`` newest committed ones of ``run``
+    below step ``below`` (the step just confirmed, kept as well), and the files of other
+    saves in the kept steps; returns the steps removed. Logged, never raised.
+
+    Counting only the steps below the new one keeps the previous whole step until the
+    next save's confirmation: a node that removed it as soon as it marked the new step
+    could leave no whole step at all if another node died before writing its mark."""
+    try:
+        held = [h for h in survey(store, run) if h.step < below]
+        kept: dict[int, str] = {}
+        for h in held:  # newest first: the token chosen is the one a restore would choose
+            if len(kept) < keep or h.step in kept:
+                kept.setdefault(h.step, h.token)
+        if len(kept) < keep:
+            return []
+        oldest = min(kept)
+        removed = []
+        for name in store.list():
+            match = _STEP.match(name)
+            if not match:
+                continue
+            step = int(match.group(1))
             if step < oldest:
                 store.delete_tree(name)
                 removed.append(step)
-            elif step in tokens:
+            elif step in kept:
                 for entry in store.list(name):
-                    if tokens[step] not in entry.split("."):
+                    if kept[step] not in entry.split("."):
                         store.delete(f"{name}/{entry}")
-        except OSError as exc:
-            log.warning("local tier: could not remove %s: %s", store.where(name), exc)
-    return removed
+        return removed
+    except Exception as exc:
+        log.warning("local tier: could not remove old steps of %s: %s", store.url, exc)
+        return []
 
 
 def drop_newer(store: Store, step: int) -> None:
     """Remove this node's steps newer than ``step``: they belong to a timeline the job
-    left when it restored ``step`` (or an older checkpoint)."""
+    left when it restored ``step`` (or an older checkpoint), or that a new save of a
+    step number it had saved before replaces. Logged, never raised."""
     try:
         names = store.list()
-    except FileNotFoundError:
+    except Exception:
         return
     for name in names:
         match = _STEP.match(name)
         if match and int(match.group(1)) > step:
             try:
                 store.delete_tree(name)
-            except OSError as exc:
+            except Exception as exc:
                 log.warning("local tier: could not remove %s: %s", store.where(name), exc)

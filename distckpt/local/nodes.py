@@ -78,5 +78,12 @@ class Topology:
         return out
 
     def sources(self, rank: int, replicas: int) -> list[int]:
-        """The ranks whose partitions ``rank`` keeps a replica of."""
-        return [r for r in range(sum(map(len, self.nodes))) if rank in self.peers(r, replicas)]
+        """The ranks whose partitions ``rank`` keeps a replica of: ranks of the ``k``
+        nodes before its own whose peers include it."""
+        i = self.node_of(rank)
+        out = []
+        for d in range(1, self.usable_replicas(replicas) + 1):
+            for r in self.nodes[(i - d) % len(self.nodes)]:
+                if rank in self.peers(r, replicas):
+                    out.append(r)
+        return sorted(out)

@@ -63,11 +63,11 @@ class Survey:
 
     choice: Choice | None
     reason: str
-    newest: int | None = None  # the newest step any node holds a committed save of
 
 
 def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -> Survey:
-    """Collective: the newest whole save of ``run`` newer than ``newer_than`` (None: any)."""
+    """Collective: the newest whole save of ``run`` newer than ``newer_than`` (None: any).
+    Never raises on one rank alone (the survey skips what it cannot read)."""
     held = files.survey(store, run)
     everyone = comm.allgather([(h.step, h.token, h.world, h.owners) for h in held])
     saves: dict[tuple[int, str], tuple[int, dict[int, list[int]]]] = {}
@@ -78,7 +78,6 @@ def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -
                 holders.setdefault(owner, []).append(rank)
     if not saves:
         return Survey(None, "the local tier holds no committed step")
-    newest = max(step for step, _ in saves)
     missing: dict[int, list[int]] = {}
     for (step, token), (world, holders) in sorted(saves.items(), reverse=True):
         if newer_than is not None and step <= newer_than:
@@ -93,7 +92,7 @@ def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -
                 f"step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
                 for s, lost in sorted(missing.items(), reverse=True)
             )
-        return Survey(Choice(step, token, world, holders), reason, newest)
+        return Survey(Choice(step, token, world, holders), reason)
     if missing:
         reason = "; ".join(
             f"local step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
@@ -101,7 +100,7 @@ def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -
         )
     else:
         reason = f"no local step is newer than persistent checkpoint number {newer_than}"
-    return Survey(None, reason, newest)
+    return Survey(None, reason)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -144,6 +143,7 @@ class LocalStep:
     comm: Communicator
     path: str = ""
     index: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # what the saver kept beside
     _pieces: dict[tuple[str, int | None], list[_Piece]] = field(default_factory=dict)
     _maps: dict[int, np.ndarray] = field(default_factory=dict)
     _verified: set[tuple[int, int]] = field(default_factory=set)
@@ -209,6 +209,8 @@ class LocalStep:
             for name, value in doc["per_rank_values"].items():
                 per_rank(name)[str(owner)] = {"kind": "value", "value": value}
         self.index = {"world_size": self.choice.world, "variables": variables}
+        if manifests:
+            self.extra = dict(manifests[min(manifests)].get("extra") or {})
 
     # ------------------------------------------------------------ reading
 
@@ -253,6 +255,8 @@ class LocalStep:
                         assign(leaf, tensor)
             except Exception as exc:
                 error = exc
+            finally:
+                self._maps.clear()  # unmapped: removed files free their memory
         result.timings["plan"] = t_plan - t0
         result.timings["read"] = time.perf_counter() - t_plan
         return settle(comm, result, error, t0)

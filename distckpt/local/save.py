@@ -80,6 +80,7 @@ class Step:
     run: str
     replicas: int
     keep: int
+    extra: dict[str, Any] = field(default_factory=dict)  # kept in the manifests (manager)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class _Layout:
     pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)
     size: int = 0
     manifest: dict[str, Any] = field(default_factory=dict)
+    messages: list[tuple[int, int]] = field(default_factory=list)  # (offset, length)
 
 
 def _lay_out(
@@ -141,18 +143,44 @@ def _lay_out(
         "tensors": tensors,
         "values": plain_values,
         "per_rank_values": per_rank_values,
+        "extra": step.extra,
     }
+    layout.messages = _messages(layout.pieces)
     return layout
 
 
-def _messages(size: int) -> list[tuple[int, int]]:
-    """The (offset, length) of each message of a data file of ``size`` bytes."""
-    return [(lo, min(MESSAGE_BYTES, size - lo)) for lo in range(0, size, MESSAGE_BYTES)]
+#: Pieces smaller than this travel several to a message (copied into one buffer);
+#: larger ones in messages of their own bytes, sent without a copy.
+SMALL_PIECE = 1 << 20
+
+
+def _messages(pieces: list[tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
+    """The (offset, length) in the data file of each message that sends it: a large
+    piece in parts of at most :data:`MESSAGE_BYTES`, runs of small ones together."""
+    out: list[tuple[int, int]] = []
+    run: tuple[int, int] | None = None  # the small pieces gathered so far
+    for offset, data in pieces:
+        n = int(data.size)
+        if n >= SMALL_PIECE:
+            if run is not None:
+                out.append(run)
+                run = None
+            out += [(offset + lo, min(MESSAGE_BYTES, n - lo)) for lo in range(0, n, MESSAGE_BYTES)]
+            continue
+        if run is not None and offset + n - run[0] <= MESSAGE_BYTES:
+            run = (run[0], offset + n - run[0])
+        else:
+            if run is not None:
+                out.append(run)
+            run = (offset, n)
+    if run is not None:
+        out.append(run)
+    return [(lo, n) for lo, n in out if n]
 
 
 def _message(layout: _Layout, lo: int, n: int) -> np.ndarray:
-    """Bytes ``lo .. lo + n`` of the data file, from the pieces in memory (a view when they
-    lie in one piece)."""
+    """Bytes ``lo .. lo + n`` of the data file, from the pieces in memory: a view of one
+    piece, or a copy of consecutive small ones."""
     for offset, data in layout.pieces:
         if offset <= lo and lo + n <= offset + data.size:
             return data[lo - offset : lo - offset + n]
@@ -170,6 +198,40 @@ def _write_piece(handle: Any, offset: int, data: np.ndarray, entry: dict[str, An
     return int(data.size)
 
 
+class _Buffers:
+    """Receive buffers of :data:`MESSAGE_BYTES`, kept from one save to the next (fresh
+    memory costs a first touch of every page on every save), at most ``WINDOW`` per
+    source rank in flight: a receiver waits for older writes before taking more."""
+
+    WINDOW = 2
+    _free: list[np.ndarray] = []
+
+    def __init__(self) -> None:
+        self._busy: list[tuple[Any, np.ndarray]] = []  # (write future, buffer), oldest first
+
+    def take(self, sources: int) -> np.ndarray:
+        """A whole buffer; give it back with :meth:`writing` or :meth:`give_back`."""
+        while len(self._busy) >= self.WINDOW * max(1, sources):
+            future, buffer = self._busy.pop(0)
+            futures.wait([future])
+            self._free.append(buffer)
+        return self._free.pop() if self._free else np.empty(MESSAGE_BYTES, np.uint8)
+
+    def writing(self, future: Any, buffer: np.ndarray) -> None:
+        self._busy.append((future, buffer))
+
+    def give_back(self, buffer: np.ndarray) -> None:
+        self._free.append(buffer)
+
+    def release(self) -> None:
+        """Once every write is done: the buffers go back for the next save."""
+        for future, buffer in self._busy:
+            futures.wait([future])
+            self._free.append(buffer)
+        self._busy.clear()
+        del self._free[self.WINDOW * 4 :]  # what a few sources need, no more
+
+
 def _protocol(
     comm: Communicator,
     store: Store,
@@ -182,6 +244,7 @@ def _protocol(
     t0 = time.perf_counter()
     topo = topology(comm)
     rank = comm.rank
+    leader = topo.leader(rank)
     peers = topo.peers(rank, step.replicas)
     sources = topo.sources(rank, step.replicas)
     if step.replicas > len(peers) and rank == 0 and (step.replicas, topo) not in _warned:
@@ -193,49 +256,65 @@ def _protocol(
             len(peers),
         )
     layout: _Layout | None = None
-    handles: dict[int, Any] = {}
-    owners = (rank, *sources)
-    keys = [files.data_key(step.number, o, step.token) for o in owners]
     if not isinstance(local, Failure):
         try:
             leaves, arrays, values = local
             layout = _lay_out(
-                leaves, arrays, values, step, rank, comm.size, topo.name_of(rank), topo.leader(rank)
+                leaves, arrays, values, step, rank, comm.size, topo.name_of(rank), leader
             )
-            store.prepare(keys)
-            for o, key in zip(owners, keys, strict=True):
-                handles[o] = store.create(key, layout.size if o == rank else None)
+            if leader:  # a step saved again (the job went back): its old files must go
+                files.drop_newer(store, step.number - 1)
         except Exception as exc:
             error = error or exc
-    # Every rank learns every file's size (so every transfer), and whether any rank failed.
-    sizes = comm.allgather(None if error is not None or layout is None else layout.size)
-    if error is not None or any(size is None for size in sizes):
-        for handle in handles.values():
-            handle.abort()
+    # Every rank learns every transfer (and whether a rank already failed). Files are
+    # created only after it: no rank writes into a step its node's leader still removes.
+    plans = comm.allgather(None if error is not None or layout is None else layout.messages)
+    if error is not None or any(p is None for p in plans):
         raise_if_any_failed(comm, error)
     assert layout is not None
-    group = TaskGroup(transfer_workers.resolve(io_workers, comm))
+    owners = (rank, *sources)
+    keys = [files.data_key(step.number, o, step.token) for o in owners]
+    handles: dict[int, Any] = {}
+    group: TaskGroup | None = None
+    received: dict[int, dict[str, Any]] = {}
     try:
+        group = TaskGroup(transfer_workers.resolve(io_workers, comm))
+        store.prepare(keys)
+        for o, key in zip(owners, keys, strict=True):
+            handles[o] = store.create(key, layout.size if o == rank else None)
         # 3. Write this rank's file while sending it to the peers.
         entries = layout.manifest["tensors"]
         own = [
             group.submit(_write_piece, handles[rank], offset, data, entry)
             for (offset, data), entry in zip(layout.pieces, entries, strict=True)
         ]
-        received = _replicate(comm, layout, sizes, peers, sources, handles, group, own)
-        group.wait()
-        for o in owners:
-            handles.pop(o).finish(durable=True)
-        store.persist(keys)
-        for o, manifest in [(rank, layout.manifest), *received.items()]:
-            key = files.manifest_key(step.number, o, step.token)
-            store.write(key, json.dumps(manifest).encode())
-        result.bytes_written = layout.size + sum(sizes[s] for s in sources)
+    except Exception as exc:
+        error = error or exc
+        own = []
+    try:  # every rank makes every round, whatever failed: the confirmation reports it
+        received = _replicate(comm, layout, plans, peers, sources, handles, group, own)
+    except Exception as exc:
+        error = error or exc
+    try:
+        if group is not None:
+            group.wait()
+        if error is None:
+            for o in owners:
+                handles.pop(o).finish(durable=True)
+            manifests = [(rank, layout.manifest), *received.items()]
+            for o, manifest in manifests:
+                key = files.manifest_key(step.number, o, step.token)
+                store.write(key, json.dumps(manifest).encode())
+            store.persist(
+                keys + [files.manifest_key(step.number, o, step.token) for o, _ in manifests]
+            )
+            result.bytes_written = layout.size + sum(sum(n for _, n in plans[s]) for s in sources)
     except Exception as exc:
         error = error or exc
     finally:
         try:
-            group.wait()
+            if group is not None:
+                group.wait()
         except Exception as exc:
             error = error or exc
         for handle in handles.values():
@@ -243,13 +322,14 @@ def _protocol(
     t_write = time.perf_counter()
     # 4. Confirm: the step counts once every rank's data and replicas are durable.
     raise_if_any_failed(comm, error)
-    held = files.Held(step.number, step.token, comm.size, step.run)
-    try:
-        files.mark(store, held, rank)
-    except OSError as exc:  # another mark on this node, or a replica elsewhere, vouches
+    try:  # from here on the step is committed: nothing may make one rank raise alone
+        key = files.mark_key(step.number, step.token, rank)
+        files.mark(store, files.Held(step.number, step.token, comm.size, step.run), rank)
+        store.persist([key])
+    except Exception as exc:  # another mark on this node, or a replica elsewhere, vouches
         log.warning("local tier: could not mark step %d: %s", step.number, exc)
-    if topo.leader(rank):
-        removed = files.retain(store, step.keep, step.run)
+    if leader:
+        removed = files.retain(store, step.keep, step.run, below=step.number)
         if removed:
             log.debug("local tier: removed steps %s of %s", removed, store.url)
     result.files_written = len(owners)
@@ -260,18 +340,18 @@ def _protocol(
 def _replicate(
     comm: Communicator,
     layout: _Layout,
-    sizes: list[int],
+    plans: list[list[tuple[int, int]]],
     peers: list[int],
     sources: list[int],
     handles: dict[int, Any],
-    group: TaskGroup,
+    group: TaskGroup | None,
     own: list[Any],
 ) -> dict[int, dict[str, Any]]:
     """Send this rank's file and then its manifest (once ``own``, the writes that
     checksum its pieces, are done) to ``peers``; receive those of ``sources``, their
-    files handed to the workers to write. Returns the manifests received. Collective:
-    every rank makes the same rounds. A failed write does not stop the rounds (the
-    workers skip what follows it, and the confirmation reports it)."""
+    files handed to the workers to write (not written where this rank has no handle:
+    it failed, and the confirmation will say so). Returns the manifests received.
+    Collective: every rank makes the same rounds, decided by ``plans`` alone."""
     exchange = getattr(comm, "sendrecv", None)
     if exchange is None:
         if comm.size == 1:
@@ -279,25 +359,32 @@ def _replicate(
         raise TypeError(
             f"{type(comm).__name__} has no sendrecv(), which saving to the local tier needs"
         )
-    rounds = max(len(_messages(size)) for size in sizes)
-    mine = _messages(layout.size)
-    theirs = {s: _messages(sizes[s]) for s in sources}
-    for k in range(rounds):
-        sends = []
-        if k < len(mine) and peers:
-            data = _message(layout, *mine[k])
-            sends = [(p, data) for p in peers]
-        recvs = [(s, np.empty(theirs[s][k][1], np.uint8)) for s in sources if k < len(theirs[s])]
-        exchange(sends, recvs)
-        for s, buffer in recvs:
-            group.submit(handles[s].write, [buffer], theirs[s][k][0])
-    futures.wait(own)  # the manifest carries the crc32c the writes computed
-    manifest = np.frombuffer(json.dumps(layout.manifest).encode(), dtype=np.uint8)
-    lengths = {s: np.zeros(1, np.int64) for s in sources}
-    exchange([(p, np.array([manifest.size], np.int64)) for p in peers], list(lengths.items()))
-    inbox = {s: np.empty(int(lengths[s][0]), np.uint8) for s in sources}
-    exchange([(p, manifest) for p in peers], list(inbox.items()))
-    return {s: json.loads(inbox[s].tobytes()) for s in sources}
+    rounds = max(len(plan) for plan in plans)
+    buffers = _Buffers()
+    try:
+        for k in range(rounds):
+            sends = []
+            if k < len(layout.messages) and peers:
+                data = _message(layout, *layout.messages[k])
+                sends = [(p, data) for p in peers]
+            arriving = [(s, buffers.take(len(sources))) for s in sources if k < len(plans[s])]
+            recvs = [(s, whole[: plans[s][k][1]]) for s, whole in arriving]
+            exchange(sends, recvs)
+            for (s, whole), (_, data) in zip(arriving, recvs, strict=True):
+                if s in handles and group is not None:
+                    future = group.submit(handles[s].write, [data], plans[s][k][0])
+                    buffers.writing(future, whole)
+                else:
+                    buffers.give_back(whole)
+        futures.wait(own)  # the manifest carries the crc32c the writes computed
+        manifest = np.frombuffer(bytearray(json.dumps(layout.manifest).encode()), np.uint8)
+        lengths = {s: np.zeros(1, np.int64) for s in sources}
+        exchange([(p, np.array([manifest.size], np.int64)) for p in peers], list(lengths.items()))
+        inbox = {s: np.empty(int(lengths[s][0]), np.uint8) for s in sources}
+        exchange([(p, manifest) for p in peers], list(inbox.items()))
+        return {s: json.loads(inbox[s].tobytes()) for s in sources}
+    finally:
+        buffers.release()
 
 
 def save_local(

@@ -294,11 +294,12 @@ class Checkpoint(Node):
         from the checkpoint: only for checkpoints you trust). ``io_workers`` is each rank's
         number of I/O threads (see :func:`distckpt.load`).
         """
-        self._warn_unresolved()
-        background.finish_pending()
         if path is None:
+            self._warn_unresolved()
+            background.finish_pending()
             return InitializationOnlyStatus()
         comm = comm or auto()
+        background.finish_pending()
         source = StoredCheckpoint(path, comm)
         return self._restore_from(source, comm, allow_pickle=allow_pickle, io_workers=io_workers)
 
@@ -311,6 +312,8 @@ class Checkpoint(Node):
         io_workers: int | None = None,
     ) -> CheckpointLoadStatus:
         """Fill the graph from ``source`` (a persistent checkpoint or a local step)."""
+        self._warn_unresolved()
+        background.finish_pending()
         if self._session is not None:
             self._session.deactivate()
         if self._finalizer is not None:

@@ -182,6 +182,11 @@ class CheckpointManager:
             raise TypeError(f"local must be a distckpt.LocalTier, got {type(local).__name__}")
         if local is not None and local.interval is not None and step_counter is None:
             raise ValueError("a LocalTier interval (in steps) needs the manager's step_counter")
+        if local is not None and checkpoint_interval is None and save_interval_secs is None:
+            log.warning(
+                "CheckpointManager: with no checkpoint_interval or save_interval_secs every "
+                "save is persistent, so the LocalTier is never saved to"
+            )
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
         if checkpoint_interval is not None:
@@ -621,6 +626,7 @@ class CheckpointManager:
             self._run,
             self._local.replicas,
             self._local.max_to_keep,
+            {"last_persistent_step": self._last_step, "last_persistent_time": self._last_save_time},
         )
 
         def settle(failure: BaseException | None) -> None:
@@ -712,22 +718,26 @@ class CheckpointManager:
         nodes hold whole (originals plus replicas) is restored when it is newer than the
         newest persistent checkpoint, on any world size; else the persistent one. If the
         local restore fails (a piece fails its checksum, a peer is lost) the persistent
-        checkpoint is restored instead. :attr:`restored` says which and why; for a local
-        step the path returned is this rank's node directory of it. Local steps newer than
-        the one restored belong to a timeline the job left: they are removed.
+        checkpoint is restored instead, and when there is none the error is raised.
+        :attr:`restored` says which and why; for a local step the path returned is this
+        rank's node directory of it. Local steps newer than the one restored belong to a
+        timeline the job left: they are removed.
         """
         self.sync()
         path = self.latest_checkpoint
         number = None if path is None else self._number(path)
         reason = "no local tier" if self._local is None else ""
+        failure: BaseException | None = None
         if self._local is not None:
-            restored = self._restore_local(number)
+            restored, failure = self._restore_local(number)
             if restored is not None:
                 self.restored = restored
                 self._after_restore(restored.number)
                 return restored.path
             reason = self._local_reason
         if path is None:
+            if failure is not None:  # never go on from a half-restored state
+                raise failure
             self.restored = None
             self._after_restore(None)
             return None
@@ -745,16 +755,19 @@ class CheckpointManager:
         match = self._pattern.match(os.path.basename(path.rstrip("/")))
         return int(match.group(1)) if match else 0
 
-    def _restore_local(self, newer_than: int | None) -> Restored | None:
+    def _restore_local(
+        self, newer_than: int | None
+    ) -> tuple[Restored | None, BaseException | None]:
         """Collective: restore the newest whole local step newer than ``newer_than``, or
-        return None (and the reason in ``self._local_reason``)."""
+        restore nothing (the reason in ``self._local_reason``) and return the error of a
+        local restore that failed, if one did."""
         assert self._local is not None and self._local_store is not None
         comm = self._comm
         survey = choose(comm, self._local_store, self._run, newer_than)
         self._local_reason = survey.reason
         choice = survey.choice
         if choice is None:
-            return None
+            return None, None
         reason = survey.reason
         if choice.world != comm.size:
             reason += f"; saved on {choice.world} ranks, resharded onto {comm.size}"
@@ -767,17 +780,22 @@ class CheckpointManager:
             self._local_reason = f"restoring local step {choice.step} failed ({exc})"
             if comm.rank == 0:
                 log.warning("%s; falling back to the shared directory", self._local_reason)
-            return None
+            return None, exc
         if comm.rank == 0:
             log.info("restored local step %d from the node-local tier: %s", choice.step, reason)
+        # The persistent schedule goes on from the last persistent save, not from here.
+        self._last_step = step.extra.get("last_persistent_step")
+        self._last_save_time = step.extra.get("last_persistent_time")
         where = self._local_store.where(files.step_dir(choice.step))
-        return Restored("local", choice.step, where, reason)
+        return Restored("local", choice.step, where, reason), None
 
     def _after_restore(self, number: int | None) -> None:
         """Every rank: note the restored step for the schedules; with a local tier, the
         lowest rank of each node removes its steps newer than ``number`` (collective)."""
         if number is not None and self._step_counter is not None:
-            self._last_step = self._last_any_step = _step_value(self._step_counter)
+            self._last_any_step = _step_value(self._step_counter)
+            if self.restored is not None and self.restored.tier == "persistent":
+                self._last_step = self._last_any_step
         if self._local is None or self._local_store is None:
             return
         if topology(self._comm).leader(self._comm.rank):

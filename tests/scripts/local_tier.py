@@ -50,6 +50,11 @@ def update(t: torch.Tensor, step: int, rows: tuple[int, int]) -> None:
     t.mul_(0.75).add_(index * 0.125 + step / 64)
 
 
+def say(line: str) -> None:
+    """One whole line in one write: ranks' lines never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 def rows(length: int, parts: int, index: int) -> tuple[int, int]:
     """The rows [lo, hi) rank ``index`` of ``parts`` holds (torch.chunk's split)."""
     start, size = chunk_bounds(length, parts, index)
@@ -113,7 +118,7 @@ def main() -> int:
                 "reason": restored.reason,
             }
         )
-        print("RESTORED " + json.dumps({**(record or {"tier": None}), "world": size}), flush=True)
+        say("RESTORED " + json.dumps({**(record or {"tier": None}), "world": size}))
 
     marker = os.path.join(args.run, "killed")
     first_attempt = not os.path.exists(marker)
@@ -146,7 +151,7 @@ def main() -> int:
             if node == args.kill_node:
                 open(marker, "w").close()
                 shutil.rmtree(tier.path(), ignore_errors=True)
-                print(f"KILLED {rank} at {s}", flush=True)
+                say(f"KILLED {rank} at {s}")
                 os.kill(os.getpid(), signal.SIGKILL)
     manager.close()
 
@@ -166,9 +171,9 @@ def main() -> int:
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
-        print(f"FAIL {rank}: {bad} w={w.tolist()} ref={w_ref.tolist()}", flush=True)
+        say(f"FAIL {rank}: {bad} w={w.tolist()} ref={w_ref.tolist()}")
         return 1
-    print(f"OK {rank}", flush=True)
+    say(f"OK {rank}")
     return 0
 
 
