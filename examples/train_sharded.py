@@ -161,6 +161,17 @@ def main() -> None:
         default="sync",
         help="blocking saves, background saves, or lazy background saves",
     )
+    parser.add_argument(
+        "--local-dir",
+        default=None,
+        help="node-local tier ({node}: the node's name): saves go there between persistent ones",
+    )
+    parser.add_argument(
+        "--persistent-every",
+        type=int,
+        default=None,
+        help="with --local-dir: save to --dir every this many steps (default: 4 x --every)",
+    )
     parser.add_argument("--dump", default=None, help="rank 0 writes the full state here at the end")
     parser.add_argument(
         "--check-restore-against",
@@ -181,14 +192,23 @@ def main() -> None:
     # and takes its contiguous slice); its position is saved once and restores anywhere.
     cursor = distckpt.SampleCursor(DATASET_SIZE, args.global_batch)
     ckpt = distckpt.Checkpoint(model=model, optimizer=opt, step=step, data=cursor)
+    local = None
+    if args.local_dir is not None:  # frequent node-local saves, copied to a peer node
+        local = distckpt.LocalTier(args.local_dir, replicas=1, max_to_keep=2)
     manager = distckpt.CheckpointManager(
-        ckpt, args.dir, max_to_keep=args.max_to_keep, step_counter=step
+        ckpt,
+        args.dir,
+        max_to_keep=args.max_to_keep,
+        step_counter=step,
+        checkpoint_interval=None if local is None else args.persistent_every or 4 * args.every,
+        local=local,
     )
 
     restored = manager.restore_or_initialize()
     if restored is not None:
         if rank == 0:
-            print(f"Restored from {restored} at step {int(step)} onto {world} rank(s).")
+            tier = "" if local is None else f" ({manager.restored.tier} tier)"  # type: ignore[union-attr]
+            print(f"Restored from {restored}{tier} at step {int(step)} onto {world} rank(s).")
         if cursor.position != int(step) * args.global_batch:
             raise SystemExit(
                 f"data position {cursor.position} does not match step {int(step)} "
@@ -234,8 +254,11 @@ def main() -> None:
             break
     preemption.uninstall()
 
-    if last_saved != int(step):
-        path = manager.save()
+    manager.sync()
+    newest = manager.latest_checkpoint or ""
+    last_was_local = local is not None and not newest.endswith(f"-{ckpt.save_counter}")
+    if last_saved != int(step) or last_was_local:  # the end of a run goes to --dir
+        path = manager.save(check_interval=False)
         if rank == 0:
             print(f"step {int(step)}: saved {path} (end of run)")
     manager.sync()

@@ -167,6 +167,18 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert a[k] == b[k], k
 
 
+def _resumed(root: Path, tier: str, number: int, expected: dict[str, Any] | None = None) -> Job:
+    """A new job on ``root`` after restore_or_initialize(), which restored ``number`` of
+    ``tier`` (and ``expected``, bit for bit, when given)."""
+    job = Job(root)
+    job.manager.restore_or_initialize()
+    restored = job.manager.restored
+    assert restored is not None and (restored.tier, restored.number) == (tier, number), restored
+    if expected is not None:
+        _same(job.values(), expected)
+    return job
+
+
 def test_schedule_restore_and_retention(tmp_path: Path) -> None:
     job = Job(tmp_path)
     assert job.manager.restore_or_initialize() is None and job.manager.restored is None
@@ -217,10 +229,7 @@ def test_step_without_marks_is_skipped_and_later_steps_dropped(tmp_path: Path) -
     for mark in (job.local_dir / "step-4").glob("done.*"):
         mark.unlink()  # as if the ranks died before confirming step 4
     job.manager.close()
-    again = Job(tmp_path)
-    again.manager.restore_or_initialize()
-    assert again.manager.restored is not None
-    assert (again.manager.restored.tier, again.manager.restored.number) == ("local", 3)
+    again = _resumed(tmp_path, "local", 3)
     assert again.values()["step"] == expected_step
     assert not (again.local_dir / "step-4").exists()  # a timeline the job left
     again.manager.close()
@@ -263,11 +272,7 @@ def test_background_local_saves(tmp_path: Path, mode: dict[str, bool]) -> None:
     assert Path(paths[-1]).name == "step-4"
     expected = job.values()
     job.manager.close()
-    again = Job(tmp_path)
-    again.manager.restore_or_initialize()
-    assert again.manager.restored is not None and again.manager.restored.number == 4
-    _same(again.values(), expected)
-    again.manager.close()
+    _resumed(tmp_path, "local", 4, expected).manager.close()
 
 
 def test_local_interval_in_steps_and_seconds(tmp_path: Path) -> None:
@@ -470,11 +475,7 @@ def test_going_back_replaces_the_abandoned_local_steps(tmp_path: Path) -> None:
     assert sorted(os.listdir(job.local_dir)) == ["step-2"]
     expected = job.values()
     job.manager.close()
-    again = Job(tmp_path)
-    again.manager.restore_or_initialize()
-    assert again.manager.restored is not None and again.manager.restored.number == 2
-    _same(again.values(), expected)
-    again.manager.close()
+    _resumed(tmp_path, "local", 2, expected).manager.close()
 
 
 def test_damaged_marks_are_skipped_not_raised(tmp_path: Path) -> None:
@@ -486,9 +487,5 @@ def test_damaged_marks_are_skipped_not_raised(tmp_path: Path) -> None:
     (step3 / "done.abd.r7").write_text('{"format": "distckpt-local", "step": 3}')
     (job.local_dir / "step-9").mkdir()
     (job.local_dir / "step-9" / "done.abe.r0").write_bytes(b"\xff\xfe")
-    again = Job(tmp_path)
-    again.manager.restore_or_initialize()
-    assert again.manager.restored is not None
-    assert (again.manager.restored.tier, again.manager.restored.number) == ("local", 3)
+    _resumed(tmp_path, "local", 3).manager.close()
     assert not (job.local_dir / "step-9").exists()
-    again.manager.close()

@@ -576,25 +576,20 @@ class CheckpointManager:
         name = decision["name"]
         path = self._path(name)
         checkpoint = self._checkpoint
-        previous = checkpoint._save_counter
-        checkpoint._save_counter = decision["counter"]
 
         def after_commit() -> None:  # rank 0, once the checkpoint is committed
             self._write_pointer(decision["state"])
             for old in decision["doomed"]:  # only now that the pointer no longer names them
                 self._delete(old)
 
-        def settle(failure: BaseException | None) -> None:
-            if failure is not None:
-                if checkpoint._save_counter == decision["counter"]:
-                    checkpoint._save_counter = previous
-                return
+        def committed() -> None:
             self._set_state(decision["state"])
             self._last_step = self._last_any_step = decision["step"]
             self._last_save_time = self._last_any_time = decision["state"]["times"][name]
 
-        try:
-            handle = checkpoint._write(
+        handle = self._run_save(
+            decision,
+            lambda: checkpoint._write(
                 path,
                 comm,
                 self._allow_pickle,
@@ -603,23 +598,15 @@ class CheckpointManager:
                 after_commit,
                 self._compression,
                 self._io_workers,
-            )
-        except BaseException as exc:
-            settle(exc)
-            raise
-        if isinstance(handle, AsyncSave):
-            handle.add_done_callback(settle)
-            self._pending = handle
-            return handle
-        settle(None)
-        return path
+            ),
+            committed,
+        )
+        return handle if isinstance(handle, AsyncSave) else path
 
     def _save_local(self, decision: dict[str, Any], async_save: bool, lazy: bool) -> Any:
         """Save to the node-local tier (see :mod:`distckpt.local.save`); collective."""
         assert self._local is not None and self._local_store is not None
-        checkpoint = self._checkpoint
-        previous = checkpoint._save_counter
-        checkpoint._save_counter = decision["counter"]
+        store = self._local_store
         step = Step(
             decision["number"],
             decision["token"],
@@ -629,19 +616,11 @@ class CheckpointManager:
             {"last_persistent_step": self._last_step, "last_persistent_time": self._last_save_time},
         )
 
-        def settle(failure: BaseException | None) -> None:
-            if failure is not None:
-                if checkpoint._save_counter == decision["counter"]:
-                    checkpoint._save_counter = previous
-                return
-            self._last_any_step = decision["step"]
-            self._last_any_time = decision["now"]
-
-        try:
-            state, lazy_names = checkpoint._to_save(self._allow_pickle, lazy)
-            handle = save_local(
+        def start() -> Any:
+            state, lazy_names = self._checkpoint._to_save(self._allow_pickle, lazy)
+            return save_local(
                 state,
-                self._local_store,
+                store,
                 step,
                 self._comm,
                 allow_pickle=self._allow_pickle,
@@ -649,6 +628,32 @@ class CheckpointManager:
                 lazy=lazy_names,
                 io_workers=self._io_workers,
             )
+
+        def confirmed() -> None:
+            self._last_any_step = decision["step"]
+            self._last_any_time = decision["now"]
+
+        handle = self._run_save(decision, start, confirmed)
+        return handle if isinstance(handle, AsyncSave) else os.fspath(handle.path)
+
+    def _run_save(
+        self, decision: dict[str, Any], start: Callable[[], Any], done: Callable[[], None]
+    ) -> Any:
+        """Run ``start()`` (a save of either tier, blocking or in the background) with the
+        checkpoint's ``save_counter`` set to the decision's; ``done()`` once it succeeded,
+        the counter set back if it failed. Returns what ``start`` returned."""
+        checkpoint = self._checkpoint
+        previous = checkpoint._save_counter
+        checkpoint._save_counter = decision["counter"]
+
+        def settle(failure: BaseException | None) -> None:
+            if failure is None:
+                done()
+            elif checkpoint._save_counter == decision["counter"]:
+                checkpoint._save_counter = previous
+
+        try:
+            handle = start()
         except BaseException as exc:
             settle(exc)
             raise
@@ -657,7 +662,7 @@ class CheckpointManager:
             self._pending = handle
             return handle
         settle(None)
-        return os.fspath(handle.path)
+        return handle
 
     def sync(self) -> None:
         """Wait for this manager's background save, if any; raise its error. Local."""
