@@ -33,8 +33,10 @@ _POLL_MAX = 0.01
 
 _abort_registered = False
 
-#: The tag of :meth:`MPIComm.sendrecv`'s messages.
+#: The tag of :meth:`MPIComm.sendrecv`'s messages, and its longest sleep between polls
+#: (short: MPI moves large messages only while they are tested).
 _P2P_TAG = 7117
+_P2P_POLL_MAX = 0.001
 
 #: Background communicators already created: Fortran handle of the communicator -> dup.
 _BACKGROUND: dict[int, MPIComm] = {}
@@ -187,7 +189,23 @@ class MPIComm:
         self._arrive("sendrecv")
         requests = [self.comm.Isend(array, dest=peer, tag=_P2P_TAG) for peer, array in sends]
         requests += [self.comm.Irecv(array, source=peer, tag=_P2P_TAG) for peer, array in recvs]
-        MPI.Request.Waitall(requests)
+        # Polled (MPI progresses the transfers while tested), so that a peer that dies in
+        # the middle of a transfer makes this raise after ``timeout`` instead of hanging.
+        deadline = time.monotonic() + self.timeout
+        delay = _POLL_FIRST
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() >= deadline:
+                peers = sorted({peer for peer, _ in (*sends, *recvs)})
+                self._broken = (
+                    f"MPI sendrecv on rank {self.rank} of {self.size}: the transfers with "
+                    f"rank(s) {peers} did not finish within {self.timeout:g} s (a rank died "
+                    "or hangs); this communicator is no longer usable"
+                )
+                if self.abort_at_exit:
+                    _abort_at_exit()
+                raise CommTimeoutError(self._broken)
+            time.sleep(delay)
+            delay = min(delay * 2, _P2P_POLL_MAX)
 
     def barrier(self) -> None:
         """Collective: return once every rank has called it."""
