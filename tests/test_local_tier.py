@@ -489,3 +489,18 @@ def test_damaged_marks_are_skipped_not_raised(tmp_path: Path) -> None:
     (job.local_dir / "step-9" / "done.abe.r0").write_bytes(b"\xff\xfe")
     _resumed(tmp_path, "local", 3).manager.close()
     assert not (job.local_dir / "step-9").exists()
+
+
+@needs_mpi
+def test_mpiexec_damaged_copy_is_read_from_the_replica(tmp_path: Path) -> None:
+    first = _mpi_nodes(tmp_path, ["a", "b"], "--steps", "3")  # persistent 1, local 2, 3
+    assert_all_ok(first, 4)
+    data = next((tmp_path / "local-a" / "step-3").glob("o0.*.data"))  # node a's own copy
+    raw = bytearray(data.read_bytes())
+    raw[5] ^= 0x10
+    data.write_bytes(bytes(raw))
+    second = _mpi_nodes(tmp_path, ["a", "b"], "--steps", "5")
+    record = _restored(second)
+    assert (record["tier"], record["number"]) == ("local", 3), output(second)
+    assert "the copy of saved rank 0 on node a fails its checksum" in second.stderr
+    assert_all_ok(second, 4)

@@ -37,7 +37,7 @@ from distckpt.engine.arrays import writable_view
 from distckpt.engine.load import LoadResult, _prepare, assign, settle
 from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
-from distckpt.local.save import MESSAGE_BYTES
+from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import crc32c
@@ -147,6 +147,8 @@ class LocalStep:
     _pieces: dict[tuple[str, int | None], list[_Piece]] = field(default_factory=dict)
     _maps: dict[int, np.ndarray] = field(default_factory=dict)
     _verified: set[tuple[int, int]] = field(default_factory=set)
+    _bad: set[int] = field(default_factory=set)  # saved ranks whose copy here is damaged
+    _t_plan: float = 0.0
 
     @classmethod
     def open(cls, store: Store, choice: Choice, comm: Communicator) -> LocalStep:
@@ -226,8 +228,26 @@ class LocalStep:
         """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
         checkpoint; collective."""
         del io_workers  # reads are local memory maps: the page cache does the work
-        result = LoadResult(self.path)
         t0 = time.perf_counter()
+        while True:  # again while a copy failed its checksum and another node has one
+            result = LoadResult(self.path)
+            error, bad = self._load_once(state, comm, strict, allow_pickle, result)
+            if bad is None or not any(bad) or not self._drop_copies(comm, bad):
+                break
+        result.timings["plan"] = self._t_plan - t0
+        result.timings["read"] = time.perf_counter() - self._t_plan
+        return settle(comm, result, error, t0)
+
+    def _load_once(
+        self,
+        state: dict[str, Any],
+        comm: Communicator,
+        strict: bool,
+        allow_pickle: bool,
+        result: LoadResult,
+    ) -> tuple[BaseException | None, list[list[int]] | None]:
+        """One attempt of :meth:`load`: this rank's error, and (when the transfers ran)
+        every rank's saved ranks whose copy on its node failed its checksum."""
         error: BaseException | None = None
         reads: list[ReadTarget] = []
         fresh: list[Any] = []
@@ -246,20 +266,41 @@ class LocalStep:
             if r.server != comm.rank
         ]
         everyone = comm.allgather(None if error is not None else asked)
-        t_plan = time.perf_counter()
-        if all(a is not None for a in everyone):
-            try:
-                error = self._fetch(comm, reads, requests, everyone, result)
-                if error is None:
-                    for leaf, tensor in fresh:
-                        assign(leaf, tensor)
-            except Exception as exc:
-                error = exc
-            finally:
-                self._maps.clear()  # unmapped: removed files free their memory
-        result.timings["plan"] = t_plan - t0
-        result.timings["read"] = time.perf_counter() - t_plan
-        return settle(comm, result, error, t0)
+        self._t_plan = time.perf_counter()
+        if any(a is None for a in everyone):
+            return error, None
+        self._bad.clear()
+        try:
+            error = self._fetch(comm, reads, requests, everyone, result)
+            if error is None:
+                for leaf, tensor in fresh:
+                    assign(leaf, tensor)
+        except Exception as exc:
+            error = exc
+        finally:
+            self._maps.clear()  # unmapped: removed files free their memory
+        return error, comm.allgather(sorted(self._bad))
+
+    def _drop_copies(self, comm: Communicator, bad: list[list[int]]) -> bool:
+        """Forget the copies that failed their checksum (every rank of a node reads the
+        same file: the node's copy); whether every saved rank still has a holder."""
+        topo = topology(comm)
+        holders = self.choice.holders
+        lost: list[str] = []
+        for rank, owners in enumerate(bad):
+            node = topo.node_of(rank)
+            for owner in owners:
+                holders[owner] = [h for h in holders[owner] if topo.node_of(h) != node]
+                lost.append(f"saved rank {owner} on node {topo.names[node]}")
+        whole = all(holders.get(o) for o in range(self.choice.world))
+        if comm.rank == 0:
+            log.warning(
+                "%s: the copy of %s fails its checksum; %s",
+                self.path,
+                ", ".join(sorted(set(lost))),
+                "reading the replicas on other nodes" if whole else "no other node holds it",
+            )
+        return whole
 
     def _requests(self, i: int, t: ReadTarget, rank: int) -> list[_Request]:
         owner = t.entry.get("owner")
@@ -297,17 +338,23 @@ class LocalStep:
         if p.owner not in self._maps:
             key = files.data_key(self.choice.step, p.owner, self.choice.token)
             path = os.path.join(getattr(self.store, "path", self.store.url), key)
-            if os.path.getsize(path) == 0:
-                self._maps[p.owner] = np.zeros(0, np.uint8)
-            else:
-                self._maps[p.owner] = np.memmap(path, dtype=np.uint8, mode="r")
+            try:
+                if os.path.getsize(path) == 0:
+                    self._maps[p.owner] = np.zeros(0, np.uint8)
+                else:
+                    self._maps[p.owner] = np.memmap(path, dtype=np.uint8, mode="r")
+            except OSError as exc:  # gone since the survey: this node's copy is lost
+                self._bad.add(p.owner)
+                raise CorruptCheckpointError(f"{self.path}: cannot read {path}: {exc}") from exc
         data = self._maps[p.owner][p.offset : p.offset + p.nbytes]
         if data.size != p.nbytes:
+            self._bad.add(p.owner)
             raise CorruptCheckpointError(
                 f"{self.path}: the data of saved rank {p.owner} is truncated"
             )
         if (p.owner, p.index) not in self._verified:
             if crc32c(data) != p.crc:
+                self._bad.add(p.owner)
                 raise CorruptCheckpointError(
                     f"{self.path}: piece {p.index} of saved rank {p.owner} fails its crc32c"
                 )
