@@ -40,6 +40,13 @@ holds the directory's lock (:mod:`distckpt.training.lock`): a manager on the sam
 directory in another process fails with
 :class:`~distckpt.training.lock.DirectoryLockedError`.
 
+**Two tiers.** With ``local=LocalTier(...)`` (see :mod:`distckpt.local`) the saves that
+the persistent schedule does not claim go, on their own schedule, to each node's local
+storage with replicas on peer nodes; :meth:`CheckpointManager.restore_or_initialize`
+restores the newest local step the surviving nodes hold whole when it is newer than the
+newest persistent checkpoint, and :attr:`CheckpointManager.restored` says which tier.
+Both tiers number their saves from the checkpoint's ``save_counter``.
+
 **Replacing a manager.** Within one process a new manager on a directory (the same
 ``os.path.realpath``) takes it over from the older one that is still open, as
 TensorFlow's guide does for its second run and a notebook cell does when run twice. The
@@ -148,6 +155,10 @@ class CheckpointManager:
     threads, see :func:`distckpt.save`) to every save and restore.
     ``prepare_async=True`` allocates the host buffers of background saves now, for the
     state that exists (see :meth:`prepare_async`).
+    ``local`` (a :class:`~distckpt.LocalTier`) adds the node-local tier: saves between the
+    persistent ones go to each node's own storage, copied to peers on other nodes, and
+    :meth:`restore_or_initialize` prefers a newer whole local step (see "Two tiers" in
+    :mod:`distckpt.training.manager`).
     ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
     ``time.time``) is read on rank 0 only. Collective.
 
