@@ -14,8 +14,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_sharded as example  # noqa: E402
 
@@ -40,8 +38,10 @@ def main() -> None:
         assert err <= 1e-5 * scale, f"{name}: gradient off by {err} (largest {scale})"
     if rank == 0:
         print(f"OK gradients {world}", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # The example's teardown: every rank reaches its end first, and under MPI rank 0 (the
+    # rendezvous store's host) lets go last. Destroying the group at once could abort
+    # another rank still using it ("terminate called without an active exception").
+    example.shutdown(rank)
 
 
 if __name__ == "__main__":
