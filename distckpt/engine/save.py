@@ -313,46 +313,82 @@ def save(
         after_commit=after_commit,
         show_progress=not async_save,
     )
-    error: BaseException | None = None
     if not async_save:
         return _save_blocking(state, comm, options, allow_pickle, source_for)
 
+    return save_in_background(
+        state,
+        comm,
+        allow_pickle,
+        lazy,
+        options.final.url,
+        lambda bg_comm, snapped, error: _protocol(bg_comm, _hosted(snapped), options, error),
+        check=lambda: codecs.check(compression),
+    )
+
+
+#: A rank's state as a background save sees it: its leaves, the host copy of each
+#: tensor (by name) and its encoded values.
+Snapped = tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]]
+
+
+def save_in_background(
+    state: dict[str, Any],
+    comm: Communicator,
+    allow_pickle: bool,
+    lazy: bool | Callable[[str], bool],
+    where: str,
+    protocol: Callable[[Communicator, Snapped | Failure, BaseException | None], SaveResult],
+    check: Callable[[], None] = lambda: None,
+) -> AsyncSave:
+    """Snapshot ``state`` into the reusable host buffers on this thread (the ``lazy``
+    tensors later, on the background thread), then run ``protocol(background comm,
+    snapped, error)`` on a background thread: the save protocol of the shared store, or
+    of the node-local tier (:mod:`distckpt.local.save`). ``check()`` runs first. A failure
+    of either, or of the snapshot, reaches ``protocol`` as a :class:`Failure` (and
+    ``error``, this rank's own exception), which reports it on every rank."""
     t0 = time.perf_counter()
     bg_comm = background_comm(comm)  # collective the first time
     everything = bool(lazy)
     is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
+    error: BaseException | None = None
     snap: snapshot.Snapshot | Failure
+    values: dict[str, Any] = {}
     try:
-        codecs.check(compression)
+        check()
         leaves, values = _gather_leaves(state, allow_pickle)
         snap = snapshot.take(leaves, _POOL, is_lazy)
     except Exception as exc:
         snap, error = Failure.capture(exc, comm.rank), exc
-        values = {}
     blocked = time.perf_counter() - t0
     rank = comm.rank
 
     def body(handle: background.AsyncSave) -> SaveResult:
-        local: _Local | Failure
+        snapped: Snapped | Failure
         if isinstance(snap, Failure):
-            local = snap
+            snapped = snap
         else:
             try:
                 snapshot.finish(snap)
-                sources: dict[str, Source] = {
-                    name: HostData(array) for name, array in snap.arrays.items()
-                }
-                local = _Local(snap.leaves, sources, values)
+                snapped = (snap.leaves, snap.arrays, values)
             except Exception as exc:
-                local = Failure.capture(exc, rank)
+                snapped = Failure.capture(exc, rank)
         handle._snapshot.set()
-        result = _protocol(bg_comm, local, options, error=error)
+        result = protocol(bg_comm, snapped, error)
         result.timings["snapshot"] = blocked
         return result
 
-    handle = background.start(options.final.url, body)
-    log.debug("background save of %s started; the caller was blocked %.4fs", options.final, blocked)
+    handle = background.start(where, body)
+    log.debug("background save of %s started; the caller was blocked %.4fs", where, blocked)
     return handle
+
+
+def _hosted(snapped: Snapped | Failure) -> _Local | Failure:
+    """A snapshot's leaves, read in place from its host copies."""
+    if isinstance(snapped, Failure):
+        return snapped
+    leaves, arrays, values = snapped
+    return _Local(leaves, {name: HostData(array) for name, array in arrays.items()}, values)
 
 
 def _save_blocking(

@@ -37,10 +37,9 @@ from typing import Any
 import numpy as np
 
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.comm.base import background as background_comm
 from distckpt.comm.outcome import Failure
-from distckpt.engine import background, snapshot
-from distckpt.engine.save import _POOL, SaveResult, _gather_leaves
+from distckpt.engine import background
+from distckpt.engine.save import SaveResult, Snapped, _gather_leaves, save_in_background
 from distckpt.items import Leaf
 from distckpt.local import files
 from distckpt.local.nodes import Topology, node_identity
@@ -236,7 +235,7 @@ def _protocol(
     comm: Communicator,
     store: Store,
     step: Step,
-    local: tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]] | Failure,
+    local: Snapped | Failure,
     io_workers: int | None,
     error: BaseException | None,
 ) -> SaveResult:
@@ -403,9 +402,8 @@ def save_local(
     Blocking, or (``async_save``) in the background after a snapshot into the same host
     buffers as a background save to the shared store; ``lazy`` as there."""
     background.finish_pending()
-    t0 = time.perf_counter()
     error: BaseException | None = None
-    local: tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]] | Failure
+    local: Snapped | Failure
     if not async_save:
         try:
             leaves, values = _gather_leaves(state, allow_pickle)
@@ -419,31 +417,11 @@ def save_local(
             local, error = Failure.capture(exc, comm.rank), exc
         return _protocol(comm, store, step, local, io_workers, error)
 
-    bg_comm = background_comm(comm)
-    is_lazy = lazy if callable(lazy) else (lambda name: bool(lazy))
-    snap: snapshot.Snapshot | Failure
-    encoded: dict[str, Any] = {}
-    try:
-        leaves, encoded = _gather_leaves(state, allow_pickle)
-        snap = snapshot.take(leaves, _POOL, is_lazy)
-    except Exception as exc:
-        snap, error = Failure.capture(exc, comm.rank), exc
-    blocked = time.perf_counter() - t0
-    rank = comm.rank
-
-    def body(handle: background.AsyncSave) -> SaveResult:
-        local: tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]] | Failure
-        if isinstance(snap, Failure):
-            local = snap
-        else:
-            try:
-                snapshot.finish(snap)
-                local = (snap.leaves, snap.arrays, encoded)
-            except Exception as exc:
-                local = Failure.capture(exc, rank)
-        handle._snapshot.set()
-        result = _protocol(bg_comm, store, step, local, io_workers, error)
-        result.timings["snapshot"] = blocked
-        return result
-
-    return background.start(store.where(files.step_dir(step.number)), body)
+    return save_in_background(
+        state,
+        comm,
+        allow_pickle,
+        lazy,
+        store.where(files.step_dir(step.number)),
+        lambda bg_comm, snapped, error: _protocol(bg_comm, store, step, snapped, io_workers, error),
+    )
