@@ -37,16 +37,9 @@ log = logging.getLogger("distckpt")
 FORMAT = "distckpt-local"
 VERSION = 1
 
-#: Each piece of a data file starts at a multiple of this.
-ALIGN = 64
-
 _STEP = re.compile(r"^step-(\d+)$")
 _MARK = re.compile(r"^done\.([0-9a-f]+)\.r(\d+)$")
 _MANIFEST = re.compile(r"^o(\d+)\.([0-9a-f]+)\.json$")
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def step_dir(step: int) -> str:

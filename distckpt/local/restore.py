@@ -41,6 +41,7 @@ from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import crc32c
+from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
 
 log = logging.getLogger("distckpt")
@@ -419,7 +420,7 @@ class LocalStep:
                         _put(reads[r.target], r.box, data, r.piece.itemsize)
                     except Exception as exc:
                         error = error or exc
-                    offset = files.aligned(offset + nbytes)
+                    offset = aligned(offset + nbytes)
                 result.bytes_exchanged += buffer.size
         for r in requests:
             if r.server == me and error is None:
@@ -435,7 +436,7 @@ def _pack(messages: list[list[Any]], item: Any, nbytes: int) -> None:
     """Append ``item`` to the last message, or start a new one when it would pass
     :data:`MESSAGE_BYTES` (each item starts at an aligned offset)."""
     if messages:
-        used = sum(files.aligned(n) for _, n in messages[-1])
+        used = sum(aligned(n) for _, n in messages[-1])
         if used + nbytes <= MESSAGE_BYTES:
             messages[-1].append((item, nbytes))
             return
@@ -443,7 +444,7 @@ def _pack(messages: list[list[Any]], item: Any, nbytes: int) -> None:
 
 
 def _size(message: list[Any]) -> int:
-    return sum(files.aligned(n) for _, n in message)
+    return sum(aligned(n) for _, n in message)
 
 
 def _fill(
@@ -460,7 +461,7 @@ def _fill(
                 buffer[offset : offset + nbytes].reshape(part.shape)[...] = part
             except Exception as exc:
                 error = exc
-        offset = files.aligned(offset + nbytes)
+        offset = aligned(offset + nbytes)
     return buffer, error
 
 

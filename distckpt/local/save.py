@@ -46,6 +46,7 @@ from distckpt.local.nodes import Topology, node_identity
 from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import as_bytes, crc32c
 from distckpt.transfer import workers as transfer_workers
+from distckpt.transfer.exchange import aligned
 from distckpt.transfer.sources import source_for
 from distckpt.transfer.workers import TaskGroup
 
@@ -128,7 +129,7 @@ def _lay_out(
             }
         )
         layout.pieces.append((layout.size, data))
-        layout.size = files.aligned(layout.size + int(data.size))
+        layout.size = aligned(layout.size + int(data.size))
     layout.manifest = {
         "format": files.FORMAT,
         "version": files.VERSION,

@@ -248,7 +248,7 @@ def exchange(group: Group) -> int:
                 received += _pack(group, owner, batch)
                 batch, size = [], 0
             batch.append(unit)
-            size += _aligned(unit.nbytes)
+            size += aligned(unit.nbytes)
         received += _pack(group, owner, batch)
     return received
 
@@ -257,14 +257,15 @@ def exchange(group: Group) -> int:
 ALIGN = 64
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-n // ALIGN) * ALIGN
 
 
 def _pack(group: Group, owner: int, batch: list[Unit]) -> int:
     """One broadcast of a pack of units read by ``owner``, each at an aligned offset."""
     comm: Any = group.comm
-    offsets = np.cumsum([0, *(_aligned(u.nbytes) for u in batch)]).tolist()
+    offsets = np.cumsum([0, *(aligned(u.nbytes) for u in batch)]).tolist()
     buffer = np.empty(offsets[-1], dtype=np.uint8)
     if group.member == owner:
         for unit, lo in zip(batch, offsets, strict=False):
