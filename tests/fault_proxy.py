@@ -24,6 +24,14 @@ Only requests accepted by ``when`` (a predicate on :class:`Request`) are subject
 faults; ``limit`` caps how many faults are injected (then everything is forwarded).
 :meth:`FaultProxy.set` changes all of this while the proxy runs. Each client connection
 has its own thread and its own connection to the server.
+
+:meth:`FaultProxy.stall` makes it stop answering, as a server stopped with ``SIGSTOP``
+does: from the first request a predicate accepts, every request (``stall``) is read and
+held, connections are still accepted, and nothing comes back; :meth:`FaultProxy.resume`
+then forwards what was held (as a continued server answers what queued up, to clients
+that may have given up) and relays everything again. ``observe`` (a callable) sees each
+request before anything is done with it, e.g. to ``SIGSTOP`` the server at a chosen
+request.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from dataclasses import dataclass, field
 from io import BufferedIOBase
 from urllib.parse import urlsplit
 
-KINDS = ("forward", "error", "drop_before", "drop_after")
+KINDS = ("forward", "error", "drop_before", "drop_after", "stall")
 _MAX_LINE = 65536
 _SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -188,6 +196,7 @@ class FaultProxy:
         drop_after: float = 0.0,
         when: Callable[[Request], bool] | None = None,
         limit: int | None = None,
+        observe: Callable[[Request], None] | None = None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or parts.hostname is None or parts.port is None:
@@ -201,6 +210,13 @@ class FaultProxy:
         self.error = self.drop_before = self.drop_after = 0.0
         self.when: Callable[[Request], bool] | None = None
         self.limit: int | None = None
+        self.observe = observe
+        self._stall_from: Callable[[Request], bool] | None = None
+        self._stalled = False
+        self._resumed = threading.Event()
+        self._resumed.set()
+        #: Set once the stall began (a request was held).
+        self.stalled = threading.Event()
         self.set(
             error=error, drop_before=drop_before, drop_after=drop_after, when=when, limit=limit
         )
@@ -238,6 +254,21 @@ class FaultProxy:
         """No more faults: forward everything."""
         self.set(error=0.0, drop_before=0.0, drop_after=0.0, clear_filter=True)
 
+    def stall(self, after: Callable[[Request], bool] | None = None) -> None:
+        """Stop answering from the first request ``after`` accepts (None: from the next
+        request): it and every later request are held until :meth:`resume`."""
+        with self._lock:
+            self._stall_from = after or (lambda request: True)
+            self._resumed.clear()
+
+    def resume(self) -> None:
+        """Forward the held requests and relay everything from now on."""
+        with self._lock:
+            self._stall_from = None
+            self._stalled = False
+            self.stalled.clear()
+            self._resumed.set()
+
     @property
     def faults(self) -> int:
         with self._lock:
@@ -247,7 +278,13 @@ class FaultProxy:
         """What to do with ``request`` (counted)."""
         with self._lock:
             kind = "forward"
-            if (self.limit is None or self.limit > 0) and (self.when is None or self.when(request)):
+            if self._stall_from is not None and (self._stalled or self._stall_from(request)):
+                self._stalled = True
+                self.stalled.set()
+                kind = "stall"
+            elif (self.limit is None or self.limit > 0) and (
+                self.when is None or self.when(request)
+            ):
                 x = self._rng.random()
                 if x < self.error:
                     kind = "error"
@@ -287,6 +324,7 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._resumed.set()  # no thread stays held
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
@@ -303,7 +341,11 @@ class FaultProxy:
                     request = read_request(rfile, wfile)
                 except (_Closed, OSError, ValueError):
                     return
+                if self.observe is not None:
+                    self.observe(request)
                 kind = self.decide(request)
+                if kind == "stall":
+                    self._resumed.wait()
                 if kind == "drop_before":
                     return
                 if kind == "error":

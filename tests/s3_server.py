@@ -6,6 +6,9 @@ process on 127.0.0.1 and a free port (never anything beyond loopback).
         ...                       # s3://distckpt/... locations now work in child processes
 
 :func:`use` puts ``server.env`` into this process's environment (and takes it out again).
+:meth:`S3Server.pause` stops the server process with ``SIGSTOP`` (connections are still
+accepted, nothing is answered); :meth:`S3Server.resume` continues it (call it in a
+``finally``; leaving the server also continues it).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -83,6 +87,20 @@ class S3Server:
             raise
         return self
 
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "the server is not running"
+        return self._proc.pid
+
+    def pause(self) -> None:
+        """Stop the server process (``SIGSTOP``): connections queue up, nothing answers."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue the server process (``SIGCONT``); it answers what queued up."""
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
     def client(self) -> Any:
         import boto3
 
@@ -104,6 +122,8 @@ class S3Server:
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process would not act on SIGTERM
             proc.terminate()
             try:
                 proc.wait(10)

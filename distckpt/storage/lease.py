@@ -143,11 +143,27 @@ class Lease:
                     self.key, json.dumps(self._doc).encode(), self._version
                 )
             except (ConditionFailed, FileNotFoundError):
+                if self._landed_late():
+                    continue
                 self.lost = True
                 log.error("the lease %s was taken over by another process", self.where)
                 return
             except Exception as exc:  # a transient failure: the next beat tries again
                 log.debug("could not renew the lease %s: %s", self.where, exc)
+
+    def _landed_late(self) -> bool:
+        """After a renewal found another version: whether that version is still ours, a
+        renewal that failed here (no answer in time) but reached the store later. Its
+        version is then the one the next renewal replaces."""
+        try:
+            found = read_lease(self.store, self.key)
+        except Exception as exc:  # no answer now either: the next beat looks again
+            log.debug("could not read the lease %s: %s", self.where, exc)
+            return True
+        if found is None or found[0].get("token") != self.token:
+            return False
+        self._version = found[1]
+        return True
 
     def ours(self) -> bool:
         """Whether the lease still names this holder (reads it)."""
