@@ -3,8 +3,11 @@
 Every rank reads the index, matches its leaves to stored variables by name, checks kind,
 dtype and shape, and then reads only the stored pieces that intersect its own boxes,
 verifying every checksum on the way (:mod:`distckpt.planning.read_plan`). Ranks need not
-talk to each other to read; one collective at the end makes every rank raise if any
-rank failed, so a job never continues half-restored on some ranks.
+talk to each other to read. One collective before reading (:func:`agree_names`) tells
+every rank whether all can read and which stored names no rank restores: ranks may hold
+different variables (pipeline stages), so a name is unexpected only when the whole job
+leaves it. One collective at the end makes every rank raise if any rank failed, so a job
+never continues half-restored on some ranks.
 
 Each rank reads with its I/O workers (:mod:`distckpt.transfer.reader`). If a read fails
 (a corrupted chunk), the targets may be partly filled with new values; the error names
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,12 +55,17 @@ class LoadResult:
     """What one rank restored: matched names, names left over on either side, bytes read
     (as stored: compressed, with shard indexes and checksums) and seconds per phase:
     ``plan`` (read the index, match and check every leaf), ``read`` (read, verify and copy
-    into the targets) and ``total`` (both, and the final agreement between ranks)."""
+    into the targets) and ``total`` (both, and the final agreement between ranks).
+
+    ``missing`` is this rank's: names of its state that the checkpoint lacks.
+    ``unexpected`` is the job's, the same on every rank: stored names that no rank's state
+    holds (a stored name that another rank restores, as another pipeline stage's, is not
+    unexpected)."""
 
     path: Path | str  # a path, or the URL of an object store prefix
     loaded: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
-    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
+    missing: list[str] = field(default_factory=list)  # in this rank's state, not stored
+    unexpected: list[str] = field(default_factory=list)  # stored, in no rank's state
     bytes_read: int = 0
     bytes_exchanged: int = 0  # received from ranks that read them (see transfer.exchange)
     timings: dict[str, float] = field(default_factory=dict)
@@ -69,7 +77,7 @@ class _Prepared:
 
     reads: list[ReadTarget]
     replicated: list[bool]  # per read: a plain tensor's (the same on every rank)
-    fresh: list[tuple[Leaf, torch.Tensor]]  # tensors to put in place once read
+    fresh: list[tuple[Leaf, Any]]  # tensors and values to put in place once all is read
     t_plan: float
 
 
@@ -88,7 +96,10 @@ def load(
     in place); :class:`~distckpt.PerRank` targets receive this rank's saved value; Python
     values (and ``None`` placeholders) are replaced in their dict or list. With
     ``strict=True`` (the default) a name on one side and not the other is an error listing
-    them all; ``strict=False`` restores what matches and reports the rest in the result.
+    them all, raised before anything is read; ``strict=False`` restores what matches and
+    reports the rest in the result. Strictness is over the job: ranks may hold different
+    variables (pipeline stages), and a stored name is unexpected only when no rank holds
+    it; a name is missing when the rank holding it finds it absent from the checkpoint.
     A value saved pickled is unpickled only with ``allow_pickle=True``: unpickling runs code
     from the checkpoint, so pass it only for checkpoints you trust.
 
@@ -135,7 +146,10 @@ def load_indexed(
     except Exception as exc:
         error = exc
     try:
-        _read(comm, store, prepared, result, workers)
+        stored = index["variables"] if index is not None else {}
+        groups = _agree(comm, stored, prepared, result, strict)
+        if groups is not None and prepared is not None:
+            _read(comm, store, prepared, groups, result, workers)
     except Exception as exc:
         error = error or exc
     if prepared is not None:
@@ -190,17 +204,22 @@ def _prepare(
     allow_pickle: bool,
     *,
     located: bool = True,
-) -> _Prepared:
+) -> _Prepared | None:
     """Match the state's leaves to the index and check every one; restore the values.
     ``located=False``: the index describes the variables but not where their pieces are
-    (the node-local tier's), so no :class:`~distckpt.storage.index.Pieces` are made."""
+    (the node-local tier's), so no :class:`~distckpt.storage.index.Pieces` are made.
+
+    Sets ``result.missing`` and this rank's ``result.unexpected`` (for :func:`agree_names`,
+    which makes it the job's). None when ``strict`` and a name is missing: the load fails
+    once the job has agreed on the names, so that the error lists the job's unexpected
+    names too."""
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}
     result.missing = sorted(n for n in names if n not in stored)
     result.unexpected = sorted(n for n in stored if n not in names)
-    if strict:
-        check_names(result.path, result.missing, result.unexpected)
+    if strict and result.missing:
+        return None
     saved_world = int(index.get("world_size", world))
     # Check every leaf before reading anything.
     jobs: list[tuple[Leaf, dict[str, Any], Pieces | None]] = []
@@ -229,8 +248,9 @@ def _prepare(
     prepared = _Prepared([], [], [], 0.0)
     for leaf, entry, pieces in jobs:
         box = target_box(leaf, entry)
-        if box is None:
-            assign(leaf, decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name))
+        if box is None:  # decoded now (a refused pickle fails here), in place once all is read
+            value = decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name)
+            prepared.fresh.append((leaf, value))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
             tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
             prepared.reads.append(ReadTarget(leaf.name, entry, box, tensor, stored=pieces))
@@ -244,42 +264,57 @@ def _prepare(
     return prepared
 
 
+def _agree(
+    comm: Communicator,
+    stored: Collection[str],
+    prepared: _Prepared | None,
+    result: LoadResult,
+    strict: bool,
+) -> list[exchange.Group] | None:
+    """Collective, before anything is read, even for a rank whose preparation failed
+    (``prepared`` None): one :func:`agree_names` carrying each rank's offer to share
+    reads (:mod:`distckpt.transfer.exchange`). Raises the names error under ``strict``;
+    returns the exchange groups this rank belongs to, or None when a rank cannot read
+    (every rank then skips reading: the load fails on every rank anyway)."""
+    sharing = exchange.can_exchange(comm)
+    kinds: list[list[ReadTarget]] = [[], []]
+    offer = None
+    if prepared is not None:
+        if sharing:
+            kinds = exchange.classes(prepared.reads, prepared.replicated)
+        offer = (exchange.wanted(), *map(exchange.digest, kinds))
+    offers = agree_names(comm, offer, stored, result, strict)
+    if any(o is None for o in offers):
+        return None
+    groups: list[exchange.Group] = []
+    everyone = [o[1:] for o in offers] if sharing and all(o[0] for o in offers) else []
+    for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
+        colors = exchange.colors(everyone, kind)
+        if max(colors) < 0:  # nobody shares these targets: no group to make
+            continue
+        sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
+        if sub is not None:
+            groups.append(exchange.Group(sub, kinds[kind]))
+    return groups
+
+
 def _read(
     comm: Communicator,
     store: Store,
-    prepared: _Prepared | None,
+    prepared: _Prepared,
+    groups: list[exchange.Group],
     result: LoadResult,
     workers: int,
 ) -> None:
     """Read every prepared target: each rank its own, and a share of those it restores
-    like other ranks, then exchanged (:mod:`distckpt.transfer.exchange`). Collective when
-    the communicator can exchange, even for a rank whose preparation failed (it then
-    makes every rank skip reading: the load fails on every rank anyway)."""
-    groups: list[exchange.Group] = []
-    mine = prepared.reads if prepared is not None else []
-    if exchange.can_exchange(comm):
-        kinds = [[], []] if prepared is None else exchange.classes(mine, prepared.replicated)
-        offer = None if prepared is None else (exchange.wanted(), *map(exchange.digest, kinds))
-        offers = comm.allgather(offer)
-        if any(o is None for o in offers):
-            return
-        everyone = [o[1:] for o in offers] if all(o[0] for o in offers) else []
-        for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
-            colors = exchange.colors(everyone, kind)
-            if max(colors) < 0:  # nobody shares these targets: no group to make
-                continue
-            sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
-            if sub is not None:
-                groups.append(exchange.Group(sub, kinds[kind]))
-        shared = {id(t) for g in groups for t in g.targets}
-        mine = [t for t in mine if id(t) not in shared]
-        for g in groups:
-            g.units = exchange.plan_units(g.targets, g.comm.size)
-            mine += [
-                exchange.unit_target(g.targets[u.target], u) for u in g.units if u.owner == g.member
-            ]
-    if prepared is None:
-        return
+    like the other members of its ``groups``, then exchanged with them."""
+    shared = {id(t) for g in groups for t in g.targets}
+    mine = [t for t in prepared.reads if id(t) not in shared]
+    for g in groups:
+        g.units = exchange.plan_units(g.targets, g.comm.size)
+        mine += [
+            exchange.unit_target(g.targets[u.target], u) for u in g.units if u.owner == g.member
+        ]
     error: BaseException | None = None
     total = sum(t.box.numel * dtypes.itemsize(t.entry["dtype"]) for t in mine)
     try:
@@ -294,6 +329,73 @@ def _read(
         raise error
     for leaf, tensor in prepared.fresh:
         assign(leaf, tensor)
+
+
+def agree_names(
+    comm: Communicator,
+    payload: Any,
+    stored: Collection[str],
+    result: LoadResult,
+    strict: bool,
+    source: str = "checkpoint",
+) -> list[Any]:
+    """Collective: every rank's ``payload`` (in rank order), and ``result.unexpected``
+    made the job's: the ``stored`` names that no rank restores (:func:`gather_left`).
+    Under ``strict`` it then raises :class:`MissingVariablesError` (this rank's
+    ``result.missing``, the job's unexpected names), the same error on every rank when
+    only names are unexpected."""
+    everyone, result.unexpected = gather_left(comm, payload, sorted(stored), result.unexpected)
+    if strict:
+        check_names(result.path, result.missing, result.unexpected, source)
+    return everyone
+
+
+def gather_left(
+    comm: Communicator, payload: Any, ordered: list[str], left: Collection[str]
+) -> tuple[list[Any], list[str]]:
+    """Collective: every rank's ``payload`` (in rank order), and the names of ``ordered``
+    (sorted, the same on every rank) that every rank leaves; ``left``: those this rank
+    leaves.
+
+    Each rank adds to ``payload`` a share (:func:`_share`): nothing when it leaves no
+    name, else whichever is smaller of a bitmap of the names it leaves (a bit per name)
+    and the 4-byte indices of those it takes. Over N names a rank sends at most N/8
+    bytes (a pipeline stage, a round of a restore: 4 bytes per name it takes), a rank
+    that takes every name none. A job of one rank does not communicate.
+    """
+    share = _share(ordered, left)
+    everyone = comm.allgather((payload, share)) if comm.size > 1 else [(payload, share)]
+    return [p for p, _ in everyone], _left_by_all(ordered, [s for _, s in everyone])
+
+
+def _share(ordered: list[str], left: Collection[str]) -> tuple[bool, bytes] | None:
+    """What this rank tells the others about ``left`` (the names of ``ordered`` it does
+    not take): None for none, ``(True, bitmap of left)`` or ``(False, uint32 indices of
+    the names it takes)``, whichever is smaller."""
+    if not left:
+        return None
+    left_set = set(left)
+    takes = np.fromiter((n not in left_set for n in ordered), dtype=bool, count=len(ordered))
+    indices = np.flatnonzero(takes).astype("<u4")
+    bitmap = np.packbits(~takes)
+    if indices.nbytes < bitmap.nbytes:
+        return False, indices.tobytes()
+    return True, bitmap.tobytes()
+
+
+def _left_by_all(ordered: list[str], shares: list[tuple[bool, bytes] | None]) -> list[str]:
+    """The names of ``ordered`` that every rank's share says it leaves."""
+    taken = np.zeros(len(ordered), dtype=bool)
+    for share in shares:
+        if share is None:  # that rank takes every name
+            return []
+        is_bitmap, data = share
+        if is_bitmap:
+            left = np.unpackbits(np.frombuffer(data, np.uint8), count=len(ordered))
+            taken |= ~left.astype(bool)
+        else:
+            taken[np.frombuffer(data, "<u4")] = True
+    return [ordered[i] for i in np.flatnonzero(~taken)]
 
 
 def check_names(

@@ -9,8 +9,10 @@ staging slabs (GPU targets, views), as :func:`distckpt.load` does. Names, shapes
 dtypes are checked before anything is read, with the errors of a checkpoint load.
 
 Protocol: rank 0 reads the index and every file's header and broadcasts them (one
-reader of the metadata however many ranks); each rank then plans and reads on its own;
-a last collective makes every rank raise if any rank failed.
+reader of the metadata however many ranks); each rank then plans on its own; one
+collective (:func:`~distckpt.engine.load.agree_names`) tells every rank whether all can
+read and which weights no rank loads; each rank reads on its own; a last collective
+makes every rank raise if any rank failed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +34,9 @@ from distckpt.engine import background
 from distckpt.engine.arrays import writable_view
 from distckpt.engine.load import (
     LoadResult,
+    agree_names,
     assign,
     check_leaf,
-    check_names,
     settle,
     target_box,
 )
@@ -78,7 +81,9 @@ def load_hf(
     Only the state's tensors (and ``None`` placeholders) under ``prefix`` count: Python
     values and :class:`~distckpt.PerRank` entries are left as they are.
     ``strict=True`` fails listing every name on one side only; ``strict=False`` loads
-    what matches and reports the rest in the result (``missing``, ``unexpected``). A
+    what matches and reports the rest in the result (``missing``, ``unexpected``). As for
+    :func:`distckpt.load`, strictness is over the job: a weight is unexpected only when
+    no rank loads it (ranks may hold different layers: pipeline stages). A
     state tensor that shares its memory with another loaded one (tied embeddings) is
     filled with it and not reported missing. dtypes must match exactly (no casts).
     ``io_workers`` as for :func:`distckpt.load`.
@@ -96,14 +101,25 @@ def load_hf(
             weights = Failure.capture(exc, 0)
     weights = comm.broadcast(weights)
     error: BaseException | None = None
+    stored: dict[str, StoredTensor] = {}
+    matched: _Matched | None = None
+    workers = 1
     try:
         if isinstance(weights, Failure):
             weights.raise_here(comm.rank)
         assert isinstance(weights, Weights)
         workers = transfer_workers.resolve(io_workers, comm)
-        _load_local(state, weights, (prefix, rename), result, strict, workers, comm.rank)
+        stored = _stored(weights, prefix, rename)
+        matched = _match(state, stored, prefix, rename, result, strict)
     except Exception as exc:
         error = exc
+    try:
+        payload = None if matched is None else True  # None: this rank cannot read
+        ready = agree_names(comm, payload, stored, result, strict, "weights")
+        if matched is not None and None not in ready:
+            _read_local(matched, result, workers, comm.rank)
+    except Exception as exc:
+        error = error or exc
     return settle(comm, result, error, t0)
 
 
@@ -118,17 +134,19 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _load_local(
-    state: dict[str, Any],
-    weights: Weights,
-    naming: tuple[str, names_mod.Rename | None],
-    result: LoadResult,
-    strict: bool,
-    workers: int,
-    rank: int,
-) -> None:
-    t0 = time.perf_counter()
-    prefix, rename = naming
+@dataclass
+class _Matched:
+    """A rank's reads from the weights, checked before anything is read."""
+
+    jobs: list[tuple[Leaf, StoredTensor, Box]]
+    aliases: list[str]  # names filled by a loaded tensor they share memory with
+    t0: float
+
+
+def _stored(
+    weights: Weights, prefix: str, rename: names_mod.Rename | None
+) -> dict[str, StoredTensor]:
+    """The weights by the state's names (the same on every rank)."""
     to_state = names_mod.for_loading(prefix, rename)
     stored: dict[str, StoredTensor] = {}
     for name, tensor in weights.tensors.items():
@@ -140,6 +158,21 @@ def _load_local(
                 f"{weights.root}: both {stored[mapped].name!r} and {name!r} map to {mapped!r}"
             )
         stored[mapped] = tensor
+    return stored
+
+
+def _match(
+    state: dict[str, Any],
+    stored: dict[str, StoredTensor],
+    prefix: str,
+    rename: names_mod.Rename | None,
+    result: LoadResult,
+    strict: bool,
+) -> _Matched | None:
+    """Match the state's tensors to ``stored`` and check each; sets ``result.missing``
+    and this rank's ``result.unexpected``. None when ``strict`` and a name is missing
+    (raised once the job agrees on the names)."""
+    t0 = time.perf_counter()
     # Only tensors (and None placeholders for new ones) can come from weights: Python
     # values and per-rank entries are not theirs to fill, nor names outside the prefix.
     leaves = [
@@ -162,8 +195,8 @@ def _load_local(
     names = {leaf.name for leaf in leaves}
     result.missing = sorted(n for n in names if n not in stored and n not in aliases)
     result.unexpected = sorted(n for n in stored if n not in names)
-    if strict:
-        check_names(result.path, result.missing, result.unexpected, "weights")
+    if strict and result.missing:
+        return None
     jobs: list[tuple[Leaf, StoredTensor, Box]] = []
     for leaf in found:
         entry = stored[leaf.name]
@@ -172,6 +205,12 @@ def _load_local(
         box = target_box(leaf, doc)
         assert box is not None
         jobs.append((leaf, entry, box))
+    return _Matched(jobs, aliases, t0)
+
+
+def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int) -> None:
+    """Read this rank's boxes with its I/O workers; put new tensors in place."""
+    jobs, aliases = matched.jobs, matched.aliases
     total = sum(box.numel * dtypes.itemsize(e.dtype) for _, e, box in jobs)
     t_plan = time.perf_counter()
     fresh: list[tuple[Leaf, torch.Tensor]] = []
@@ -206,7 +245,7 @@ def _load_local(
     result.loaded = [leaf.name for leaf, _, _ in jobs] + aliases
     for leaf, new in fresh:
         assign(leaf, new)
-    result.timings["plan"] = t_plan - t0
+    result.timings["plan"] = t_plan - matched.t0
     result.timings["read"] = time.perf_counter() - t_plan
 
 

@@ -34,7 +34,7 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.arrays import writable_view
-from distckpt.engine.load import LoadResult, _prepare, assign, settle
+from distckpt.engine.load import LoadResult, _prepare, agree_names, assign, settle
 from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
 from distckpt.local.save import MESSAGE_BYTES, topology
@@ -253,12 +253,15 @@ class LocalStep:
         reads: list[ReadTarget] = []
         fresh: list[Any] = []
         requests: list[_Request] = []
+        ready = False  # not if this rank failed, or is strict and lacks a name (see _prepare)
         try:
             prepared = _prepare(
                 state, self.index, result, comm.rank, comm.size, strict, allow_pickle, located=False
             )
-            reads, fresh = prepared.reads, prepared.fresh
-            requests = [r for i, t in enumerate(reads) for r in self._requests(i, t, comm.rank)]
+            if prepared is not None:
+                reads, fresh = prepared.reads, prepared.fresh
+                requests = [r for i, t in enumerate(reads) for r in self._requests(i, t, comm.rank)]
+                ready = True
         except Exception as exc:
             error = exc
         asked = [
@@ -266,8 +269,14 @@ class LocalStep:
             for r in requests
             if r.server != comm.rank
         ]
-        everyone = comm.allgather(None if error is not None else asked)
-        self._t_plan = time.perf_counter()
+        try:  # the job's unexpected names travel with the requests
+            everyone = agree_names(
+                comm, asked if ready else None, self.index["variables"], result, strict
+            )
+        except Exception as exc:  # the names error, under strict
+            return error or exc, None
+        finally:
+            self._t_plan = time.perf_counter()
         if any(a is None for a in everyone):
             return error, None
         self._bad.clear()

@@ -11,6 +11,11 @@ Reads go through the session's :class:`Source`: a persistent checkpoint
 node-local tier (:class:`distckpt.local.restore.LocalStep`). They are collective:
 every rank must reach each restore, delayed ones included, at the same point, as SPMD
 training code does. Python values are read from the index directly.
+
+Ranks may hold different objects (pipeline stages): a checkpoint value counts as
+consumed once any rank has read it. Each restore step ends with one collective that
+agrees on the values no rank has read yet (:meth:`RestoreSession.unused`), so a status
+asserts over the job without communicating.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.engine.load import load_indexed, read_shared_index
-from distckpt.errors import CheckpointError, CorruptCheckpointError, ShapeMismatchError
+from distckpt.comm.outcome import Failure, first_failure
+from distckpt.engine.load import gather_left, load_indexed, read_shared_index
+from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve
 from distckpt.training.handlers import TensorNames, plan_restore
@@ -129,6 +135,7 @@ class RestoreSession:
         self.used: set[str] = set()  # checkpoint names read
         self.pending: set[str] = set()  # graph names waiting for a lazy module
         self.claimed: set[str] = set()  # graph names already planned: never restored again
+        self._unconsumed: list[str] | None = None  # the job's, agreed after each execute
         self.active = True
         self.expect_partial = False
         self._warned = False
@@ -220,7 +227,20 @@ class RestoreSession:
                 finish()
         except Exception as exc:
             error = exc
-        raise_if_any_failed(self.comm, error)
+        self._settle(error)
+
+    def _settle(self, error: BaseException | None) -> None:
+        """Collective, at the end of :meth:`execute`: raise if any rank failed (as
+        :func:`~distckpt.comm.raise_if_any_failed`), and agree on the checkpoint names no
+        rank has read yet, in the same allgather (:func:`~distckpt.engine.load.gather_left`:
+        nothing from a rank that has read all of them)."""
+        unconsumed = self._held() if self._unconsumed is None else self._unconsumed
+        payload = None if error is None else Failure.capture(error, self.comm.rank)
+        failures, agreed = gather_left(self.comm, payload, unconsumed, self._unread(unconsumed))
+        failure = first_failure(failures)
+        if failure is not None:
+            failure.raise_here(self.comm.rank, error)
+        self._unconsumed = agreed
 
     def _schedule(self, slot: Slot, found: Found, rounds: list[dict[str, Any]]) -> Any:
         """What receives the value of ``slot``: the value itself, or a holder to load into."""
@@ -263,24 +283,36 @@ class RestoreSession:
     # ------------------------------------------------------------ reporting
 
     def unused(self) -> list[str]:
-        """Checkpoint names that no object of the graph has read (yet), sorted."""
-        used_groups = {a for name in self.used for a in ancestors(name)}
+        """Checkpoint names that no object of the job's graphs has read (yet), sorted: as
+        agreed by the last restore step (no communication); this rank's alone before
+        the first one ended."""
+        if self._unconsumed is None:
+            return self._unread(self._held())
+        return list(self._unconsumed)
+
+    def _held(self) -> list[str]:
+        """Every name the checkpoint holds, a stored value's parts each, sorted."""
         out = []
         for name, entry in self.variables.items():
             held = [name]
             if entry.get("kind") == "value":
-                with contextlib.suppress(CheckpointError):  # pickled, not allowed: one name
+                # pickled and not allowed, or not to be unpickled here: one name
+                with contextlib.suppress(Exception):
                     held = list(expand(name, self._value(name)))
-            for n in held:
-                if n in self.used or n in used_groups:
-                    continue
-                if any(a in self.used for a in ancestors(n)):
-                    continue
-                out.append(n)
+            out += held
         return sorted(out)
 
+    def _unread(self, names: list[str]) -> list[str]:
+        """Those of ``names`` that no object of this rank's graph has read."""
+        used_groups = {a for name in self.used for a in ancestors(name)}
+        return [
+            n
+            for n in names
+            if not (n in self.used or n in used_groups or any(a in self.used for a in ancestors(n)))
+        ]
+
     def warn_unresolved(self) -> None:
-        """Log, once and on rank 0, the checkpoint values nothing has read, unless the
+        """Log, once and on rank 0, the checkpoint values no rank has read, unless the
         status was told ``expect_partial()``."""
         if self._warned or self.expect_partial or not self.active:
             return  # (inactive: the restore failed, and its error said enough)

@@ -1,8 +1,8 @@
 """What ``Checkpoint.restore`` returns: a status to assert on, as in TensorFlow.
 
 * :meth:`CheckpointLoadStatus.assert_consumed`: every value in the checkpoint was
-  matched to an object, every object of the graph received a value, and nothing waits
-  for a lazy module.
+  matched to an object of some rank, every object of this rank's graph received a
+  value, and nothing waits for a lazy module.
 * :meth:`CheckpointLoadStatus.assert_existing_objects_matched`: every object that exists
   in the graph now received a value (the checkpoint may hold more).
 * :meth:`CheckpointLoadStatus.assert_nontrivial_match`: something besides the save
@@ -14,6 +14,12 @@
 
 The status is live: values applied later by delayed restores count when asserted.
 Failed assertions raise :class:`UnmatchedError`, which is also an ``AssertionError``.
+
+Consumption is over the job: with pipeline parallelism each rank's graph holds its own
+stages, and a checkpoint value another rank matched is consumed; one no rank matched is
+not, on every rank. The restore agrees on this as it runs (see
+:mod:`distckpt.training.session`), so asserting needs no communication and any rank may
+assert alone. Objects that received no value are this rank's own.
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ class CheckpointLoadStatus:
         return sorted(names - self._session.matched)
 
     def assert_consumed(self) -> CheckpointLoadStatus:
-        """Raise :class:`UnmatchedError` unless the checkpoint and the graph matched fully."""
+        """Raise :class:`UnmatchedError` unless the checkpoint and the graph matched fully:
+        every checkpoint value by an object of some rank of the job, every object of this
+        rank's graph by a value."""
         problems = []
         unused = self._session.unused()
         if unused:
