@@ -49,6 +49,12 @@ class CorruptCheckpointError(CheckpointError, OSError):
     """Stored bytes fail their checksum, or a file the index names is missing or truncated."""
 
 
+class UnsafePathError(CorruptCheckpointError):
+    """Stored metadata names a path that leaves its checkpoint or run directory (``..``,
+    an absolute path, a symbolic link leading out) or an entry that is not a regular file
+    (a FIFO, a device, a directory): it is refused before anything is opened or deleted."""
+
+
 class UnsupportedFormatError(CheckpointError):
     """The checkpoint was written by a newer format version than this library reads."""
 

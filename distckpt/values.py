@@ -22,7 +22,7 @@ import math
 import pickle
 from typing import Any
 
-from distckpt.errors import UnsupportedValueError
+from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 JSON = Any
 
@@ -34,7 +34,12 @@ def is_value(obj: object) -> bool:
     return isinstance(obj, (*SCALARS, list, tuple, dict))
 
 
-def encode(value: object, name: str = "", *, allow_pickle: bool = False) -> JSON:
+#: Containers nested deeper than this are refused when saved and corrupt when read: a
+#: deeper stored value would exhaust the reader's stack.
+MAX_DEPTH = 100
+
+
+def encode(value: object, name: str = "", *, allow_pickle: bool = False, depth: int = 0) -> JSON:
     """Typed JSON for ``value``; ``name`` only serves the error message."""
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -44,30 +49,29 @@ def encode(value: object, name: str = "", *, allow_pickle: bool = False) -> JSON
         if math.isfinite(value):
             return float(value)
         return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_DEPTH:
+        raise UnsupportedValueError(
+            f"variable {name or 'value'!r}: containers nested more than {MAX_DEPTH} deep "
+            "cannot be stored"
+        )
+
+    def again(v: object) -> JSON:
+        return encode(v, name, allow_pickle=allow_pickle, depth=depth + 1)
+
     if isinstance(value, list):
-        return [encode(v, name, allow_pickle=allow_pickle) for v in value]
+        return [again(v) for v in value]
     if isinstance(value, tuple):
-        return {"tuple": [encode(v, name, allow_pickle=allow_pickle) for v in value]}
+        return {"tuple": [again(v) for v in value]}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value):
-            return {
-                "map": {k: encode(v, name, allow_pickle=allow_pickle) for k, v in value.items()}
-            }
+            return {"map": {k: again(v) for k, v in value.items()}}
         for k in value:
             if not isinstance(k, (*SCALARS, tuple)) and not allow_pickle:
                 raise UnsupportedValueError(
                     f"variable {name or 'value'!r}: dict key {k!r} of type {type(k).__name__} "
                     "cannot be stored"
                 )
-        return {
-            "dict": [
-                [
-                    encode(k, name, allow_pickle=allow_pickle),
-                    encode(v, name, allow_pickle=allow_pickle),
-                ]
-                for k, v in value.items()
-            ]
-        }
+        return {"dict": [[again(k), again(v)] for k, v in value.items()]}
     if allow_pickle:
         return {"pickle": base64.b64encode(pickle.dumps(value, protocol=4)).decode("ascii")}
     where = f"variable {name!r}: " if name else ""
@@ -82,32 +86,74 @@ def decode(data: JSON, *, allow_pickle: bool = False, name: str = "") -> Any:
     """The Python value that :func:`encode` turned into ``data``.
 
     A pickled object is unpickled only with ``allow_pickle=True``; otherwise it raises
-    :class:`~distckpt.errors.UnsupportedValueError` naming the variable (``name``).
+    :class:`~distckpt.errors.UnsupportedValueError` naming the variable (``name``). A
+    malformed stored value (or one nested over :data:`MAX_DEPTH` deep) is a
+    :class:`~distckpt.errors.CorruptCheckpointError`.
     """
-    if data is None or isinstance(data, (bool, int, float, str)):
-        return data
+    return _Decoder(name, "load" if allow_pickle else "refuse").value(data, 0)
 
-    def again(v: JSON) -> Any:
-        return decode(v, allow_pickle=allow_pickle, name=name)
 
-    if isinstance(data, list):
-        return [again(v) for v in data]
-    if isinstance(data, dict) and len(data) == 1:
+def check(data: JSON, name: str = "") -> None:
+    """Check that ``data`` is a well-formed stored value, without unpickling anything
+    (raises :class:`~distckpt.errors.CorruptCheckpointError` naming ``name``)."""
+    _Decoder(name, "skip").value(data, 0)
+
+
+class _Decoder:
+    """Typed JSON to Python values; ``pickled``: "load", "refuse" or "skip" (check only)."""
+
+    def __init__(self, name: str, pickled: str) -> None:
+        self.name = name
+        self.pickled = pickled
+
+    def corrupt(self, what: str) -> CorruptCheckpointError:
+        where = f"variable {self.name!r}" if self.name else "a stored value"
+        return CorruptCheckpointError(f"{where}: malformed stored value ({what})")
+
+    def value(self, data: JSON, depth: int) -> Any:
+        if data is None or isinstance(data, (bool, int, float, str)):
+            return data
+        if depth >= MAX_DEPTH:
+            raise self.corrupt(f"nested more than {MAX_DEPTH} deep")
+        if isinstance(data, list):
+            return [self.value(v, depth + 1) for v in data]
+        if not isinstance(data, dict) or len(data) != 1:
+            raise self.corrupt(f"{type(data).__name__} {data!r:.60}")
         ((tag, body),) = data.items()
         if tag == "float":
+            if body not in ("nan", "inf", "-inf"):
+                raise self.corrupt(f"float {body!r:.60}")
             return float(body)
-        if tag == "tuple":
-            return tuple(again(v) for v in body)
-        if tag == "map":
-            return {k: again(v) for k, v in body.items()}
-        if tag == "dict":
-            return {again(k): again(v) for k, v in body}
-        if tag == "pickle":
-            if not allow_pickle:
-                where = f"variable {name!r}" if name else "a stored value"
-                raise UnsupportedValueError(
-                    f"{where} holds a pickled Python object; unpickling runs code from the "
-                    "checkpoint, so it needs allow_pickle=True (only for checkpoints you trust)"
-                )
-            return pickle.loads(base64.b64decode(body))
-    raise ValueError(f"malformed stored value {data!r}")
+        if tag == "tuple" and isinstance(body, list):
+            return tuple(self.value(v, depth + 1) for v in body)
+        if tag == "map" and isinstance(body, dict):
+            return {k: self.value(v, depth + 1) for k, v in body.items()}
+        if tag == "dict" and isinstance(body, list):
+            out = {}
+            for pair in body:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise self.corrupt(f"dict item {pair!r:.60}")
+                key = self.value(pair[0], depth + 1)
+                try:
+                    out[key] = self.value(pair[1], depth + 1)
+                except TypeError:  # a list or dict as a key
+                    raise self.corrupt(f"dict key {pair[0]!r:.60}") from None
+            return out
+        if tag == "pickle" and isinstance(body, str):
+            return self.unpickle(body)
+        raise self.corrupt(f"{tag!r:.60} of {type(body).__name__}")
+
+    def unpickle(self, body: str) -> Any:
+        if self.pickled == "skip":
+            return None
+        if self.pickled == "refuse":
+            where = f"variable {self.name!r}" if self.name else "a stored value"
+            raise UnsupportedValueError(
+                f"{where} holds a pickled Python object; unpickling runs code from the "
+                "checkpoint, so it needs allow_pickle=True (only for checkpoints you trust)"
+            )
+        try:
+            raw = base64.b64decode(body, validate=True)
+        except ValueError:
+            raise self.corrupt("a pickle that is not base64") from None
+        return pickle.loads(raw)

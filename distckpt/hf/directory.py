@@ -9,6 +9,12 @@ Reading, :func:`open_weights` accepts, in this order:
   tensor of every file;
 * one ``.safetensors`` file.
 
+The index and the files of a directory are read only where they lead inside it (a name
+with a ``/`` or a link out is a :class:`~distckpt.errors.UnsafePathError`), except that
+a snapshot of the Hugging Face hub's cache (``models--org--name/snapshots/<revision>/``)
+may lead into its repository's folder, where its links point (``../../blobs/<hash>``).
+Only regular files are opened.
+
 Writing follows ``save_pretrained``: tensors are packed into files in the order given,
 a new file starting when the next tensor would exceed ``max_bytes`` (a tensor larger
 than that gets a file of its own); one file is ``model.safetensors`` with no index,
@@ -28,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distckpt import dtypes
-from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 from distckpt.hf.safetensors import StoredTensor, TensorHeader, read_header
+from distckpt.storage.fsutil import read_regular
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -70,7 +77,7 @@ def open_weights(path: str | os.PathLike[str]) -> Weights:
             "name the one to read"
         )
     if indexes:
-        weight_map = _read_index(indexes[0])
+        weight_map = _read_index(root, indexes[0])
         files = sorted({root / f for f in weight_map.values()})
         return _from_files(root, files, (indexes[0], weight_map))
     files = sorted(root.glob("*.safetensors"))
@@ -79,11 +86,25 @@ def open_weights(path: str | os.PathLike[str]) -> Weights:
     return _from_files(root, files, None)
 
 
-def _read_index(path: Path) -> dict[str, str]:
+def _inside(root: Path, file: Path) -> Path:
+    """``file`` of the weights directory ``root``, checked to lead inside it (or, in the
+    hub's cache, inside the snapshot's repository folder)."""
+    top = Path(os.path.realpath(root))
+    if top.parent.name == "snapshots" and "--" in top.parent.parent.name:
+        top = top.parent.parent
+    real = Path(os.path.realpath(file))
+    if not real.is_relative_to(top):
+        raise UnsafePathError(f"{root}: {file.name} leads outside the weights directory")
+    return file
+
+
+def _read_index(root: Path, path: Path) -> dict[str, str]:
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_regular(os.path.realpath(_inside(root, path))))
         weight_map = doc["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (CorruptCheckpointError, FileNotFoundError):
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: not a weights index ({exc})") from None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -102,9 +123,9 @@ def _from_files(
     tensors: dict[str, StoredTensor] = {}
     metadata: dict[str, str] = {}
     for file in files:
-        if not file.is_file():
+        if not file.exists():  # (a FIFO or device exists, and is refused when opened)
             raise CorruptCheckpointError(f"{root}: the index names {file.name}, which is missing")
-        found, meta = read_header(file)
+        found, meta = read_header(_inside(root, file))
         metadata = metadata or meta
         for t in found:
             if index is not None and index[1].get(t.name) != file.name:

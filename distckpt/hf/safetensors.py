@@ -25,6 +25,7 @@ from typing import Any
 
 from distckpt import dtypes
 from distckpt.errors import ConversionError, CorruptCheckpointError
+from distckpt.storage.fsutil import open_regular
 
 #: distckpt dtype names and their safetensors names. complex128 has none.
 DTYPES = {
@@ -114,7 +115,7 @@ def read_header(path: str | os.PathLike[str]) -> tuple[list[StoredTensor], dict[
     """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(os.path.realpath(path)), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -132,7 +133,7 @@ def read_header(path: str | os.PathLike[str]) -> tuple[list[StoredTensor], dict[
         raise ConversionError(f"{path}: no such file") from None
     try:
         doc = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: the safetensors header is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object")

@@ -129,7 +129,7 @@ def read_manifest(store: Store, step: int, owner: int, token: str) -> dict[str, 
     key = manifest_key(step, owner, token)
     try:
         doc = json.loads(store.read(key))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{store.where(key)}: not a readable manifest: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{store.where(key)}: not a distckpt local-tier manifest")

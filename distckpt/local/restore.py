@@ -23,7 +23,7 @@ rank ``r`` from saved rank ``r % saved_world``, as in a persistent restore.
 from __future__ import annotations
 
 import logging
-import os
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,10 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
 from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, c_order_bands
+from distckpt.storage import wellformed
 from distckpt.storage.backend import Store
+from distckpt.storage.index import check_entry, stored_dtype
+from distckpt.storage.posix import PosixReader
 from distckpt.storage.shard_io import crc32c
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
@@ -134,6 +137,42 @@ class _Request:
         return self.box.numel * self.piece.itemsize
 
 
+def _checked(
+    doc: dict[str, Any], where: str
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """A manifest's tensors, values and per-rank values, every field checked (as an
+    index entry is, see :mod:`distckpt.storage.wellformed`): names, kinds, dtypes, shapes,
+    boxes inside the shape, offsets, sizes that match the box, crc32c values."""
+    tensors, plain, per_rank = doc.get("tensors"), doc.get("values"), doc.get("per_rank_values")
+    if not (isinstance(tensors, list) and isinstance(plain, dict) and isinstance(per_rank, dict)):
+        raise CorruptCheckpointError(f"{where}: malformed manifest")
+    for t in tensors:
+        name = t.get("name") if isinstance(t, dict) else None
+        if not isinstance(name, str) or t.get("kind") not in ("tensor", "per_rank"):
+            raise CorruptCheckpointError(f"{where}: malformed manifest entry {t!r:.60}")
+        try:
+            itemsize = stored_dtype(t, name).itemsize
+            shape = wellformed.shape_of(t, name, itemsize)
+            box = t.get("box")
+            if not isinstance(box, list) or len(box) != 2:
+                raise wellformed.corrupt(name, "a box that is not [offsets, lengths]")
+            offsets = wellformed.counts(box[0], name, "box offsets", ndim=len(shape))
+            lengths = wellformed.counts(box[1], name, "box lengths", ndim=len(shape))
+            if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
+                raise wellformed.corrupt(name, f"its box lies outside the shape {list(shape)}")
+            offset, nbytes, crc = t.get("offset"), t.get("nbytes"), t.get("crc")
+            if not (wellformed.count(offset) and wellformed.count(crc) and crc < 1 << 32):
+                raise wellformed.corrupt(name, "an offset or crc32c that is not a count")
+            if nbytes != math.prod(lengths) * itemsize:
+                raise wellformed.corrupt(name, f"{nbytes!r:.20} bytes for its box")
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{where}: {exc}") from None
+    for table in (plain, per_rank):
+        for name, value in table.items():
+            check_entry({"kind": "value", "value": value}, name)
+    return tensors, plain, per_rank
+
+
 @dataclass
 class LocalStep:
     """A restorable local step, as :class:`~distckpt.training.session.RestoreSession`
@@ -184,15 +223,16 @@ class LocalStep:
 
         for owner in sorted(manifests):
             doc = manifests[owner]
-            for i, t in enumerate(doc["tensors"]):
-                name, dtype, shape = t["name"], t["dtype"], list(t["shape"])
+            tensors, plain, per_rank_values = _checked(doc, f"{where}, saved rank {owner}")
+            for i, t in enumerate(tensors):
+                name, dtype, shape = t["name"], t["dtype"], t["shape"]
                 piece = _Piece(
                     owner,
                     i,
                     Box.from_json(t["box"]),
-                    int(t["offset"]),
-                    int(t["nbytes"]),
-                    int(t["crc"]),
+                    t["offset"],
+                    t["nbytes"],
+                    t["crc"],
                     dtypes.itemsize(dtype),
                 )
                 described = {"kind": "tensor", "shape": shape, "dtype": dtype}
@@ -207,13 +247,16 @@ class LocalStep:
                         f"{described} by rank {owner}"
                     )
                 self._pieces.setdefault((name, None), []).append(piece)
-            for name, value in doc["values"].items():
+            for name, value in plain.items():
                 variables.setdefault(name, {"kind": "value", "value": value})
-            for name, value in doc["per_rank_values"].items():
+            for name, value in per_rank_values.items():
                 per_rank(name)[str(owner)] = {"kind": "value", "value": value}
         self.index = {"world_size": self.choice.world, "variables": variables}
         if manifests:
-            self.extra = dict(manifests[min(manifests)].get("extra") or {})
+            extra = manifests[min(manifests)].get("extra") or {}
+            if not isinstance(extra, dict):
+                raise CorruptCheckpointError(f"{where}: a manifest's 'extra' is not a map")
+            self.extra = dict(extra)
 
     # ------------------------------------------------------------ reading
 
@@ -347,15 +390,15 @@ class LocalStep:
         its crc32c checked the first time."""
         if p.owner not in self._maps:
             key = files.data_key(self.choice.step, p.owner, self.choice.token)
-            path = os.path.join(getattr(self.store, "path", self.store.url), key)
             try:
-                if os.path.getsize(path) == 0:
-                    self._maps[p.owner] = np.zeros(0, np.uint8)
-                else:
-                    self._maps[p.owner] = np.memmap(path, dtype=np.uint8, mode="r")
-            except OSError as exc:  # gone since the survey: this node's copy is lost
+                with self.store.open(key) as handle:  # a regular file, reached by no link
+                    assert isinstance(handle, PosixReader)  # the local tier is a directory
+                    self._maps[p.owner] = handle.map()
+            except OSError as exc:  # gone since the survey, or not a file: this copy is lost
                 self._bad.add(p.owner)
-                raise CorruptCheckpointError(f"{self.path}: cannot read {path}: {exc}") from exc
+                raise CorruptCheckpointError(
+                    f"{self.path}: cannot read {self.store.where(key)}: {exc}"
+                ) from exc
         data = self._maps[p.owner][p.offset : p.offset + p.nbytes]
         if data.size != p.nbytes:
             self._bad.add(p.owner)

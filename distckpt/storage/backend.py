@@ -34,12 +34,34 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from distckpt.errors import UnsafePathError
+
 Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
 
 
 def byte_view(data: Buffer) -> memoryview:
     """A flat byte view of a C-contiguous buffer (of NumPy arrays of any dtype too)."""
     return (data.data if hasattr(data, "dtype") else memoryview(data)).cast("B")
+
+
+def check_key(key: Any, what: str = "a key", within: str = "its checkpoint") -> str:
+    """``key`` when it names an entry inside its store (``""``: the store itself): a
+    relative, ``/``-separated string with no empty, ``.`` or ``..`` component and no NUL.
+    Anything else, as read from an index, a manifest or a pointer, would lead out of the
+    checkpoint: :class:`~distckpt.errors.UnsafePathError` naming ``what`` and the key."""
+    if not isinstance(key, str):
+        raise UnsafePathError(f"{what} is not a path: {key!r}")
+    inside = key[:-1] if key.endswith("/") else key  # "dir/": the directory itself
+    if key and ("\0" in key or any(part in ("", ".", "..") for part in inside.split("/"))):
+        raise UnsafePathError(f"{what} {key!r} leads outside {within}")
+    return key
+
+
+def check_name(name: Any, what: str = "a name") -> str:
+    """``name`` when it is one entry of a directory (:func:`check_key` without ``/``)."""
+    if not isinstance(name, str) or not name or "/" in name:
+        raise UnsafePathError(f"{what} {name!r} is not an entry of its directory")
+    return check_key(name, what, "its directory")
 
 
 class ConditionFailed(FileExistsError):

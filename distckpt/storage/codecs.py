@@ -174,9 +174,9 @@ def from_json(doc: Any, variable: str) -> Codec:
                 shuffle=str(config["shuffle"]),
                 blocksize=int(config.get("blocksize", 0)),
             )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         pass
     raise UnsupportedFormatError(
-        f"variable {variable!r} is stored with codec {doc!r}, which this distckpt cannot "
+        f"variable {variable!r} is stored with codec {doc!r:.80}, which this distckpt cannot "
         "decode (it reads zstd and blosc): upgrade distckpt to read it"
     )

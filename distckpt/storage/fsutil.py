@@ -12,7 +12,10 @@ import ctypes
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
+
+from distckpt.errors import UnsafePathError
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +40,52 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def _not_followed(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``O_NOFOLLOW`` met a link at the last component: say so (else ``exc`` as it is)."""
+    if exc.errno == errno.ELOOP:
+        return UnsafePathError(f"{os.fspath(path)} is a symbolic link; distckpt never follows one")
+    return exc
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file. Never blocks and never
+    follows a link at the last component: a link, a FIFO, a device or a directory is an
+    :class:`~distckpt.errors.UnsafePathError` (a missing file a ``FileNotFoundError``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _not_followed(exc, path) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise UnsafePathError(f"{os.fspath(path)} is {kind}, not a regular file")
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read()
+
+
 def write_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    """Create or truncate ``path`` with ``data``; fsync it when asked."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Create or truncate ``path`` with ``data``; fsync it when asked. A link at ``path``
+    is refused (:class:`~distckpt.errors.UnsafePathError`), never written through."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise _not_followed(exc, path) from None
     try:
         view = memoryview(data)
         while view:

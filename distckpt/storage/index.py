@@ -57,9 +57,16 @@ from typing import Any
 
 import numpy as np
 
-from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from distckpt import dtypes, values
+from distckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+    UnsupportedValueError,
+)
 from distckpt.slices import Box
-from distckpt.storage import codecs, zarr_meta
+from distckpt.storage import codecs, wellformed, zarr_meta
 from distckpt.storage.backend import Store, resolve
 
 FORMAT = "distckpt"
@@ -98,20 +105,60 @@ class StoredPiece:
         return doc
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], variable: str) -> StoredPiece:
-        """A piece as the index records it; ``variable`` names it in errors (an unknown
-        codec raises :class:`~distckpt.errors.UnsupportedFormatError`)."""
+    def from_json(cls, data: Any, variable: str) -> StoredPiece:
+        """A piece as the index records it, checked for types (not yet against its
+        variable: see :class:`Pieces`); ``variable`` names it in errors (an unknown codec
+        raises :class:`~distckpt.errors.UnsupportedFormatError`)."""
+        if not isinstance(data, dict):
+            raise wellformed.corrupt(variable, f"a piece that is not an object: {data!r:.60}")
+        box = data.get("box")
+        if not isinstance(box, list) or len(box) != 2:
+            raise wellformed.corrupt(variable, f"a piece with no box: {box!r:.60}")
+        offsets = wellformed.counts(box[0], variable, "box offsets")
+        lengths = wellformed.counts(box[1], variable, "box lengths", ndim=len(offsets))
+        block = wellformed.counts(data.get("block"), variable, "block")
         inner = data.get("inner")
+        crc: Any = data.get("crc")
+        size: Any = data.get("size")
         codec = data.get("codec")
+        if not (wellformed.count(crc) and crc < 1 << 32 and wellformed.count(size)):
+            raise wellformed.corrupt(variable, "a piece whose crc or size is not a count")
         return cls(
-            file=data["file"],
-            box=Box.from_json(data["box"]),
-            block=tuple(data["block"]),
-            inner=None if inner is None else tuple(inner),
-            crc=int(data["crc"]),
-            size=int(data["size"]),
+            file=wellformed.check_file(data.get("file"), variable),
+            box=Box.known(offsets, lengths),
+            block=block,
+            inner=None if inner is None else wellformed.counts(inner, variable, "inner chunks"),
+            crc=crc,
+            size=size,
             codec=None if codec is None else codecs.from_json(codec, variable),
         )
+
+    def check(self, variable: str, shape: tuple[int, ...], itemsize: int) -> StoredPiece:
+        """This piece, checked against its variable (see :func:`wellformed.check_piece`)."""
+        wellformed.check_piece(
+            variable,
+            self.file,
+            shape,
+            self.box.offsets,
+            self.box.lengths,
+            self.block,
+            self.inner,
+            self.size,
+            itemsize,
+            self.codec is not None,
+        )
+        return self
+
+
+def stored_dtype(entry: dict[str, Any], variable: str) -> np.dtype:
+    """The NumPy dtype of a tensor entry (an unknown or malformed one is corrupt)."""
+    name = entry.get("dtype")
+    try:
+        if not isinstance(name, str):
+            raise UnsupportedValueError(f"a dtype that is not a name: {name!r:.60}")
+        return dtypes.numpy_dtype(name)
+    except UnsupportedValueError as exc:
+        raise wellformed.corrupt(variable, str(exc)) from None
 
 
 def column(values: np.ndarray) -> list[int] | str:
@@ -136,7 +183,8 @@ class Column:
                 raise self._error(f"does not hold {count} entries")
             self._text = data
         elif isinstance(data, list) and len(data) == count:
-            if not all(isinstance(v, int) and v >= 0 for v in data):
+            limit = 1 << min(8 * self.dtype.itemsize, 62)
+            if not all(type(v) is int and 0 <= v < limit for v in data):
                 raise self._error("holds something other than counts")
             self._values = np.asarray(data, dtype=self.dtype) if data else np.zeros(0, self.dtype)
         else:
@@ -207,33 +255,42 @@ class Pieces:
     construction: a malformed entry raises :class:`CorruptCheckpointError`, an unknown
     codec :class:`UnsupportedFormatError`, naming ``variable``."""
 
-    def __init__(self, entry: dict[str, Any], variable: str) -> None:
+    def __init__(self, entry: Any, variable: str) -> None:
         self.variable = variable
         self._listed: list[StoredPiece] | None = None
-        try:
-            shape = tuple(map(int, entry["shape"]))
-            if "chunks" in entry:
-                self.path = str(entry["path"])
-                self.shape = shape
-                self.chunks = chunks = tuple(map(int, entry["chunks"]))
-                inner = entry.get("inner")
-                self.inner = None if inner is None else tuple(map(int, inner))
-                if len(chunks) != len(shape) or (chunks and min(chunks) <= 0):
-                    raise ValueError
-                if self.inner is not None and len(self.inner) != len(shape):
-                    raise ValueError
-                codec = entry.get("codec")
-                self.codec = None if codec is None else codecs.from_json(codec, variable)
-                self.grid = tuple([-(-n // c) for n, c in zip(shape, chunks)])
-                count = math.prod(self.grid)
-                self.crc = Column(entry["crc"], "<u4", count, variable, "crc")
-                self.size = Column(entry["size"], "<u8", count, variable, "size")
-            else:
-                self._listed = [StoredPiece.from_json(p, variable) for p in entry["pieces"]]
-        except CorruptCheckpointError:
-            raise
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise CorruptCheckpointError(f"variable {variable!r}: malformed index entry") from None
+        if not isinstance(entry, dict):
+            raise wellformed.corrupt(variable, "malformed index entry")
+        self.itemsize = stored_dtype(entry, variable).itemsize
+        self.shape = shape = wellformed.shape_of(entry, variable, self.itemsize)
+        if "chunks" not in entry:
+            listed = entry.get("pieces")
+            if not isinstance(listed, list):
+                raise wellformed.corrupt(variable, "malformed index entry (no pieces)")
+            self._listed = [
+                StoredPiece.from_json(p, variable).check(variable, shape, self.itemsize)
+                for p in listed
+            ]
+            return
+        self.path = wellformed.check_file(entry.get("path"), variable)
+        self.chunks = chunks = wellformed.counts(
+            entry["chunks"], variable, "chunks", ndim=len(shape)
+        )
+        if chunks and min(chunks) <= 0:
+            raise wellformed.corrupt(variable, f"the index's chunks {list(chunks)} are empty")
+        inner = entry.get("inner")
+        self.inner = (
+            None if inner is None else wellformed.counts(inner, variable, "inner", ndim=len(shape))
+        )
+        if self.inner is not None and any(i <= 0 or c % i for c, i in zip(chunks, self.inner)):
+            raise wellformed.corrupt(
+                variable, f"inner chunks {list(self.inner)} do not divide the chunks {list(chunks)}"
+            )
+        codec = entry.get("codec")
+        self.codec = None if codec is None else codecs.from_json(codec, variable)
+        self.grid = tuple([-(-n // c) for n, c in zip(shape, chunks)])
+        count = math.prod(self.grid)
+        self.crc = Column(entry.get("crc"), "<u4", count, variable, "crc")
+        self.size = Column(entry.get("size"), "<u8", count, variable, "size")
 
     def __len__(self) -> int:
         return len(self._listed) if self._listed is not None else self.crc.count
@@ -283,7 +340,7 @@ class Pieces:
             crc, size = self.crc[k], self.size[k]
         offsets = tuple([i * c for i, c in zip(coord, self.chunks)])
         lengths = tuple([min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape)])
-        return StoredPiece(
+        piece = StoredPiece(
             f"{self.path}/{zarr_meta.chunk_key(coord)}",
             Box.known(offsets, lengths),
             self.chunks,
@@ -292,6 +349,7 @@ class Pieces:
             size,
             self.codec,
         )
+        return piece.check(self.variable, self.shape, self.itemsize)
 
 
 def read_index(checkpoint: str | os.PathLike[str] | Store) -> dict[str, Any]:
@@ -319,7 +377,7 @@ def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
         index = doc["attributes"][ATTRIBUTE]
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CorruptCheckpointError(f"{path}: the index is not readable JSON") from None
     except (KeyError, TypeError):
         raise CheckpointNotFoundError(
@@ -336,7 +394,43 @@ def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
         )
     if not isinstance(index.get("variables"), dict):
         raise CorruptCheckpointError(f"{path}: index has no variables table")
+    world = index.get("world_size", 1)
+    if type(world) is not int or world < 1:
+        raise CorruptCheckpointError(f"{path}: index has a world size of {world!r:.60}")
+    for name, entry in index["variables"].items():
+        try:
+            check_entry(entry, name)
+        except CheckpointError as exc:
+            raise type(exc)(f"{store.url}: {exc}") from None
     return index
+
+
+def check_entry(entry: Any, variable: str, *, located: bool = True) -> None:
+    """Check one entry of an index's variables table, so that every reader can trust its
+    kind, dtype, shape, pieces and value (see :mod:`distckpt.storage.wellformed`);
+    ``located=False``: the entry names no pieces (the node-local tier's). Raises
+    :class:`CorruptCheckpointError` naming ``variable``."""
+    kind = (
+        entry.get("kind", "value" if "value" in entry else None)
+        if isinstance(entry, dict)
+        else None
+    )
+    if kind == "tensor":
+        if located:
+            Pieces(entry, variable)
+        else:
+            wellformed.shape_of(entry, variable, stored_dtype(entry, variable).itemsize)
+    elif kind == "value" and "value" in entry:
+        values.check(entry["value"], variable)
+    elif kind == "per_rank" and isinstance(entry.get("ranks"), dict):
+        for rank, sub in entry["ranks"].items():
+            if not (rank.isascii() and rank.isdigit()):
+                raise wellformed.corrupt(variable, f"a per-rank entry of rank {rank!r:.60}")
+            if not isinstance(sub, dict) or sub.get("kind") == "per_rank":
+                raise wellformed.corrupt(variable, f"malformed entry of rank {rank}")
+            check_entry(sub, variable, located=located)
+    else:
+        raise wellformed.corrupt(variable, "malformed index entry")
 
 
 def is_committed(checkpoint: str | os.PathLike[str] | Store) -> bool:

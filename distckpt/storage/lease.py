@@ -39,14 +39,14 @@ def read_lease(store: Store, key: str) -> tuple[dict[str, Any], str, float] | No
         return None
     try:
         info = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         info = {}
     return (info if isinstance(info, dict) else {}), version, age
 
 
 def pid_dead(info: dict[str, Any]) -> bool:
     """Whether ``info`` names a process on this host that no longer exists."""
-    if info.get("host") != socket.gethostname():
+    if not isinstance(info, dict) or info.get("host") != socket.gethostname():
         return False
     try:
         os.kill(int(info["pid"]), 0)

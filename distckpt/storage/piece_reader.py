@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 import crc32c as _crc
 import numpy as np
 
-from distckpt.errors import CorruptCheckpointError
+from distckpt.errors import CorruptCheckpointError, UnsafePathError
 from distckpt.slices import Box
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.codecs import Codec
 from distckpt.storage.shard_io import EMPTY, STEP, as_bytes, crc32c, inner_grid
+from distckpt.storage.wellformed import MAX_RATIO
 
 
 class PieceReader:
@@ -61,6 +62,8 @@ class PieceReader:
             return self.store.open(self.key, self.size)
         except FileNotFoundError:
             raise self._corrupt("a file the index names is missing") from None
+        except UnsafePathError as exc:  # a link, a FIFO: never opened
+            raise UnsafePathError(f"variable {self.variable!r}: {exc}") from None
 
     def read_plain(self, block: Sequence[int], src: Box, out: np.ndarray) -> int:
         """Copy ``src`` (in block coordinates) of a plain chunk into ``out``. Returns bytes read."""
@@ -69,13 +72,15 @@ class PieceReader:
         nbytes = math.prod(block) * self.dtype.itemsize
         handle = self.open()
         try:
-            size = handle.size
+            size = handle.size  # what is stored, checked before allocating for it
+            if size != nbytes + 4:
+                raise self._corrupt(f"chunk is {size} bytes, expected {nbytes + 4}")
             buf = np.empty(nbytes + 4, dtype=np.uint8)
             got = handle.readinto([buf], 0)
         finally:
             handle.close()
-        if got != nbytes + 4 or size != nbytes + 4:
-            raise self._corrupt(f"chunk is {size} bytes, expected {nbytes + 4}")
+        if got != nbytes + 4:
+            raise self._corrupt(f"chunk is {got} bytes, expected {nbytes + 4}")
         stored = int.from_bytes(buf[nbytes:].tobytes(), "little")
         if stored != self.expected_crc or crc32c(buf[:nbytes]) != stored:
             raise self._corrupt("chunk fails its crc32c checksum")
@@ -137,10 +142,14 @@ class PieceReader:
 
     def _chunk_fits(self, offset: int, length: int, chunk_bytes: int, end: int) -> bool:
         """Whether an index entry can hold one inner chunk: present, inside the data area
-        (which ends at ``end``), of its raw size plus 4 or, compressed, of any size."""
+        (which ends at ``end``), of its raw size plus 4 or, compressed, of a size it can
+        decompress from (:data:`~distckpt.storage.wellformed.MAX_RATIO`): a reader then
+        allocates nothing that the stored bytes do not back."""
         if offset == EMPTY or offset + length > end:
             return False
-        return length > 4 if self.codec is not None else length == chunk_bytes + 4
+        if self.codec is not None:
+            return length > 4 and chunk_bytes <= length * MAX_RATIO
+        return length == chunk_bytes + 4
 
     def verify_sharded(
         self,
@@ -170,7 +179,6 @@ class PieceReader:
             if on_bytes is not None:
                 on_bytes(total)
             end = nchunks * 4
-            buf = scratch(chunk_bytes, 0)
             for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
                 chunk_box = Box(
                     tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
@@ -182,6 +190,7 @@ class PieceReader:
                     continue
                 if not self._chunk_fits(offset, length, chunk_bytes, size - index_len):
                     raise self._corrupt(f"inner chunk {coord} has the wrong size")
+                buf = scratch(chunk_bytes, 0)  # bounded by the chunk as stored (_chunk_fits)
                 if self.codec is None:
                     self._read_verified(fd, offset, [buf], table[linear], coord)
                 else:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import builtins
 import fcntl
+import mmap
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -24,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import crc32c as _crc
+import numpy as np
 
-from distckpt.storage.backend import Buffer, ConditionFailed, byte_view
-from distckpt.storage.fsutil import atomic_write, fsync_dir, write_file
+from distckpt.errors import UnsafePathError
+from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key
+from distckpt.storage.fsutil import atomic_write, fsync_dir, open_regular, read_regular, write_file
 
 _IOV_MAX = 1024
 
@@ -57,7 +61,7 @@ class PosixReader:
     """A file open for ranged reads (``preadv``)."""
 
     def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = open_regular(path)
         self._size: int | None = None
 
     @property
@@ -71,6 +75,12 @@ class PosixReader:
 
     def read(self, offset: int, length: int) -> bytes:
         return os.pread(self._fd, length, offset)
+
+    def map(self) -> np.ndarray:
+        """The whole file, memory-mapped read-only as bytes (stays valid once closed)."""
+        if self.size == 0:
+            return np.zeros(0, np.uint8)
+        return np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), np.uint8)
 
     def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
         # Start reading now: the task then reads chunk by chunk without waiting on the device.
@@ -107,7 +117,8 @@ class PosixWriter:
                 if self._closed:
                     raise ValueError(f"{self.path} is closed")
                 if self._fd < 0:
-                    self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                    self._fd = os.open(self.path, flags, 0o644)
                     self._opened = True
         return self._fd
 
@@ -140,13 +151,17 @@ class PosixWriter:
 
 
 class PosixStore:
-    """A directory of a POSIX file system (created when first written to)."""
+    """A directory of a POSIX file system (created when first written to). ``root`` is
+    where links stop being followed (default: ``path`` itself; see the module)."""
 
     renames = True
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, root: Path | None = None) -> None:
         self.path = Path(path)
         self.url = str(self.path)
+        self._root = self.path if root is None else root
+        # Directories below the root seen not to be links (lstat once per directory).
+        self._plain: set[Path] = set()
 
     def __repr__(self) -> str:
         return f"PosixStore({self.url!r})"
@@ -163,19 +178,52 @@ class PosixStore:
 
     @property
     def parent(self) -> PosixStore:
-        return PosixStore(self.path.parent)
+        up = self.path.parent
+        return PosixStore(up, root=self._root if up.is_relative_to(self._root) else None)
 
     def child(self, key: str) -> PosixStore:
-        return PosixStore(self.path / key) if key else self
+        if not key:
+            return self
+        store = PosixStore(self._p(key), root=self._root)
+        store._plain = self._plain
+        return store
 
     def where(self, key: str) -> str:
         return str(self.path / key) if key else self.url
 
     def _p(self, key: str) -> Path:
-        return self.path / key if key else self.path
+        """The path of ``key``: inside the store, and reached through no link below the
+        root (the last component is the caller's to open without following)."""
+        path = self.path / check_key(key) if key else self.path
+        if path == self._root:
+            return path
+        parts = path.relative_to(self._root).parts
+        at = self._root
+        for part in parts[:-1]:
+            at = at / part
+            if at in self._plain:
+                continue
+            try:
+                mode = os.lstat(at).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return path  # nothing further exists: nothing can be followed
+            if stat.S_ISLNK(mode):
+                raise UnsafePathError(
+                    f"{path}: {at} is a symbolic link; distckpt never follows one"
+                )
+            self._plain.add(at)
+        return path
+
+    def _entry(self, key: str) -> Path:
+        """:meth:`_p`, and the last component too may not be a link (a directory to read
+        or list is never reached through one)."""
+        path = self._p(key)
+        if path != self._root and path.is_symlink():
+            raise UnsafePathError(f"{path} is a symbolic link; distckpt never follows one")
+        return path
 
     def read(self, key: str) -> bytes:
-        return self._p(key).read_bytes()
+        return read_regular(self._p(key))
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         data = self.read(key)
@@ -212,7 +260,7 @@ class PosixStore:
         payload = bytes(data)
         with _locked(path):
             try:
-                current = _version(path.read_bytes())
+                current = _version(read_regular(path))
             except FileNotFoundError:
                 raise ConditionFailed(f"{path} is gone") from None
             if current != version:
@@ -221,19 +269,19 @@ class PosixStore:
         return _version(payload)
 
     def exists(self, key: str) -> bool:
-        return self._p(key).exists()
+        return os.path.lexists(self._p(key))
 
     def age(self, key: str) -> float:
-        return time.time() - self._p(key).stat().st_mtime
+        return time.time() - os.lstat(self._p(key)).st_mtime
 
     def list(self, key: str = "") -> list[str]:
         try:
-            return sorted(os.listdir(self._p(key)))
+            return sorted(os.listdir(self._entry(key)))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
-        top = self._p(key)
+        top = self._entry(key)
         found = []
         for dirpath, _dirs, files in os.walk(top):
             for name in files:
@@ -246,7 +294,12 @@ class PosixStore:
         return found
 
     def is_dir(self, key: str) -> bool:
-        return self._p(key).is_dir()
+        try:
+            path = self._p(key)
+            mode = os.stat(path).st_mode if path == self._root else os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return stat.S_ISDIR(mode)
 
     def delete(self, key: str) -> None:
         self._p(key).unlink(missing_ok=True)

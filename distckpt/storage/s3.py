@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 from distckpt.comm.base import resolve_timeout
 from distckpt.errors import StorageError
-from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, join
+from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key, join
 
 log = logging.getLogger(__name__)
 
@@ -360,16 +360,17 @@ class S3Store:
         return S3Store(self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
 
     def child(self, key: str) -> S3Store:
-        return S3Store(self.bucket, join(self.prefix, key)) if key else self
+        return S3Store(self.bucket, self._key(key)) if key else self
 
     def where(self, key: str) -> str:
         return f"s3://{self.bucket}/{join(self.prefix, key)}"
 
     def _key(self, key: str) -> str:
-        return join(self.prefix, key)
+        # A key read from an index never leaves the prefix: no "..", no absolute key.
+        return join(self.prefix, check_key(key))
 
     def _dir(self, key: str) -> str:
-        full = join(self.prefix, key)
+        full = self._key(key)
         return f"{full}/" if full else ""
 
     # -- requests, with errors made ours --------------------------------------------

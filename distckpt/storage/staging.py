@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from distckpt.storage.fsutil import exchange, fsync_dir, write_file
+from distckpt.storage.fsutil import exchange, fsync_dir, read_regular, write_file
 from distckpt.storage.lease import pid_dead
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,9 @@ def owner_alive(path: Path, stale_seconds: float = STALE_SECONDS) -> bool:
     fresh and, on this host, its process exists)."""
     owner = path / OWNER_FILE
     try:
-        age = time.time() - owner.stat().st_mtime
-        info = json.loads(owner.read_text())
-    except (OSError, ValueError):
+        age = time.time() - owner.lstat().st_mtime
+        info = json.loads(read_regular(owner))
+    except (OSError, ValueError, RecursionError):
         # No owner file: the save is being committed or was abandoned; judge by the dir.
         try:
             return time.time() - path.stat().st_mtime < stale_seconds
@@ -159,7 +159,9 @@ def leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     """Staging and trash directories present in ``directory`` (live or not)."""
     try:
         return sorted(
-            Path(e.path) for e in os.scandir(directory) if LEFTOVER.match(e.name) and e.is_dir()
+            Path(e.path)
+            for e in os.scandir(directory)
+            if LEFTOVER.match(e.name) and e.is_dir(follow_symlinks=False)
         )
     except FileNotFoundError:
         return []

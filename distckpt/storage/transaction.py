@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from distckpt.errors import CheckpointExists
+from distckpt.errors import CheckpointExists, UnsafePathError
 from distckpt.storage import claim as claim_mod
 from distckpt.storage import index as index_mod
 from distckpt.storage import staging as staging_mod
@@ -32,7 +32,7 @@ from distckpt.storage.backend import Store, resolve
 from distckpt.storage.claim import ObjectCommit, read_claim
 from distckpt.storage.claim import collect_garbage as collect_objects
 from distckpt.storage.claim import leftovers as object_leftovers
-from distckpt.storage.fsutil import fsync_dir, write_file
+from distckpt.storage.fsutil import fsync_dir
 from distckpt.storage.posix import PosixStore
 from distckpt.storage.zarr_meta import ZARR_JSON
 
@@ -114,8 +114,10 @@ def retire(checkpoint: Store) -> None:
         claim_mod.retire(checkpoint)
         return
     final = checkpoint.path
+    if final.is_symlink():  # not a checkpoint of this directory: never delete through it
+        raise UnsafePathError(f"{final} is a symbolic link, not a checkpoint; left alone")
     # The mark keeps collect_garbage from restoring it as an interrupted commit.
-    write_file(final / staging_mod.OWNER_FILE, json.dumps({"deleting": True}).encode())
+    checkpoint.write(staging_mod.OWNER_FILE, json.dumps({"deleting": True}).encode())
     trash = staging_mod.trash_path(final, uuid.uuid4().hex[:16])
     os.rename(final, trash)
     fsync_dir(final.parent)
@@ -164,7 +166,7 @@ def pending(directory: Store) -> list[Pending]:
                 started: float | None = float(
                     json.loads(store.read(staging_mod.OWNER_FILE))["started"]
                 )
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 try:
                     started = path.stat().st_mtime
                 except OSError:

@@ -43,7 +43,7 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import SingleComm
 from distckpt.engine.save import SaveResult, save_from
-from distckpt.errors import ConversionError, UnsupportedValueError
+from distckpt.errors import CheckpointError, ConversionError
 from distckpt.hf.directory import open_weights
 from distckpt.transfer.sources import FileData, Source, source_for
 from distckpt.values import decode
@@ -211,7 +211,7 @@ def _metadata_value(text: str) -> Any:
     """The value in a metadata string written by ``distckpt export``, else the string."""
     try:
         return decode(json.loads(text))
-    except (ValueError, TypeError, KeyError, UnsupportedValueError):
+    except (ValueError, TypeError, KeyError, RecursionError, CheckpointError):
         return text
 
 

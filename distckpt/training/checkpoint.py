@@ -22,6 +22,7 @@ from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.save import prepare_async as engine_prepare_async
 from distckpt.engine.save import save as engine_save
+from distckpt.errors import CorruptCheckpointError
 from distckpt.storage.codecs import Compression
 from distckpt.training.handlers import collect, plan_restore
 from distckpt.training.lazy import guard_optimizer_steps
@@ -333,7 +334,11 @@ class Checkpoint(Node):
         return CheckpointLoadStatus(session, self)
 
     def _set_counter(self, value: Any) -> None:
-        self._save_counter = int(value)
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+            value = value.item()
+        if type(value) is not int or value < 0:
+            raise CorruptCheckpointError(f"the stored {SAVE_COUNTER} is not a count: {value!r:.60}")
+        self._save_counter = value
 
     def _warn_unresolved(self) -> None:
         if self._session is not None:

@@ -86,7 +86,7 @@ from distckpt.storage.codecs import Compression
 from distckpt.storage.transaction import collect_garbage, retire, retiring
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.lock import STALE_SECONDS, DirectoryLock, DirectoryLockedError
-from distckpt.training.pointer import FORMAT, VERSION, Pointer, move, read_versioned
+from distckpt.training.pointer import FORMAT, POINTER_FILE, VERSION, Pointer, move, read_versioned
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +128,36 @@ def _created(path: Store) -> float | None:
         index = index_mod.read_index(path)
     except UnsupportedFormatError:
         return 0.0
-    except (CheckpointNotFoundError, CorruptCheckpointError):
+    except CheckpointNotFoundError:
+        return None
+    except CorruptCheckpointError as exc:
+        log.warning("%s is unreadable, so not restored (left in place): %s", path.url, exc)
         return None
     created = index.get("created")
     return float(created) if isinstance(created, (int, float)) else 0.0
+
+
+def _manager_meta(meta: Any, where: str) -> dict[str, Any]:
+    """The pointer's ``"manager"`` entry, checked: commit times by name (numbers), the
+    preserved names and the time of the last one preserved."""
+    if meta is None:
+        return {}
+    times = meta.get("times") if isinstance(meta, dict) else None
+    preserved = meta.get("preserved") if isinstance(meta, dict) else None
+    last = meta.get("last_preserved") if isinstance(meta, dict) else None
+    number = (int, float)
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(times or {}, dict)
+        or not all(
+            isinstance(v, number) and not isinstance(v, bool) for v in (times or {}).values()
+        )
+        or not isinstance(preserved or [], list)
+        or not all(isinstance(n, str) for n in preserved or [])
+        or (last is not None and (not isinstance(last, number) or isinstance(last, bool)))
+    ):
+        raise CorruptCheckpointError(f"{where}: the manager's entry is malformed")
+    return meta
 
 
 class CheckpointManager:
@@ -374,7 +400,7 @@ class CheckpointManager:
         if found is not None:
             raw, self._pointer_version = found
             pointer = Pointer.from_doc(raw)
-            meta = raw.get("manager") or {}
+            meta = _manager_meta(raw.get("manager"), directory.where(POINTER_FILE))
         times = {str(k): float(v) for k, v in (meta.get("times") or {}).items()}
         preserved_set = {str(n) for n in meta.get("preserved") or []}
 

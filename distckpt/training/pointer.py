@@ -30,7 +30,7 @@ from distckpt.errors import (
     UnsupportedFormatError,
 )
 from distckpt.storage import index as index_mod
-from distckpt.storage.backend import ConditionFailed, Store, child_location, resolve
+from distckpt.storage.backend import ConditionFailed, Store, check_name, child_location, resolve
 
 POINTER_FILE = "latest"
 FORMAT = "distckpt-pointer"
@@ -65,7 +65,7 @@ def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str,
     try:
         doc = json.loads(raw)
         kind, fmt_version = doc["format"], doc["version"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise CorruptCheckpointError(f"{where} is not a distckpt pointer (bad JSON)") from None
     if kind != FORMAT:
         raise CorruptCheckpointError(f"{where}: unknown pointer format {kind!r}")
@@ -76,6 +76,10 @@ def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str,
     latest, names = doc.get("latest"), doc.get("all", [])
     if not isinstance(latest, str) or not isinstance(names, list):
         raise CorruptCheckpointError(f"{where}: pointer has no 'latest' name")
+    # A name leading out of the directory would make a restore read, and retention
+    # delete, what is not the run's.
+    for name in [latest, *names]:
+        check_name(name, f"{where}: the checkpoint named")
     return doc, version
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from distckpt.errors import CorruptCheckpointError
+from distckpt.storage.fsutil import open_regular
 
 #: Bytes one task moves.
 TASK_BYTES = 8 << 20
@@ -50,7 +51,7 @@ def read_runs(path: str, runs: list[Run], out: np.ndarray, what: str) -> int:
     """Read every run of ``path`` into ``out`` (a flat uint8 array) at its position;
     returns the bytes read. A file that ends early is a :class:`CorruptCheckpointError`
     naming ``what`` and the file."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(os.path.realpath(path))  # the caller checked where it leads
     try:
         if hasattr(os, "posix_fadvise"):
             for offset, length, _ in runs:
