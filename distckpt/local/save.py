@@ -7,8 +7,10 @@ The protocol, in the order every rank runs it (collectives marked *):
    a node, and the peers of each rank (:mod:`distckpt.local.nodes`).
 2. **Lay out** (every rank): this rank's tensors back to back in one data file, each
    with its box, dtype, offset and crc32c in a manifest; its Python values in the
-   manifest too. A plain tensor (the same on every rank) is written only by the lowest
-   rank of each node: every node then holds one copy of it, and no replica is needed.
+   manifest too. A plain tensor (the same on every rank that holds it) is written once
+   per node, by the lowest rank of the node that holds it (*an allgather of a digest
+   of each rank's plain names, and of the names themselves only when the ranks of a
+   node hold different ones, as pipeline stages do).
 3. **Write and replicate** (*one allgather of sizes, then rounds of point-to-point
    sends*): the I/O workers write the data file while this thread sends it to the peers,
    in messages of at most :data:`MESSAGE_BYTES`, and receives the peers' files, which
@@ -26,6 +28,7 @@ leaves its step without marks anywhere, so the step never counts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -101,7 +104,7 @@ def _lay_out(
     rank: int,
     world: int,
     node: str,
-    leader: bool,
+    plain: set[str],
 ) -> _Layout:
     layout = _Layout()
     tensors = []
@@ -113,8 +116,8 @@ def _lay_out(
                 leaf.name
             ]
             continue
-        if leaf.replicated and not leader:
-            continue
+        if leaf.replicated and leaf.name not in plain:
+            continue  # another rank of this node writes it
         data = as_bytes(arrays[leaf.name])
         assert leaf.box is not None
         tensors.append(
@@ -147,6 +150,28 @@ def _lay_out(
     }
     layout.messages = _messages(layout.pieces)
     return layout
+
+
+def _plain_names(leaves: list[Leaf]) -> list[str]:
+    return sorted(leaf.name for leaf in leaves if leaf.replicated and leaf.tensor is not None)
+
+
+def _plain_writers(comm: Communicator, topo: Topology, held: list[str] | None) -> set[str]:
+    """Collective: the plain tensors this rank writes, of those it ``held`` (None: this
+    rank failed). On each node each one is written by the lowest rank that holds it: the
+    node's first rank when every rank of the node holds the same ones (data parallelism:
+    one allgather of 8 bytes), else as the names say (pipeline stages: one more)."""
+    digest = None if held is None else hashlib.blake2b("\0".join(held).encode(), digest_size=8)
+    digests = comm.allgather(None if digest is None else digest.digest())
+    node = topo.nodes[topo.node_of(comm.rank)]
+    if all(len({digests[r] for r in ranks}) == 1 for ranks in topo.nodes):
+        return set(held or ()) if node[0] == comm.rank else set()
+    names = comm.allgather(held)  # every rank, a failed one too: the decision is shared
+    writer: dict[str, int] = {}
+    for r in node:  # ascending
+        for name in names[r] or ():
+            writer.setdefault(name, r)
+    return {name for name, r in writer.items() if r == comm.rank}
 
 
 #: Pieces smaller than this travel several to a message (copied into one buffer);
@@ -256,11 +281,13 @@ def _protocol(
             len(peers),
         )
     layout: _Layout | None = None
+    held = None if isinstance(local, Failure) else _plain_names(local[0])
+    plain = _plain_writers(comm, topo, held)
     if not isinstance(local, Failure):
         try:
             leaves, arrays, values = local
             layout = _lay_out(
-                leaves, arrays, values, step, rank, comm.size, topo.name_of(rank), leader
+                leaves, arrays, values, step, rank, comm.size, topo.name_of(rank), plain
             )
             if leader:  # a step saved again (the job went back): its old files must go
                 files.drop_newer(store, step.number - 1)

@@ -65,10 +65,9 @@ Check = Callable[[bool, str], None]  # check(ok, what failed)
 
 
 def TIER(root: Path) -> distckpt.LocalTier:  # noqa: N802 - a constant's factory
-    """The node-local tier: every rank is a node of its own (``$DISTCKPT_NODE``, set in
-    :func:`setup`), its partitions copied to one other. (Not two stages' ranks on one
-    node: the local tier's save has a node's replicated tensors written by the node's
-    first rank alone, so plain tensors only another rank of the node holds are lost.)"""
+    """The node-local tier. Ranks 0 and 1 are node ``a``, ranks 2 and 3 node ``b``
+    (``$DISTCKPT_NODE``, set in :func:`main`): a node's ranks hold different stages, so
+    each plain tensor is written by the rank of the node that holds it."""
     return distckpt.LocalTier(root / "tier" / "{node}", replicas=1)
 
 
@@ -489,7 +488,7 @@ def setup() -> tuple[int, dict[int, Any], dict[tuple[int, ...], DeviceMesh]]:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     rank = dist.get_rank()
     assert dist.get_world_size() == 4, "run on 4 ranks"
-    os.environ[NODE_ENV] = f"n{rank}"
+    os.environ[NODE_ENV] = "a" if rank < 2 else "b"
     jobs = {3: [0, 1, 2], 2: [1, 2]}
     groups = {
         n: dist.new_group(ranks, timeout=timedelta(seconds=timeout)) for n, ranks in jobs.items()
