@@ -10,6 +10,7 @@ replicated tensors on every rank, a per-rank RNG state and two values.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import time
 import tracemalloc
@@ -19,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from distckpt import dtypes
 from distckpt.engine import agree
 from distckpt.engine.commit import Report, build_index, index_bytes
 from distckpt.planning.read_plan import plan_reads
-from distckpt.planning.save_plan import RankDesc, SavePlan, Schema, plan_save
+from distckpt.planning.save_plan import Piece, RankDesc, SavePlan, Schema, plan_save
 from distckpt.slices import Box, chunk_bounds
 from distckpt.storage.index import Pieces
 
@@ -70,7 +72,7 @@ def job(world: int, layers: int = 1000, norms: int = 100) -> Job:
         start = np.minimum(rows * size, shape[0])
         boxes[:, slot] = start
         boxes[:, slot + d] = np.minimum(start + size, shape[0]) - start
-    values = {"step": {"int": 1000}, "epoch": {"int": 3}}
+    values = {"step": 1000, "epoch": 3}  # typed JSON, as values.encode writes them
     ranks = [RankDesc(schema, schema.digest, boxes[r].copy(), dict(values)) for r in range(world)]
     offers = [
         agree.Offer(None, agree.fingerprint(d, r), schema.digest, d.values, {})
@@ -103,14 +105,34 @@ def _peak(fn: Callable[[], Any]) -> int:
     return peak
 
 
+def stored_size(piece: Piece) -> int:
+    """The bytes a piece takes when written raw (see :mod:`distckpt.storage.shard_io`):
+    a plain chunk and its crc32c, or a shard with every inner chunk present."""
+    itemsize = dtypes.itemsize(piece.dtype)
+    if piece.inner is None:
+        return math.prod(piece.block) * itemsize + 4
+    chunks = math.prod(b // i for b, i in zip(piece.block, piece.inner))
+    return chunks * (20 + math.prod(piece.inner) * itemsize + 4) + 4
+
+
 def reports(plan: SavePlan) -> list[Report]:
-    """Every rank's report of a save that wrote the plan (sizes and crcs made up)."""
+    """Every rank's report of a save that wrote the plan (crcs made up, sizes as a raw
+    save stores the pieces)."""
+    sizes = np.zeros(plan.pieces, dtype=np.int64)
+    for spec in plan.specs:
+        if spec.layout == "regular" and spec.count:  # every shard a block of chunks
+            shared = plan.shared
+            piece = spec.piece(0, 0, None, shared.small_bytes, shared.inner_bytes)
+            sizes[spec.first : spec.first + spec.count] = stored_size(piece)
+            continue
+        for piece in plan.pieces_of(spec, sources=False):
+            sizes[piece.id] = stored_size(piece)
     order = np.argsort(plan.writers, kind="stable")
     cuts = np.searchsorted(plan.writers[order], np.arange(plan.world_size + 1))
     out = []
     for r in range(plan.world_size):
         mine = order[cuts[r] : cuts[r + 1]]
-        out.append(Report(mine, 4096 + mine % 7, (mine * 2654435761) % (1 << 32)))
+        out.append(Report(mine, sizes[mine], (mine * 2654435761) % (1 << 32)))
     return out
 
 

@@ -291,9 +291,14 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
         return None
     top = root / target
     files = [p for p in _files(top) if p.name not in ("latest", ".distckpt-run")]
-    if files:
-        _damage_file(files[at % len(files)], how, at, root)
-    return None
+    if not files:
+        return None
+    path = files[at % len(files)]
+    _damage_file(path, how, at, root)
+    # Metadata text carries no checksum (data does): a flipped bit in a name or a value
+    # of a JSON document is a different document, not a detectable damage.
+    flipped_text = how == "flip" and (path.suffix == ".json" or path.name.startswith("done."))
+    return "*" if flipped_text else None
 
 
 # ---------------------------------------------------------------- the readers

@@ -86,7 +86,7 @@ def test_a_simulated_plan_is_whole_and_its_index_reads_back():
     reports = sim.reports(plan)
     index = json.loads(index_bytes(build_index(plan, reports, agreed.values or {})))
     variables = index["attributes"]["distckpt"]["variables"]
-    assert variables["step"] == {"kind": "value", "value": {"int": 1000}}
+    assert variables["step"] == {"kind": "value", "value": 1000}
     assert set(variables["rng"]["ranks"]) == {str(r) for r in range(world)}
     sizes = np.zeros(plan.pieces, dtype=np.int64)
     crcs = np.zeros(plan.pieces, dtype=np.int64)
