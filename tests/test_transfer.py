@@ -168,14 +168,28 @@ def test_task_group_skips_after_a_failure_and_releases_everything() -> None:
 
     for i in range(8):
         group.submit(task, i, release=lambda i=i: released.append(i))
-        if i == 1:
-            time.sleep(0.2)  # task 1 fails while task 0 still runs
+    # Task 1 fails while task 0 still runs (on the other worker): only then may task 0
+    # end, so that the tasks queued behind the failure cannot start on its worker.
+    assert group.cancelled.wait(10), "task 1 did not fail"
     gate.set()
     with pytest.raises(RuntimeError, match="task 1 failed"):
         group.wait()
     assert sorted(released) == list(range(8))  # every task let go of what it held
     assert ran == [0]  # the tasks queued behind the failure were skipped
     group.wait()  # nothing left
+
+
+class _WatchedCondition(threading.Condition):
+    """A slab pool's condition that tells when a thread waits on it: a test then knows
+    that a take() blocks, instead of hoping that it got there within a sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
 
 
 def test_slab_pool_packs_blocks_and_waits_for_fences() -> None:
@@ -195,11 +209,12 @@ def test_slab_pool_packs_blocks_and_waits_for_fences() -> None:
 
     fence = Fence()
     got: list[Any] = []
+    pool._cond = waits = _WatchedCondition()
     waiter = threading.Thread(target=lambda: got.append(pool.take(200)))
     waiter.start()  # needs slab 0 again: waits for a and b
+    assert waits.waiting.wait(10), "take() did not wait"
     a.release(fence)
-    time.sleep(0.1)
-    assert not got
+    assert not got and waiter.is_alive()  # b still holds slab 0
     b.release()
     waiter.join(5)
     assert got and fence.synced and got[0].tensor.data_ptr() == a.tensor.data_ptr()
@@ -210,27 +225,73 @@ def test_slab_pool_packs_blocks_and_waits_for_fences() -> None:
 def test_an_interrupted_wait_still_waits_for_the_running_tasks() -> None:
     """Ctrl-C while a save waits for its workers: the tasks not started are skipped, the
     running ones finish before the interruption is raised (so no file is closed, and no
-    buffer reused, under a worker)."""
+    buffer reused, under a worker).
+
+    Ordered by events, not by timing. A real SIGINT is sent once both workers run a task
+    and the main thread is blocked inside wait(): in its first call of futures.wait,
+    replaced by a sleep that only the interruption ends. (Inside the real one, a
+    KeyboardInterrupt raised between two of its lock operations leaves a future's lock
+    held, and a signal that lands just before a thread blocks is only handled once it
+    wakes: so the signal is resent until its handler has run, and the handler raises
+    once.) The running tasks go on only once wait() has seen the interruption (it then
+    skips the rest), and each checks that wait() has not returned yet (it gives it 0.5 s
+    to: a wait() that did not wait for them is seen)."""
     import signal
 
     group = TaskGroup(2)
-    finished: list[int] = []
+    running = threading.Semaphore(0)
+    waiting = threading.Event()  # the main thread is inside wait(), about to block
+    delivered = threading.Event()  # the SIGINT handler has raised KeyboardInterrupt
+    returned = threading.Event()  # wait() has raised
+    finished: list[tuple[int, bool]] = []
+    real_wait = workers.futures.wait
 
-    def slow(i: int) -> int:
-        time.sleep(0.5)
-        finished.append(i)
+    def task(i: int) -> int:
+        running.release()
+        assert group.cancelled.wait(30), "wait() did not see the interruption"
+        finished.append((i, returned.wait(0.5)))
         return 0
 
-    for i in range(6):
-        group.submit(slow, i)
+    def blocked_until_interrupted(*args: Any, **kwargs: Any) -> Any:
+        if delivered.is_set():
+            return real_wait(*args, **kwargs)
+        waiting.set()
+        time.sleep(60)  # the handler's KeyboardInterrupt ends it
+        raise AssertionError("no interruption within 60 s")
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if not delivered.is_set():  # once: a signal resent meanwhile is dropped
+            delivered.set()
+            raise KeyboardInterrupt
+
+    def send() -> None:
+        if running.acquire(timeout=30) and running.acquire(timeout=30) and waiting.wait(30):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                signal.pthread_kill(main, signal.SIGINT)
+                if delivered.wait(0.05):
+                    break
+
     main = threading.main_thread().ident
     assert main is not None
-    threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        group.wait()
-    assert sorted(finished) == [0, 1]  # the two running ones ended before wait() did
-    time.sleep(0.6)
-    assert sorted(finished) == [0, 1]  # and nothing ran after
+    submitted = [group.submit(task, i) for i in range(6)]
+    sender = threading.Thread(target=send)
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(workers.futures, "wait", blocked_until_interrupted)
+            sender.start()
+            with pytest.raises(KeyboardInterrupt):
+                group.wait()
+            returned.set()
+    finally:
+        if sender.is_alive():
+            sender.join(30)  # no signal is sent after this
+        signal.signal(signal.SIGINT, previous)
+    # the two running ones ended before wait() did, and saw it still waiting
+    assert sorted(finished) == [(0, False), (1, False)]
+    # the other four were skipped (never ran), and none is left to run after wait()
+    assert all(f.done() for f in submitted)
 
 
 def test_groups_of_other_sizes_do_not_stop_each_other() -> None:
@@ -277,10 +338,11 @@ def test_only_one_region_larger_than_a_slab_at_a_time() -> None:
     pool = SlabPool(256, 2, pinned=False)
     first = pool.take(1000)
     got: list[Any] = []
+    pool._cond = waits = _WatchedCondition()
     waiter = threading.Thread(target=lambda: got.append(pool.take(2000)))
     waiter.start()
-    time.sleep(0.1)
-    assert not got  # waits for the first
+    assert waits.waiting.wait(10), "take() did not wait"
+    assert not got and waiter.is_alive()  # waits for the first
     first.release()
     waiter.join(5)
     assert got and got[0].nbytes == 2000
