@@ -1,6 +1,6 @@
 """Failure handling of save and load on several ranks (under mpiexec or torchrun).
 
-Usage: failures.py MODE DIR [--golden PATH] [--overwrite]
+Usage: failures.py MODE DIR [--golden PATH] [--overwrite] [--exit]
 
 ``errors``: many cases in one launch, in the same order on every rank. Before them a
 good checkpoint ``DIR/prev`` (version 1) is saved. Then:
@@ -25,9 +25,19 @@ check prints ``FAIL <case> <rank>: <why>``, and a rank whose checks all passed e
 
 ``kill``: saves ``DIR/prev`` (version 1) and ``DIR/other`` (version 2), then saves
 version 3 to ``DIR/target`` (or over ``DIR/prev`` with ``--overwrite``) while the last
-rank SIGKILLs itself in its first shard write, once every other rank has written its own
-shard (each prints ``WROTE <rank> <file>``). Survivors print ``SURVIVOR <rank> <type>
-<seconds>`` and exit 3; a save that returns prints ``COMMITTED <rank>`` (a bug).
+rank SIGKILLs itself in its first shard write (``KILLING <rank> <file>``; with ``--exit``
+it ends with ``os._exit(9)`` instead: no clean-up, no MPI_Finalize, but no signal
+either, since MPICH's hydra SIGKILLs every rank once it reaps one that a signal killed,
+even under ``-disable-auto-cleanup``), once every other rank has written, synced and
+closed its own shard (each prints ``WROTE <rank> <file>`` and leaves
+``DIR/markers/wrote-<rank>`` then). A survivor whose save fails prints ``SURVIVOR <rank>
+<type> <seconds>`` and leaves the line in ``DIR/markers/survivor-<rank>`` too (a
+launcher may lose output when it ends a job), waits for the other survivors to do the
+same (the first process to exit makes a launcher end the job), and exits 3. Survivors
+note the launcher's SIGTERM (torchrun's teardown) and SIGUSR1 (hydra's notice of a dead
+rank under ``mpiexec -disable-auto-cleanup``) with ``SIGNAL <rank> <name>`` and carry on,
+so that what is seen is how the save itself gives up. A save that returns prints
+``COMMITTED <rank>`` (a bug).
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ from distckpt.errors import (
 )
 from distckpt.storage import staging as staging_mod
 from distckpt.storage import transaction as transaction_mod
-from distckpt.storage.posix import PosixStore
+from distckpt.storage.posix import PosixStore, PosixWriter
 from distckpt.storage.staging import leftovers
 
 # w: 4 inner chunks of 2 rows per shard
@@ -599,7 +609,7 @@ def check_golden(comm: Communicator, golden: Path) -> None:
 # --------------------------------------------------------------------------- kill mode
 
 
-def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
+def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool) -> int:
     rank, world = comm.rank, comm.size
     last = world - 1
     distckpt.save(good_state(rank, world, 1), directory / "prev", comm, **KW)
@@ -607,16 +617,16 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
     markers = directory / "markers"
     markers.mkdir(exist_ok=True)
     comm.barrier()
-    real = PosixStore.create
+    real, real_finish = PosixStore.create, PosixWriter.finish
 
-    def wrote(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
-        path = store.where(key)
-        out = real(store, key, size_hint)
-        if "/w/" not in path:  # only the shards of the big tensor count
-            return out
-        (markers / f"wrote-{rank}").write_text(path)
-        emit(f"WROTE {rank} {path}")
-        return out
+    def wrote(writer: PosixWriter, durable: bool = True) -> None:
+        real_finish(writer, durable)
+        path = str(writer.path)
+        if "/w/" in path:  # only the shards of the big tensor count
+            # The shard is whole (written, synced, closed): the last rank may die now. The
+            # line goes out first: once the marker exists the job may be ended any time.
+            emit(f"WROTE {rank} {path}")
+            (markers / f"wrote-{rank}").write_text(path)
 
     def killer(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
         path = store.where(key)
@@ -629,15 +639,32 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool) -> int:
             time.sleep(0.02)
         (markers / f"killing-{rank}").write_text(path)
         emit(f"KILLING {rank} {path}")
+        if exit_:
+            os._exit(9)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    PosixStore.create = killer if rank == last else wrote  # type: ignore[method-assign]
+    def noted(signum: int, _frame: Any) -> None:
+        emit(f"SIGNAL {rank} {signal.Signals(signum).name}")
+
+    if rank == last:
+        PosixStore.create = killer  # type: ignore[method-assign]
+    else:
+        PosixWriter.finish = wrote  # type: ignore[method-assign]
+        signal.signal(signal.SIGTERM, noted)
+        signal.signal(signal.SIGUSR1, noted)
     target = directory / "prev" if overwrite else directory / "target"
     start = time.monotonic()
     try:
         distckpt.save(good_state(rank, world, 3), target, comm, overwrite=overwrite, **KW)
     except BaseException as exc:  # noqa: BLE001
-        emit(f"SURVIVOR {rank} {type(exc).__name__} {time.monotonic() - start:.1f}")
+        line = f"SURVIVOR {rank} {type(exc).__name__} {time.monotonic() - start:.1f}"
+        emit(line)
+        (markers / f"survivor-{rank}").write_text(line)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all((markers / f"survivor-{r}").exists() for r in range(last)):
+                break
+            time.sleep(0.02)
         os._exit(3)  # as a job that lost a rank would end, without MPI_Finalize
     emit(f"COMMITTED {rank}")
     return 4
@@ -649,13 +676,14 @@ def main() -> int:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--golden", type=Path)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--exit", action="store_true")
     args = parser.parse_args()
     comm = auto()
     assert comm.size >= 2, "run under a launcher with at least 2 ranks"
     np.seterr(all="ignore")
     if args.mode == "errors":
         return errors_mode(comm, args.dir, args.golden)
-    return kill_mode(comm, args.dir, args.overwrite)
+    return kill_mode(comm, args.dir, args.overwrite, args.exit)
 
 
 if __name__ == "__main__":
