@@ -33,6 +33,7 @@ from launch_util import (
     run_torchrun,
     start,
 )
+from make_golden import assert_same_bits
 from s3_server import S3Server, use
 
 import distckpt
@@ -42,6 +43,8 @@ from distckpt.storage import claim as claim_mod
 from distckpt.storage import index as index_mod
 from distckpt.storage import transaction
 from distckpt.storage.backend import resolve
+from distckpt.storage.s3 import S3Store
+from distckpt.storage.zarr_meta import ZARR_JSON
 from distckpt.tools.runs import COMMITTED, UNCOMMITTED, list_run
 from distckpt.training.pointer import PointerConflictError, advance_pointer, read_pointer
 
@@ -430,11 +433,45 @@ def test_two_managers_one_directory(s3: S3Server) -> None:
     assert second.stdout.startswith("ACQUIRED"), output(second)
 
 
-def test_overwrite_under_a_reader(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+#: How far the overwrite has gone when the reader, holding the old index, reads its data,
+#: and what the reader must get.
+OVERWRITE_MOMENTS = [
+    # the name is claimed, the old checkpoint not yet withdrawn: the old values
+    pytest.param("claimed", "old", id="claimed"),
+    # the old index and data deleted, the new data not yet written
+    pytest.param(
+        "withdrawn",
+        CorruptCheckpointError,
+        id="withdrawn",
+        marks=pytest.mark.xfail(
+            raises=FileNotFoundError,
+            strict=True,
+            reason="S3Reader raises FileNotFoundError for a piece the index names, where "
+            "a file system raises CorruptCheckpointError (PieceReader.open translates "
+            "only the open, and an S3 open makes no request)",
+        ),
+    ),
+    # the new data (and index) under the old index
+    pytest.param("committed", CorruptCheckpointError, id="committed"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("moment", "expect"), OVERWRITE_MOMENTS)
+def test_overwrite_under_a_reader(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch, moment: str, expect: Any
+) -> None:
     """``overwrite=True`` replaces a checkpoint; a load that read the old index before the
-    overwrite and its data after gets the old values or CorruptCheckpointError, never the
-    new values under the old index."""
+    overwrite gets the old values bit for bit (when its data reads come before the old
+    checkpoint is withdrawn) or CorruptCheckpointError (after), never the new values
+    under the old index.
+
+    The interleaving is fixed with events, not timing: right after the reader (the main
+    thread) has read the old index, an overwrite starts on another thread, and the reader
+    goes on only once the overwrite has reached ``moment``; the overwrite stays there
+    until the reader is done."""
     path = f"{s3.url}/ckpt"
+    final = resolve(path)
 
     def version(v: int) -> dict[str, Any]:
         return {
@@ -443,35 +480,85 @@ def test_overwrite_under_a_reader(s3: S3Server, monkeypatch: pytest.MonkeyPatch)
             "step": v,
         }
 
-    real = index_mod.read_index_bytes
-    overtaken = []
+    def save(v: int) -> None:
+        distckpt.save(version(v), path, COMM, overwrite=True, compression={"z": "zstd"})
+
+    real_read_index = index_mod.read_index_bytes
+    real_delete, real_delete_tree = S3Store.delete, S3Store.delete_tree
+    reached = threading.Event()  # the overwrite is at ``moment`` (or has failed)
+    resume = threading.Event()  # the reader is done: the overwrite may go on
+    failures: list[BaseException] = []
+    writers: list[threading.Thread] = []
+    paused: list[str] = []
+    armed: list[bool] = []  # the next index read by the main thread starts the overwrite
+
+    def overwrite() -> None:
+        try:
+            save(2)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+        finally:
+            reached.set()  # "committed": the whole save is the moment
+
+    def pause(at: str) -> None:
+        if moment == at and writers and threading.current_thread() is writers[0]:
+            paused.append(at)
+            reached.set()
+            resume.wait(60)
+
+    def delete(store: S3Store, key: str) -> None:
+        if key == ZARR_JSON and store.where(key) == final.where(key):
+            pause("claimed")  # the overwrite withdraws the old index first
+        real_delete(store, key)
+
+    def delete_tree(store: S3Store, key: str = "") -> None:
+        real_delete_tree(store, key)
+        if store.where(key) == final.where(""):
+            pause("withdrawn")
 
     def read_index_then_overwrite(store: Any) -> bytes:
-        index = real(store)
-        if not overtaken:  # the reader has the old index: now the writer replaces it
-            overtaken.append(True)
-            distckpt.save(version(2), path, COMM, overwrite=True, compression={"z": "zstd"})
-        return index
+        raw = real_read_index(store)
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.clear()
+            writers.append(threading.Thread(target=overwrite, name="overwrite"))
+            writers[0].start()
+            assert reached.wait(60), f"the overwrite did not reach {moment!r}"
+        return raw
 
+    monkeypatch.setattr(S3Store, "delete", delete)
+    monkeypatch.setattr(S3Store, "delete_tree", delete_tree)
     monkeypatch.setattr(index_mod, "read_index_bytes", read_index_then_overwrite)
+    old = version(1)
     for names in (["w"], ["z"], ["w", "z"]):
-        distckpt.save(version(1), path, COMM, overwrite=True, compression={"z": "zstd"})
-        overtaken.clear()
-        state: dict[str, Any] = {n: torch.zeros_like(version(1)[n]) for n in names}
+        save(1)
+        writers.clear()
+        paused.clear()
+        reached.clear()
+        resume.clear()
+        state: dict[str, Any] = {n: torch.zeros_like(old[n]) for n in names}
+        armed.append(True)
         try:
-            distckpt.load(state, path, COMM, strict=False)
-        except CorruptCheckpointError:
-            pass
-        else:
-            for n in names:
-                assert torch.equal(state[n], version(1)[n]), f"{names}: {n} is not version 1"
-        assert overtaken
-    monkeypatch.setattr(index_mod, "read_index", real)
+            if expect == "old":
+                distckpt.load(state, path, COMM, strict=False)
+                for n in names:
+                    assert_same_bits(state[n], old[n], f"{names}: {n}")
+            else:
+                with pytest.raises(expect):
+                    distckpt.load(state, path, COMM, strict=False)
+        finally:
+            resume.set()
+            for writer in writers:
+                writer.join(60)
+        assert writers and not writers[0].is_alive(), f"{names}: no overwrite ran"
+        assert not failures, failures
+        assert paused == ([] if moment == "committed" else [moment]), paused
+    monkeypatch.undo()
     # The name now holds version 2, whole.
     state = {"w": torch.zeros(64, 32), "z": torch.zeros(4096), "step": None}
     distckpt.load(state, path, COMM)
     want = version(2)
-    assert torch.equal(state["w"], want["w"]) and torch.equal(state["z"], want["z"])
+    assert_same_bits(state["w"], want["w"], "w")
+    assert_same_bits(state["z"], want["z"], "z")
     assert state["step"] == 2
     assert claim_mod.read_claim(resolve(path)) is None
 
