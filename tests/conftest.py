@@ -1,12 +1,74 @@
 """Shared fixtures: a real S3-compatible server (moto's, on loopback) for the object-store
-tests; they skip when moto is not installed."""
+tests; they skip when moto is not installed.
+
+Under ``CI=true`` a skip is a failure, except for the tests that need a CUDA GPU (CI has
+none): tests/test_cuda.py and tests marked ``gpu``. A test that skips because SLURM,
+shellcheck, mpiexec or a test dependency is missing there would otherwise pass unseen;
+the run lists each such skip with its reason and exits with 1.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from s3_server import S3Server, require, use
+
+#: Test files whose skips CI allows (they need a CUDA GPU).
+GPU_FILES = frozenset({"test_cuda.py"})
+
+_unexpected_skips: list[tuple[str, str]] = []  # (node id, reason) of this session
+
+
+def in_ci() -> bool:
+    """``$CI`` says this is a CI run (``true``, as CI services set it, or ``1``)."""
+    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU; may skip under CI=true, as tests/test_cuda.py does"
+    )
+    _unexpected_skips.clear()
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr: Any = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _note_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if not report.skipped or hasattr(report, "wasxfail") or not in_ci():
+        return
+    gpu = "gpu" in getattr(report, "keywords", {})  # a collect report has no keywords
+    if Path(report.nodeid.split("::")[0]).name in GPU_FILES or gpu:
+        return
+    _unexpected_skips.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _note_skip(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note_skip(report)  # a module that skips as a whole (importorskip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _unexpected_skips:
+        terminalreporter.section("skips not allowed under CI=true", sep="=", red=True)
+        for nodeid, reason in _unexpected_skips:
+            terminalreporter.line(f"SKIPPED {nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _unexpected_skips and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
