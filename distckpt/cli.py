@@ -53,11 +53,7 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"{'STEP':>8}  {'CREATED':<19}  {'BYTES':>12}  {'WORLD':>5}  {'STATE':<11}  NAME")
     for e in listing.entries:
         step = "-" if e.step is None else str(e.step)
-        created = (
-            "-"
-            if e.created is None
-            else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created))
-        )
+        created = _when(e.created)
         world = "-" if e.world_size is None else str(e.world_size)
         mark = "  <- latest" if e.latest else ""
         note = f"  ({e.note})" if e.note else ""
@@ -277,6 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError) as exc:
         print(f"distckpt {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return ERROR
+
+
+def _when(seconds: float | None) -> str:
+    """A time read from storage, as local time ("-" when unknown or not a time)."""
+    if seconds is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "-"
 
 
 def _one_line(exc: BaseException) -> str:

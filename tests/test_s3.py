@@ -439,18 +439,7 @@ OVERWRITE_MOMENTS = [
     # the name is claimed, the old checkpoint not yet withdrawn: the old values
     pytest.param("claimed", "old", id="claimed"),
     # the old index and data deleted, the new data not yet written
-    pytest.param(
-        "withdrawn",
-        CorruptCheckpointError,
-        id="withdrawn",
-        marks=pytest.mark.xfail(
-            raises=FileNotFoundError,
-            strict=True,
-            reason="S3Reader raises FileNotFoundError for a piece the index names, where "
-            "a file system raises CorruptCheckpointError (PieceReader.open translates "
-            "only the open, and an S3 open makes no request)",
-        ),
-    ),
+    pytest.param("withdrawn", CorruptCheckpointError, id="withdrawn"),
     # the new data (and index) under the old index
     pytest.param("committed", CorruptCheckpointError, id="committed"),
 ]

@@ -252,6 +252,8 @@ def _prepare(
             value = decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name)
             prepared.fresh.append((leaf, value))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
+            if pieces is not None:
+                pieces.check_backed()  # the checkpoint, not the user, says how large
             tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
             prepared.reads.append(ReadTarget(leaf.name, entry, box, tensor, stored=pieces))
             prepared.replicated.append(False)

@@ -251,6 +251,14 @@ class LocalStep:
                 variables.setdefault(name, {"kind": "value", "value": value})
             for name, value in per_rank_values.items():
                 per_rank(name)[str(owner)] = {"kind": "value", "value": value}
+        for (name, held_by), pieces in self._pieces.items():  # before any tensor of it exists
+            entry = variables[name] if held_by is None else variables[name]["ranks"][str(held_by)]
+            declared = math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"])
+            held = sum(p.nbytes for p in {p.box: p for p in pieces}.values())
+            if held < declared:
+                raise CorruptCheckpointError(
+                    f"{where}: variable {name!r}: its pieces hold {held} of its {declared} bytes"
+                )
         self.index = {"world_size": self.choice.world, "variables": variables}
         if manifests:
             extra = manifests[min(manifests)].get("extra") or {}

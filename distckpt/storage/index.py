@@ -300,6 +300,20 @@ class Pieces:
             return iter(self._listed)
         return (self._piece(coord) for coord in itertools.product(*map(range, self.grid)))
 
+    def check_backed(self) -> None:
+        """Raise unless the stored pieces can hold the declared shape: checked before a
+        tensor of it is allocated (for a target the checkpoint describes, not the user)."""
+        declared = math.prod(self.shape) * self.itemsize
+        if self._listed is not None:
+            capacity = sum(p.size * (wellformed.MAX_RATIO if p.codec else 1) for p in self._listed)
+        else:
+            capacity = self.stored_bytes * (wellformed.MAX_RATIO if self.codec else 1)
+        if capacity < declared:
+            raise wellformed.corrupt(
+                self.variable,
+                f"a shape {list(self.shape)} of {declared} bytes stored in {self.stored_bytes}",
+            )
+
     @property
     def stored_bytes(self) -> int:
         if self._listed is not None:
@@ -397,6 +411,9 @@ def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
     world = index.get("world_size", 1)
     if type(world) is not int or world < 1:
         raise CorruptCheckpointError(f"{path}: index has a world size of {world!r:.60}")
+    created = index.get("created", 0)
+    if type(created) not in (int, float) or not 0 <= created < 2**33:  # (until 2242)
+        raise CorruptCheckpointError(f"{path}: index has a creation time of {created!r:.60}")
     for name, entry in index["variables"].items():
         try:
             check_entry(entry, name)

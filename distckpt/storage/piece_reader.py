@@ -57,9 +57,11 @@ class PieceReader:
         return CorruptCheckpointError(f"variable {self.variable!r}: {what} ({self.path})")
 
     def open(self) -> ReadHandle:
-        """The piece's file, open for reading (``size``: the index's, saving a request)."""
+        """The piece's file, open for reading (``size``: the index's, saving a request).
+        A file found missing, now or at a later read (an object store opens lazily), is
+        the checkpoint's damage: :class:`CorruptCheckpointError`."""
         try:
-            return self.store.open(self.key, self.size)
+            return _Named(self.store.open(self.key, self.size), self)
         except FileNotFoundError:
             raise self._corrupt("a file the index names is missing") from None
         except UnsafePathError as exc:  # a link, a FIFO: never opened
@@ -338,6 +340,50 @@ class ShardHeader:
 
 
 _local = threading.local()
+
+
+class _Named:
+    """An open piece whose ``FileNotFoundError`` names the variable and the file."""
+
+    def __init__(self, handle: ReadHandle, reader: PieceReader) -> None:
+        self._handle, self._reader = handle, reader
+
+    def _missing(self) -> CorruptCheckpointError:
+        return self._reader._corrupt("a file the index names is missing")
+
+    @property
+    def size(self) -> int:
+        try:
+            return self._handle.size
+        except FileNotFoundError:
+            raise self._missing() from None
+
+    def readinto(self, buffers: Sequence[Any], offset: int) -> int:
+        try:
+            return self._handle.readinto(buffers, offset)
+        except FileNotFoundError:
+            raise self._missing() from None
+
+    def read(self, offset: int, length: int) -> bytes:
+        try:
+            return self._handle.read(offset, length)
+        except FileNotFoundError:
+            raise self._missing() from None
+
+    def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
+        try:
+            self._handle.will_need(runs)
+        except FileNotFoundError:
+            raise self._missing() from None
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> _Named:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def scratch(nbytes: int, slot: int) -> np.ndarray:

@@ -36,6 +36,7 @@ from distckpt.engine.load import gather_left, load_indexed, read_shared_index
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve
+from distckpt.storage.index import Pieces
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
 from distckpt.training.plan import Plan, Slot
@@ -257,6 +258,8 @@ class RestoreSession:
         if kind == "tensor":
             holder = slot.target
             if holder is None:
+                if "pieces" in entry or "chunks" in entry:  # (a local step's are checked there)
+                    Pieces(entry, found.source).check_backed()
                 shape = tuple(entry["shape"])
                 holder = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
         elif kind == "per_rank":
