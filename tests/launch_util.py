@@ -272,3 +272,22 @@ def load_script(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def hydra_keeps_survivors() -> bool:
+    """The mpiexec found is MPICH's hydra, which can leave the other ranks running when
+    one ends without MPI_Finalize (``-disable-auto-cleanup``)."""
+    if MPIEXEC is None:
+        return False
+    usage = subprocess.run([MPIEXEC, "-h"], capture_output=True, text=True, timeout=30)
+    return "-disable-auto-cleanup" in usage.stdout + usage.stderr
+
+
+def run_mpi_survivors(
+    nprocs: int, script: str | Path, *args: str, timeout: float, env: Mapping[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -disable-auto-cleanup``: the other ranks live on when one ends without
+    MPI_Finalize (but not when a signal kills it: hydra then SIGKILLs every rank)."""
+    cmd = mpiexec_command(nprocs, script, *args)
+    cmd.insert(1, "-disable-auto-cleanup")
+    return finish(start(cmd, {**MPI_LOCAL_ENV, **env}), timeout)

@@ -21,18 +21,16 @@ from typing import Any
 import pytest
 import torch
 from launch_util import (
-    MPI_LOCAL_ENV,
     MPIEXEC,
     SCRIPTS,
     check,
-    finish,
+    hydra_keeps_survivors,
     load_script,
-    mpiexec_command,
     needs_mpi,
     output,
     run_mpi,
+    run_mpi_survivors,
     run_torchrun,
-    start,
 )
 from make_golden import TWO_RANKS, assert_same_bits
 
@@ -199,15 +197,6 @@ def load_version(path: Path, world: int, version: int) -> None:
 KILL_TIMEOUT = 10  # DISTCKPT_TIMEOUT of the kill jobs
 
 
-def hydra_keeps_survivors() -> bool:
-    """The mpiexec found is MPICH's hydra, which can leave the other ranks running when
-    one ends without MPI_Finalize (``-disable-auto-cleanup``)."""
-    if MPIEXEC is None:
-        return False
-    usage = subprocess.run([MPIEXEC, "-h"], capture_output=True, text=True, timeout=30)
-    return "-disable-auto-cleanup" in usage.stdout + usage.stderr
-
-
 def run_kill(launcher: str, world: int, directory: Path, overwrite: bool) -> None:
     """Launch ``kill`` mode (the last rank dies in its first shard write, once the others
     have written theirs) and check the job and what is left on disk.
@@ -238,9 +227,7 @@ def run_kill(launcher: str, world: int, directory: Path, overwrite: bool) -> Non
     elif launcher == "mpi":
         proc = run_mpi(world, SCRIPT, *args, timeout=80, env=env)
     else:
-        cmd = mpiexec_command(world, SCRIPT, *args)
-        cmd.insert(1, "-disable-auto-cleanup")
-        proc = finish(start(cmd, {**MPI_LOCAL_ENV, **env}), 80)
+        proc = run_mpi_survivors(world, SCRIPT, *args, timeout=80, env=env)
     elapsed = time.monotonic() - start_time
     last = world - 1
     out = proc.stdout

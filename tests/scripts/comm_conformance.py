@@ -13,8 +13,9 @@ MODE picks what is checked (every rank runs the same checks, in the same order):
   DeviceMesh, then TorchComm (from auto()) and MPIComm.
 
 ``--size`` is the expected job size, ``--expect`` the class name auto() must return.
-``--die kill``: the last rank SIGKILLs itself before a collective; ``--die hang``: it
-sleeps instead; the other ranks print ``TIMEOUT <rank>`` on CommTimeoutError and exit 3.
+``--die kill|exit|hang [--markers DIR]``: the last rank SIGKILLs itself, exits, or sleeps
+before a collective; the others print ``TIMEOUT <rank>`` on CommTimeoutError (and leave
+it in ``DIR``) and exit 3 (see :func:`die`).
 Success ends with one ``OK <rank>`` line per rank.
 """
 
@@ -245,26 +246,49 @@ def check_mpi_torch(size: int) -> None:
     check_mpi(size)
 
 
-def die(mode: str) -> None:
-    """The last rank dies (or hangs) before a collective; the others must not hang."""
+def die(mode: str, markers: str | None) -> None:
+    """The last rank dies (or hangs) before a collective; the others must not hang.
+
+    ``kill``: SIGKILL; ``exit``: ``os._exit(9)``, no signal (MPICH's hydra SIGKILLs every
+    rank once it reaps one a signal killed, even under ``-disable-auto-cleanup``);
+    ``hang``: sleep. The others note a launcher's SIGTERM (torchrun's teardown) and
+    SIGUSR1 (hydra's notice of a dead rank) and carry on, so that what is seen is how the
+    collective itself gives up: ``TIMEOUT <rank> after <s> s``, also left in
+    ``markers/timeout-<rank>`` (a launcher that ends the job may lose output); each
+    waits for the others' markers before it exits (the first exit ends the job)."""
     comm = auto()
     say(f"READY {comm.rank} {type(comm).__name__} timeout={comm.timeout:g}")
     comm.barrier()
-    if comm.rank == comm.size - 1:
+    last = comm.size - 1
+    if comm.rank == last:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "exit":
+            os._exit(9)
         time.sleep(120)
         say(f"AWOKE {comm.rank}")
         return
+
+    def noted(signum: int, _frame: Any) -> None:
+        say(f"SIGNAL {comm.rank} {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, noted)
+    signal.signal(signal.SIGUSR1, noted)
     start = time.monotonic()
     try:
         comm.allgather(comm.rank)
     except CommTimeoutError as exc:
-        say(f"TIMEOUT {comm.rank} after {time.monotonic() - start:.1f} s: {exc}")
-        # Give the launcher time to forward the line: once a rank exits with an error it
-        # tears the job down, and a loaded machine can lose output still in the pipe.
-        time.sleep(1.0)
-        sys.exit(3)
+        line = f"TIMEOUT {comm.rank} after {time.monotonic() - start:.1f} s"
+        say(f"{line}: {exc}")
+        if markers is not None:
+            with open(os.path.join(markers, f"timeout-{comm.rank}"), "w") as f:
+                f.write(line)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(markers, f"timeout-{r}")) for r in range(last)
+            ):
+                time.sleep(0.02)
+        os._exit(3)  # as a job that lost a rank ends: no MPI_Finalize with a peer gone
     raise AssertionError(f"rank {comm.rank}: allgather with a dead rank returned")
 
 
@@ -273,11 +297,12 @@ def main() -> None:
     parser.add_argument("mode", choices=["single", "mpi", "torch", "auto", "mpi-torch"])
     parser.add_argument("--size", type=int, default=1)
     parser.add_argument("--expect", default=None)
-    parser.add_argument("--die", choices=["kill", "hang"], default=None)
+    parser.add_argument("--die", choices=["kill", "exit", "hang"], default=None)
+    parser.add_argument("--markers", default=None)
     args = parser.parse_args()
 
     if args.die:
-        die(args.die)
+        die(args.die, args.markers)
         return
     if args.expect is not None and args.mode != "mpi-torch":
         found = type(auto()).__name__
