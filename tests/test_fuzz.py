@@ -426,6 +426,7 @@ def test_damaged_storage_gives_right_values_or_one_clear_error(
             ("export", str(root / "ck"), str(root / "out.safetensors")),
             ("ls", str(root / "run")),
             ("verify", str(root / "run" / "ckpt-4")),
+            ("diff", str(root / "ck"), str(root / "run" / "ckpt-1")),
             ("gc", str(root / "run")),
         ):
             _cli(*argv)

@@ -427,11 +427,7 @@ def check_entry(entry: Any, variable: str, *, located: bool = True) -> None:
     kind, dtype, shape, pieces and value (see :mod:`distckpt.storage.wellformed`);
     ``located=False``: the entry names no pieces (the node-local tier's). Raises
     :class:`CorruptCheckpointError` naming ``variable``."""
-    kind = (
-        entry.get("kind", "value" if "value" in entry else None)
-        if isinstance(entry, dict)
-        else None
-    )
+    kind = entry.get("kind") if isinstance(entry, dict) else None
     if kind == "tensor":
         if located:
             Pieces(entry, variable)
