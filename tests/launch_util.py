@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -291,3 +291,20 @@ def run_mpi_survivors(
     cmd = mpiexec_command(nprocs, script, *args)
     cmd.insert(1, "-disable-auto-cleanup")
     return finish(start(cmd, {**MPI_LOCAL_ENV, **env}), timeout)
+
+
+@contextlib.contextmanager
+def bounded(seconds: int, what: str = "this") -> Iterator[None]:
+    """Fail with TimeoutError (raised in the main thread, interrupting a blocking call)
+    if the block takes more than ``seconds``: a hang becomes a failure."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"{what} took more than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

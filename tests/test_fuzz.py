@@ -27,7 +27,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 import pytest
 import torch
+from launch_util import bounded
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -304,25 +304,9 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
 # ---------------------------------------------------------------- the readers
 
 
-@contextlib.contextmanager
-def _bounded(what: str) -> Iterator[None]:
-    """Fail (from the main thread) if ``what`` takes more than :data:`BOUND` seconds."""
-
-    def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"{what} took more than {BOUND} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(BOUND)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _settles(what: str, fn: Callable[[], Any]) -> Any:
     """``fn()``'s result, or None when it raised a CheckpointError; anything else fails."""
-    with _bounded(what):
+    with bounded(BOUND, what):
         try:
             return fn()
         except distckpt.CheckpointError:
@@ -332,7 +316,7 @@ def _settles(what: str, fn: Callable[[], Any]) -> Any:
 def _cli(*argv: str) -> int:
     err = io.StringIO()
     with (
-        _bounded(f"distckpt {' '.join(argv)}"),
+        bounded(BOUND, f"distckpt {' '.join(argv)}"),
         contextlib.redirect_stderr(err),
         contextlib.redirect_stdout(io.StringIO()),
     ):

@@ -5,41 +5,39 @@ regular files are opened. Each test is a recipe that misled or crashed distckpt 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launch_util import bounded
 
 import distckpt
 from distckpt import CheckpointError, CorruptCheckpointError, UnsafePathError
+from distckpt.cli import main
 
 BOUND = 30  # seconds: nothing here may hang
 
 
-@contextmanager
-def bounded() -> Iterator[None]:
-    def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"took more than {BOUND} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(BOUND)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``distckpt ARGS``, run in this process (bounded in time), as a finished process."""
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with bounded(BOUND, f"distckpt {' '.join(argv)}"), redirect_stdout(out), redirect_stderr(err):
+        rc = main(argv)
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+
+
+def cli_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``distckpt ARGS`` as its own process: all it prints, logging included."""
     return subprocess.run(
         [sys.executable, "-m", "distckpt", *map(str, args)],
         capture_output=True,
@@ -100,7 +98,7 @@ def test_an_index_cannot_point_a_load_outside_its_checkpoint(
         distckpt.load({"b": b}, ck)
     assert isinstance(ei.value, CorruptCheckpointError) and str(ck) in str(ei.value)
     assert torch.equal(b, torch.full((4,), -1.0))  # nothing read
-    one_error_line(cli("verify", ck), "variable 'b'", "outside")
+    one_error_line(cli_process("verify", ck), "variable 'b'", "outside")
     one_error_line(cli("export", ck, ck.parent / "x.safetensors"), "variable 'b'")
     one_error_line(cli("inspect", ck), "variable 'b'")
 
@@ -270,14 +268,14 @@ def test_damaged_metadata_is_one_clear_error_everywhere(
     ck = run / "ckpt-2"
     DAMAGE[damage](ck)
     state = {"w": torch.zeros(300, 400), "b": torch.zeros(5), "cfg": None, "save_counter": None}
-    with bounded(), pytest.raises(CheckpointError):
+    with bounded(BOUND), pytest.raises(CheckpointError):
         distckpt.load(state, ck)
-    with bounded(), pytest.raises(CheckpointError):
+    with bounded(BOUND), pytest.raises(CheckpointError):
         distckpt.list_variables(ck)
     # The manager resumes from the newest readable checkpoint, and says why.
     fresh = distckpt.Checkpoint(w=torch.zeros(300, 400), b=torch.zeros(5), cfg={"a": 0})
     with (
-        bounded(),
+        bounded(BOUND),
         caplog.at_level("WARNING", "distckpt"),
         distckpt.CheckpointManager(fresh, run, max_to_keep=3) as manager,
     ):
@@ -321,7 +319,7 @@ def test_a_fifo_is_never_opened(two: tuple[Path, Path], what: str) -> None:
     victim = ck / "b" / "c.0" if what == "piece" else ck / "zarr.json"
     victim.unlink()
     os.mkfifo(victim)
-    with bounded(), pytest.raises(UnsafePathError, match="FIFO"):
+    with bounded(BOUND), pytest.raises(UnsafePathError, match="FIFO"):
         distckpt.load({"b": torch.zeros(4)}, ck)
     commands = [["verify", ck], ["export", ck, ck.parent / "x.safetensors"]]
     for cmd in commands + ([["inspect", ck]] if what == "index" else []):
@@ -353,7 +351,7 @@ def test_a_local_step_with_a_fifo_or_link_falls_back_to_the_shared_directory(
     data.unlink()
     data.symlink_to(outside)
     fresh = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8))
-    with bounded(), manager(fresh) as m:
+    with bounded(BOUND), manager(fresh) as m:
         m.restore_or_initialize()
         assert m.restored is not None and m.restored.tier == "persistent", m.restored
         assert "symbolic link" in m.restored.reason
@@ -382,7 +380,7 @@ def test_hf_weights_read_only_inside_their_directory(tmp_path: Path) -> None:
     index["weight_map"]["w"] = "model.safetensors"
     (weights / "model.safetensors.index.json").write_text(json.dumps(index))
     os.mkfifo(weights / "model.safetensors")
-    with bounded(), pytest.raises(UnsafePathError, match="FIFO"):
+    with bounded(BOUND), pytest.raises(UnsafePathError, match="FIFO"):
         distckpt.load_hf({"w": torch.zeros(3)}, weights)
 
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -158,6 +159,16 @@ def _manager_meta(meta: Any, where: str) -> dict[str, Any]:
     ):
         raise CorruptCheckpointError(f"{where}: the manager's entry is malformed")
     return meta
+
+
+def _schedule_of(extra: dict[str, Any], where: str) -> tuple[int | None, float | None]:
+    """The step and time of the last persistent save, as a local step records them."""
+    step, when = extra.get("last_persistent_step"), extra.get("last_persistent_time")
+    if not (step is None or (type(step) is int and step >= 0)) or not (
+        when is None or (type(when) in (int, float) and 0 <= when < math.inf)
+    ):
+        raise CorruptCheckpointError(f"{where}: the manager's schedule in it is malformed")
+    return step, None if when is None else float(when)
 
 
 class CheckpointManager:
@@ -815,6 +826,7 @@ class CheckpointManager:
             reason += f"; saved on {choice.world} ranks, resharded onto {comm.size}"
         try:
             step = LocalStep.open(self._local_store, choice, comm)
+            last_step, last_time = _schedule_of(step.extra, step.path)
             self._checkpoint._restore_from(
                 step, comm, allow_pickle=self._allow_pickle, io_workers=self._io_workers
             )
@@ -826,8 +838,7 @@ class CheckpointManager:
         if comm.rank == 0:
             log.info("restored local step %d from the node-local tier: %s", choice.step, reason)
         # The persistent schedule goes on from the last persistent save, not from here.
-        self._last_step = step.extra.get("last_persistent_step")
-        self._last_save_time = step.extra.get("last_persistent_time")
+        self._last_step, self._last_save_time = last_step, last_time
         where = self._local_store.where(files.step_dir(choice.step))
         return Restored("local", choice.step, where, reason), None
 

@@ -319,6 +319,20 @@ class Runner:
         self.world_comm.barrier()
 
 
+def managed(
+    root: Path, job: Job, ckpt: distckpt.Checkpoint, objects: dict[str, Any]
+) -> distckpt.CheckpointManager:
+    """The job's manager of ``root/managed``: persistent every 10 steps, else local."""
+    return distckpt.CheckpointManager(
+        ckpt,
+        root / "managed",
+        comm=job.comm,
+        step_counter=objects["counter"],
+        checkpoint_interval=10,
+        local=TIER(root),
+    )
+
+
 def save3(root: Path) -> Case:
     """The job of 3 saves every kind of checkpoint the other cases load."""
 
@@ -326,14 +340,7 @@ def save3(root: Path) -> Case:
         distckpt.save(job.state(filled=True), root / "engine", job.comm)
         distckpt.save_hf(weights(job.state(filled=True)), root / "hf", job.comm)
         ckpt, objects = graph(job, filled=1)
-        manager = distckpt.CheckpointManager(
-            ckpt,
-            root / "managed",
-            comm=job.comm,
-            step_counter=objects["counter"],
-            checkpoint_interval=10,
-            local=TIER(root),
-        )
+        manager = managed(root, job, ckpt, objects)
         check(manager.save() is not None, "the persistent save did not happen")
         fill_all = graph(job, filled=2)[1]
         for key, value in fill_all.items():  # step 2: saved to the local tier
@@ -373,14 +380,7 @@ def load(root: Path) -> Case:
         handler = Warnings()
         logging.getLogger("distckpt").addHandler(handler)
         ckpt, objects = graph(job, filled=None)
-        manager = distckpt.CheckpointManager(
-            ckpt,
-            root / "managed",
-            comm=job.comm,
-            step_counter=objects["counter"],
-            checkpoint_interval=10,
-            local=TIER(root),
-        )
+        manager = managed(root, job, ckpt, objects)
         manager.restore_or_initialize()
         manager.close()
         restored = manager.restored
