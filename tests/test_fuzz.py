@@ -288,6 +288,8 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
         parts = where.split("/")
         if {"value", "values", "per_rank_values", "name"} & set(parts):
             return "*"  # a value or a name (in a manifest), not checksummed: any is right
+        if how == "delete" and (parts[-2:-1] in (["tensors"], ["variables"])):
+            return "*"  # a whole entry gone: a well-formed document that holds less
         return None
     top = root / target
     files = [p for p in _files(top) if p.name not in ("latest", ".distckpt-run")]

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from distckpt.errors import UnsupportedValueError
+from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.naming import join_keys, zarr_path
-from distckpt.values import decode, encode
+from distckpt.values import MAX_DEPTH, decode, encode
 
 
 @pytest.mark.parametrize(
@@ -49,8 +49,20 @@ def test_unsupported_values_are_refused_by_name(value):
 
 
 def test_decode_rejects_malformed():
-    with pytest.raises(ValueError):
-        decode({"unknown-tag": 1})
+    for stored in ({"unknown-tag": 1}, {"float": "7"}, {"dict": [[[1], 2]]}, {"tuple": 5}):
+        with pytest.raises(CorruptCheckpointError, match="malformed stored value"):
+            decode(stored, name="v")
+
+
+def test_values_nest_at_most_max_depth():
+    deep: object = 1
+    for _ in range(MAX_DEPTH):
+        deep = [deep]
+    assert decode(encode(deep)) == deep
+    with pytest.raises(UnsupportedValueError, match="nested"):
+        encode([deep])
+    with pytest.raises(CorruptCheckpointError, match="nested"):
+        decode([encode(deep)])
 
 
 def test_names_and_paths():

@@ -205,6 +205,10 @@ def main(root: Path) -> int:
     comm.barrier()
     if not run.failed:
         emit(f"OK {rank}")
+    if launched_by_torchrun():  # every group (the exchange's too) torn down together: a
+        import torch.distributed as dist  # rank that exits with them alive can abort another
+
+        dist.destroy_process_group()
     return 1 if run.failed else 0
 
 
