@@ -290,6 +290,8 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
             return "*"  # a value or a name (in a manifest), not checksummed: any is right
         if how == "delete" and (parts[-2:-1] in (["tensors"], ["variables"])):
             return "*"  # a whole entry gone: a well-formed document that holds less
+        if parts[-1:] in (["tensors"], ["variables"]) and how in ([], {}):
+            return "*"  # all of them gone, likewise
         return None
     top = root / target
     files = [p for p in _files(top) if p.name not in ("latest", ".distckpt-run")]
