@@ -31,6 +31,7 @@ import distckpt
 from distckpt.comm import SingleComm
 from distckpt.errors import CheckpointNotFoundError, StorageError
 from distckpt.storage import s3 as s3_mod
+from distckpt.storage import s3_service
 from distckpt.storage.backend import (
     ConditionFailed,
     ReadHandle,
@@ -556,7 +557,7 @@ def test_bad_credentials(s3: S3Server) -> None:
 
 
 def test_no_credentials(s3: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(s3_mod, "_clients", {})  # a client made now, without credentials
+    monkeypatch.setattr(s3_service, "_clients", {})  # a client made now, without credentials
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
