@@ -234,7 +234,8 @@ def _prepare(
                 moved.append(leaf.name)
         check_leaf(leaf, entry)
         # A malformed entry or an unknown codec fails before anything is read.
-        pieces = Pieces(entry, leaf.name) if located and entry.get("kind") == "tensor" else None
+        stored_tensor = located and entry.get("kind") == "tensor"
+        pieces = index_mod.pieces_of(index, entry, leaf.name) if stored_tensor else None
         jobs.append((leaf, entry, pieces))
     if moved and rank == 0:
         log.warning(

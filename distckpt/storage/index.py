@@ -414,23 +414,46 @@ def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
     created = index.get("created", 0)
     if type(created) not in (int, float) or not 0 <= created < 2**33:  # (until 2242)
         raise CorruptCheckpointError(f"{path}: index has a creation time of {created!r:.60}")
+    checked = Index(index)
     for name, entry in index["variables"].items():
         try:
-            check_entry(entry, name)
+            check_entry(entry, name, made=checked.pieces)
         except CheckpointError as exc:
             raise type(exc)(f"{store.url}: {exc}") from None
-    return index
+    return checked
 
 
-def check_entry(entry: Any, variable: str, *, located: bool = True) -> None:
+class Index(dict[str, Any]):
+    """A parsed and checked index document; ``pieces`` holds the :class:`Pieces` made
+    while checking its tensor entries (by ``id`` of the entry, which the document keeps
+    alive), so that a reader does not parse them again (:func:`pieces_of`)."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        super().__init__(doc)
+        self.pieces: dict[int, Pieces] = {}
+
+
+def pieces_of(index: dict[str, Any], entry: dict[str, Any], variable: str) -> Pieces:
+    """The stored pieces of ``entry``, a tensor entry of ``index``: made when the index
+    was checked, else now."""
+    made = index.pieces.get(id(entry)) if isinstance(index, Index) else None
+    return made if made is not None else Pieces(entry, variable)
+
+
+def check_entry(
+    entry: Any, variable: str, *, located: bool = True, made: dict[int, Pieces] | None = None
+) -> None:
     """Check one entry of an index's variables table, so that every reader can trust its
     kind, dtype, shape, pieces and value (see :mod:`distckpt.storage.wellformed`);
     ``located=False``: the entry names no pieces (the node-local tier's). Raises
-    :class:`CorruptCheckpointError` naming ``variable``."""
+    :class:`CorruptCheckpointError` naming ``variable``; ``made`` collects the
+    :class:`Pieces` made."""
     kind = entry.get("kind") if isinstance(entry, dict) else None
     if kind == "tensor":
         if located:
-            Pieces(entry, variable)
+            pieces = Pieces(entry, variable)
+            if made is not None:
+                made[id(entry)] = pieces
         else:
             wellformed.shape_of(entry, variable, stored_dtype(entry, variable).itemsize)
     elif kind == "value" and "value" in entry:
@@ -441,7 +464,7 @@ def check_entry(entry: Any, variable: str, *, located: bool = True) -> None:
                 raise wellformed.corrupt(variable, f"a per-rank entry of rank {rank!r:.60}")
             if not isinstance(sub, dict) or sub.get("kind") == "per_rank":
                 raise wellformed.corrupt(variable, f"malformed entry of rank {rank}")
-            check_entry(sub, variable, located=located)
+            check_entry(sub, variable, located=located, made=made)
     else:
         raise wellformed.corrupt(variable, "malformed index entry")
 

@@ -160,8 +160,12 @@ class PosixStore:
         self.path = Path(path)
         self.url = str(self.path)
         self._root = self.path if root is None else root
+        # The path's components below the root, and the root as a string: _p joins
+        # strings, a hot path (pathlib costs tens of microseconds a key).
+        self._below = self.path.relative_to(self._root).parts
+        self._top = str(self._root)
         # Directories below the root seen not to be links (lstat once per directory).
-        self._plain: set[Path] = set()
+        self._plain: set[str] = set()
 
     def __repr__(self) -> str:
         return f"PosixStore({self.url!r})"
@@ -195,12 +199,10 @@ class PosixStore:
         """The path of ``key``: inside the store, and reached through no link below the
         root (the last component is the caller's to open without following)."""
         path = self.path / check_key(key) if key else self.path
-        if path == self._root:
-            return path
-        parts = path.relative_to(self._root).parts
-        at = self._root
+        parts = (*self._below, *key.split("/")) if key else self._below
+        at = self._top
         for part in parts[:-1]:
-            at = at / part
+            at = f"{at}/{part}"
             if at in self._plain:
                 continue
             try:

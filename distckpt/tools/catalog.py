@@ -19,7 +19,7 @@ from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.index import Pieces, StoredPiece
+from distckpt.storage.index import StoredPiece
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,17 @@ def open_catalog(path: str | os.PathLike[str]) -> Catalog:
         else:
             items = [(name, entry)]
         for shown, item in items:
-            _add(shown, item, tensors, values)
+            _add(shown, item, tensors, values, index)
     return Catalog(root, index, tensors, values)
 
 
-def _add(name: str, entry: Any, tensors: dict[str, TensorVar], values: dict[str, ValueVar]) -> None:
+def _add(
+    name: str,
+    entry: Any,
+    tensors: dict[str, TensorVar],
+    values: dict[str, ValueVar],
+    index: dict[str, Any],
+) -> None:
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"variable {name!r}: malformed index entry")
     kind = entry.get("kind", "value" if "value" in entry else None)
@@ -94,7 +100,7 @@ def _add(name: str, entry: Any, tensors: dict[str, TensorVar], values: dict[str,
     try:
         dtype = str(entry["dtype"])
         shape = tuple(int(n) for n in entry["shape"])
-        pieces = tuple(Pieces(entry, name))
+        pieces = tuple(index_mod.pieces_of(index, entry, name))
         dtypes.numpy_dtype(dtype)
     except UnsupportedValueError as exc:
         raise CorruptCheckpointError(f"variable {name!r}: {exc}") from None
