@@ -410,28 +410,30 @@ def unexpected4(root: Path) -> Case:
     """No rank holds ``stage2/w``: strict loads fail on every rank naming it, before
     reading anything; ``strict=False`` reports it; the restore status is not consumed."""
 
+    def refused(check: Check, load: Any, target: Any, name: str, label: str) -> None:
+        """A strict ``load`` of ``target`` fails naming ``name``, having filled nothing."""
+        try:
+            load(target)
+            check(False, f"the strict {label} did not fail")
+        except MissingVariablesError as exc:
+            check(exc.unexpected == [name] and exc.missing == [], f"{exc}")
+            check(untouched(target), f"a strict {label} that failed filled targets")
+            record(f"unexpected4-{label}", message=str(exc), error_rank=getattr(exc, "rank", None))
+
     def run(job: Job, check: Check) -> None:
         target = job.state(filled=False, skip=("stage2/w",))
-        try:
-            distckpt.load(target, root / "engine", job.comm)
-            check(False, "the strict load did not fail")
-        except MissingVariablesError as exc:
-            check(exc.unexpected == ["stage2/w"] and exc.missing == [], f"{exc}")
-            check(untouched(target), "a strict load that failed filled targets")
-            record("unexpected4-load", message=str(exc), error_rank=getattr(exc, "rank", None))
+        refused(
+            check, lambda t: distckpt.load(t, root / "engine", job.comm), target, "stage2/w", "load"
+        )
         result = distckpt.load(target, root / "engine", job.comm, strict=False)
         check(result.unexpected == ["stage2/w"], f"unexpected {result.unexpected}")
         check(result.missing == [], f"missing {result.missing}")
         compare(check, target, job.state(filled=True, skip=("stage2/w",)))
 
         tensors = weights(job.state(filled=False, skip=("stage2/w",)))
-        try:
-            distckpt.load_hf(tensors, root / "hf", job.comm)
-            check(False, "the strict load_hf did not fail")
-        except MissingVariablesError as exc:
-            check(exc.unexpected == ["stage2.w"] and exc.missing == [], f"{exc}")
-            check(untouched(tensors), "a strict load_hf that failed filled targets")
-            record("unexpected4-hf", message=str(exc))
+        refused(
+            check, lambda t: distckpt.load_hf(t, root / "hf", job.comm), tensors, "stage2.w", "hf"
+        )
         result = distckpt.load_hf(tensors, root / "hf", job.comm, strict=False)
         check(result.unexpected == ["stage2.w"], f"hf unexpected {result.unexpected}")
 
