@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distckpt import dtypes
+from distckpt import dtypes, values
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.arrays import writable_view
 from distckpt.engine.load import LoadResult, _prepare, agree_names, assign, settle
@@ -41,7 +41,7 @@ from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage import wellformed
 from distckpt.storage.backend import Store
-from distckpt.storage.index import check_entry, stored_dtype
+from distckpt.storage.index import stored_dtype
 from distckpt.storage.posix import PosixReader
 from distckpt.storage.shard_io import crc32c
 from distckpt.transfer.exchange import aligned
@@ -153,13 +153,7 @@ def _checked(
         try:
             itemsize = stored_dtype(t, name).itemsize
             shape = wellformed.shape_of(t, name, itemsize)
-            box = t.get("box")
-            if not isinstance(box, list) or len(box) != 2:
-                raise wellformed.corrupt(name, "a box that is not [offsets, lengths]")
-            offsets = wellformed.counts(box[0], name, "box offsets", ndim=len(shape))
-            lengths = wellformed.counts(box[1], name, "box lengths", ndim=len(shape))
-            if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
-                raise wellformed.corrupt(name, f"its box lies outside the shape {list(shape)}")
+            _, lengths = wellformed.box_of(t.get("box"), name, shape)
             offset, nbytes, crc = t.get("offset"), t.get("nbytes"), t.get("crc")
             if not (wellformed.count(offset) and wellformed.count(crc) and crc < 1 << 32):
                 raise wellformed.corrupt(name, "an offset or crc32c that is not a count")
@@ -169,7 +163,7 @@ def _checked(
             raise CorruptCheckpointError(f"{where}: {exc}") from None
     for table in (plain, per_rank):
         for name, value in table.items():
-            check_entry({"kind": "value", "value": value}, name)
+            values.check(value, name)
     return tensors, plain, per_rank
 
 

@@ -46,7 +46,6 @@ _KINDS = {
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
-    stat.S_IFLNK: "a symbolic link",
 }
 
 

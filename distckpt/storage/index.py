@@ -111,11 +111,7 @@ class StoredPiece:
         raises :class:`~distckpt.errors.UnsupportedFormatError`)."""
         if not isinstance(data, dict):
             raise wellformed.corrupt(variable, f"a piece that is not an object: {data!r:.60}")
-        box = data.get("box")
-        if not isinstance(box, list) or len(box) != 2:
-            raise wellformed.corrupt(variable, f"a piece with no box: {box!r:.60}")
-        offsets = wellformed.counts(box[0], variable, "box offsets")
-        lengths = wellformed.counts(box[1], variable, "box lengths", ndim=len(offsets))
+        offsets, lengths = wellformed.box_of(data.get("box"), variable)
         block = wellformed.counts(data.get("block"), variable, "block")
         inner = data.get("inner")
         crc: Any = data.get("crc")

@@ -61,6 +61,28 @@ def counts(value: Any, variable: str, what: str, *, ndim: int | None = None) -> 
     return tuple(value)
 
 
+def box_of(
+    value: Any, variable: str, shape: tuple[int, ...] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The offsets and lengths of a stored box ``[offsets, lengths]``; with ``shape``,
+    checked to be of its rank and to lie inside it."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise corrupt(variable, f"a box that is not [offsets, lengths]: {_short(value)}")
+    ndim = None if shape is None else len(shape)
+    offsets = counts(value[0], variable, "box offsets", ndim=ndim)
+    lengths = counts(value[1], variable, "box lengths", ndim=len(offsets))
+    if shape is not None:
+        check_inside(variable, shape, offsets, lengths)
+    return offsets, lengths
+
+
+def check_inside(
+    variable: str, shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> None:
+    if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        raise corrupt(variable, f"a box that lies outside the shape {list(shape)}")
+
+
 def shape_of(entry: dict[str, Any], variable: str, itemsize: int) -> tuple[int, ...]:
     """A tensor entry's declared shape, checked to be one of at most :data:`MAX_BYTES`."""
     shape = counts(entry.get("shape"), variable, "shape")
@@ -90,8 +112,10 @@ def check_piece(
 
     if len(offsets) != ndim or len(lengths) != ndim or len(block) != ndim:
         raise bad(f"a box or block of another rank than the shape {list(shape)}")
-    if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
-        raise bad(f"its box lies outside the shape {list(shape)}")
+    try:
+        check_inside(variable, shape, offsets, lengths)
+    except CorruptCheckpointError:
+        raise bad(f"its box lies outside the shape {list(shape)}") from None
     if any(b < n for b, n in zip(block, lengths)):
         raise bad(f"its block {list(block)} does not hold its box")
     if math.prod(lengths) == 0:
