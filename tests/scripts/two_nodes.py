@@ -1,0 +1,307 @@
+"""Jobs across the two "nodes" of tests/nodes.py, for tests/test_two_nodes.py.
+
+Run under torchrun (one agent per node) or mpiexec (hydra's launcher entering each
+node), 2 nodes of 2 ranks; the node of a rank is what the library finds (its host name:
+neither ``$DISTCKPT_NODE`` nor ``$SLURM_NODEID`` is set).
+
+``two_nodes.py probe DIR``, two cases:
+
+* ``topology``: this rank's host name and node identity, the library's grouping of
+  the ranks into nodes, and the device of its ``/dev/shm`` (each node has its own tmpfs).
+* ``exchange``: a load of fully replicated state saved in ``DIR`` (shared by both
+  nodes): the bytes each rank read and received, the stored bytes, and the bytes the
+  node's ``eth0`` received during the load (measured by the node's first rank).
+
+``two_nodes.py train --run R --tier T --signals S --steps N [...]``: training with a
+node-local tier (one replica on the other node), as tests/scripts/local_tier.py, with a
+sharded state of 4 MiB; at the end every rank compares its state, bit for bit, with an
+uninterrupted replay. Events with the test go through files in ``S``:
+
+* ``--hold-at K``: after the save of step K, each rank writes ``held.<rank>``; then the
+  ranks of the first node wait in a barrier, and those of the second for a ``go`` file
+  that never comes (the test kills their node). The survivors print ``GAVEUP <rank>``.
+* ``--cut-at K``: in the local save of step K, right before the replicas are sent, each
+  rank writes ``insave.<rank>`` and waits for ``cut`` (the test has taken a node's link
+  down); the save must then fail: each rank prints ``CASE {json}`` with the error and
+  the seconds from ``cut`` to it, and writes ``failed.<rank>``.
+
+Prints ``RESTORED {json}`` on rank 0, ``OK <rank>`` per rank when every value matches.
+A rank that gave up exits at once with 3 (``os._exit``: no exit barrier with lost peers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import distckpt
+from distckpt.comm import Communicator
+from distckpt.local import nodes
+from distckpt.local.save import topology
+from distckpt.slices import chunk_bounds
+from distckpt.storage.index import Pieces, read_index
+
+W_SHAPE = (4096, 256)  # float32, sharded by rows: 1 MiB a rank on 4 ranks
+E_SHAPE = (10, 3)
+WAIT = 120.0  # seconds a rank waits for the test's next event at most
+
+
+def say(line: str) -> None:
+    """One whole line in one write: ranks' lines never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
+def case(name: str, rank: int, **record: Any) -> None:
+    say("CASE " + json.dumps({"case": name, "rank": rank, **record}))
+
+
+def wait_for(path: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {WAIT} s")
+        time.sleep(0.01)
+
+
+def rx_bytes(iface: str = "eth0") -> int:
+    """Bytes received on ``iface`` of this process's network namespace."""
+    for line in Path("/proc/self/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == iface:
+            return int(counters.split()[0])
+    raise LookupError(f"no interface {iface}")
+
+
+# ---------------------------------------------------------------- probe
+
+
+def generate(key: object, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+    return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+def replicated_state() -> dict[str, Any]:
+    state: dict[str, Any] = {f"small/{i}": generate(("small", i), (48, 64)) for i in range(100)}
+    state["big"] = generate("big", (1024, 1024))
+    x = generate("odd", (16,))
+    state["odd/f64"] = x[0].double()
+    state["odd/bf16"] = x[:15].reshape(5, 3).bfloat16()
+    state["odd/i8"] = (x[:9] * 50).to(torch.int8)
+    return state
+
+
+def probe(comm: Communicator, root: Path) -> int:
+    rank = comm.rank
+    topo = topology(comm)
+    case(
+        "topology",
+        rank,
+        host=socket.gethostname(),
+        identity=nodes.node_identity(),
+        nodes=[list(n) for n in topo.nodes],
+        names=list(topo.names),
+        env=[v for v in (nodes.NODE_ENV, "SLURM_NODEID") if v in os.environ],
+        shm=os.stat("/dev/shm").st_dev,
+    )
+    path = root / "replicated"
+    distckpt.save(replicated_state(), path, comm, inner_bytes=256 * 1024)
+    target = {k: torch.zeros_like(v) for k, v in replicated_state().items()}
+    leader = topo.leader(rank)
+    comm.barrier()
+    before = rx_bytes() if leader else 0
+    comm.barrier()
+    result = distckpt.load(target, path, comm)
+    comm.barrier()
+    received = rx_bytes() - before if leader else None
+    wrong = [k for k, v in replicated_state().items() if not _same_bits(target[k], v)]
+    variables = read_index(path)["variables"]
+    stored = headers = 0
+    for name, entry in variables.items():
+        if entry.get("kind") != "tensor":
+            continue
+        for p in Pieces(entry, name):
+            stored += p.size
+            if p.inner is not None:  # its chunk index: read by every rank reading part of it
+                chunks = 1
+                for b, i in zip(p.block, p.inner, strict=True):
+                    chunks *= -(-b // i)
+                headers += chunks * (16 + 4) + 8
+    case(
+        "exchange",
+        rank,
+        node=topo.node_of(rank),
+        read=result.bytes_read,
+        exchanged=result.bytes_exchanged,
+        stored=stored,
+        headers=headers,
+        eth0_received=received,
+        wrong=wrong,
+    )
+    comm.barrier()
+    say(f"OK {rank}")
+    return 0
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
+
+
+# ---------------------------------------------------------------- train
+
+
+def initial(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = int(torch.tensor(shape).prod())
+    return (torch.arange(n, dtype=dtype) % 1000).reshape(shape) / 7
+
+
+def update(t: torch.Tensor, step: int, rows: tuple[int, int]) -> None:
+    """One training step on rows ``rows`` of a global tensor: elementwise, exact."""
+    index = torch.arange(rows[0], rows[1], dtype=t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+    t.mul_(0.75).add_(index * 0.125 + step / 64)
+
+
+def rows(length: int, parts: int, index: int) -> tuple[int, int]:
+    start, size = chunk_bounds(length, parts, index)
+    return start, start + size
+
+
+def train(comm: Communicator, args: argparse.Namespace) -> int:
+    rank, size = comm.rank, comm.size
+    signals = Path(args.signals)
+    w_rows = rows(W_SHAPE[0], size, rank)
+    e_rows = rows(E_SHAPE[0], size, rank)
+    w = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
+    e = initial(E_SHAPE, torch.float64)[e_rows[0] : e_rows[1]].clone()
+    bias = torch.zeros(5, dtype=torch.bfloat16)
+    step = torch.tensor(0)
+    counter = torch.zeros(1, dtype=torch.int64)
+    ckpt = distckpt.Checkpoint(
+        step=step,
+        w=distckpt.Shard(w, W_SHAPE, (w_rows[0], 0)),
+        e=distckpt.Shard(e, E_SHAPE, (e_rows[0], 0)),
+        bias=bias,
+        counter=distckpt.PerRank(counter),
+        meta={"lr": 0.0},
+    )
+    tier = distckpt.LocalTier(args.tier, replicas=1, max_to_keep=2)
+    manager = distckpt.CheckpointManager(
+        ckpt,
+        args.run,
+        max_to_keep=2,
+        checkpoint_interval=args.persistent_every,
+        step_counter=step,
+        comm=comm,
+        local=tier,
+    )
+    manager.restore_or_initialize()
+    restored = manager.restored
+    counter = ckpt.counter.value  # a restore replaces the value a PerRank holds
+    if rank == 0:
+        record = (
+            {"tier": None}
+            if restored is None
+            else {"tier": restored.tier, "number": restored.number, "reason": restored.reason}
+        )
+        say("RESTORED " + json.dumps({**record, "world": size}))
+
+    cut = signals / "cut"
+    moment: dict[str, float] = {}  # when this rank saw the cut
+    if args.cut_at >= 0:
+        from distckpt.local import save as local_save
+
+        replicate = local_save._replicate
+
+        def cut_in_the_middle(*a: Any, **k: Any) -> Any:
+            if int(step) == args.cut_at:
+                (signals / f"insave.{rank}").touch()
+                wait_for(cut)
+                moment["cut"] = time.monotonic()
+            return replicate(*a, **k)
+
+        local_save._replicate = cut_in_the_middle
+
+    while int(step) < args.steps:
+        step.add_(1)
+        s = int(step)
+        update(w, s, w_rows)
+        update(e, s, e_rows)
+        bias.add_(1)
+        counter.add_(rank + 1)
+        ckpt.meta = {"lr": s / 100}
+        try:
+            manager.save()
+        except Exception as exc:
+            if s != args.cut_at:
+                raise
+            since = time.monotonic() - moment["cut"]
+            case("cut", rank, step=s, error=type(exc).__name__, message=str(exc), seconds=since)
+            (signals / f"failed.{rank}").touch()
+            os._exit(3)
+        if s == args.hold_at:
+            comm.barrier()
+            (signals / f"held.{rank}").touch()
+            if topology(comm).node_of(rank) != 0:
+                wait_for(signals / "go")  # never: the test kills this node
+            try:
+                comm.barrier()
+            except Exception as exc:
+                say(f"GAVEUP {rank}: {type(exc).__name__}: {exc}")
+                os._exit(3)
+            say(f"FAIL {rank}: the barrier after the lost node returned")
+            os._exit(1)
+    manager.close()
+
+    w_ref = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
+    e_ref = initial(E_SHAPE, torch.float64)[e_rows[0] : e_rows[1]].clone()
+    for s in range(1, args.steps + 1):
+        update(w_ref, s, w_rows)
+        update(e_ref, s, e_rows)
+    checks = {
+        "w": _same_bits(w, w_ref),
+        "e": _same_bits(e, e_ref),
+        "bias": _same_bits(bias, torch.full((5,), float(args.steps), dtype=torch.bfloat16)),
+        "step": int(step) == args.steps,
+        "counter": int(counter[0]) == args.steps * (rank + 1),
+        "meta": ckpt.meta == {"lr": args.steps / 100},
+        "node": nodes.node_identity() == socket.gethostname(),
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        say(f"FAIL {rank}: {bad}")
+        return 1
+    say(f"OK {rank}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["probe", "train"])
+    ap.add_argument("dir", nargs="?")
+    ap.add_argument("--run")
+    ap.add_argument("--tier")
+    ap.add_argument("--signals")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--persistent-every", type=int, default=10)
+    ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--cut-at", type=int, default=-1)
+    args = ap.parse_args()
+    comm = distckpt.comm.auto()
+    if args.mode == "probe":
+        return probe(comm, Path(args.dir))
+    return train(comm, args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
