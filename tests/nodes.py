@@ -2,8 +2,9 @@
 
 A node is a holder process made by ``unshare --net --uts --mount --pid --fork``: its own
 network namespace (``lo`` up, and ``eth0``, one end of a veth pair whose other end is
-the other node's ``eth0``; addresses :data:`ADDRESSES`), its own host name (UTS
-namespace), its own ``/dev/shm`` (a fresh tmpfs in its private mount namespace) and its
+plugged into a bridge in a third namespace, the switch, so that losing one node leaves
+the other's link up, as on a real network; addresses :data:`ADDRESSES`), its own host
+name (UTS namespace), its own ``/dev/shm`` (a fresh tmpfs in its private mount namespace) and its
 own ``/etc/hosts`` naming both nodes (a bind mount in that namespace), and its own PID
 namespace, whose init is the holder's child. Commands run in a node through
 :meth:`Node.command` (``nsenter`` into all of it); everything else on the machine
@@ -13,7 +14,7 @@ is its own.
 
 :meth:`Node.kill` SIGKILLs the holder: the PID namespace's init dies with it (``unshare
 --kill-child``), the kernel kills every process in that namespace, and once none is
-left the mount namespace and its tmpfs, and the network namespace and its veth end,
+left the mount namespace and its tmpfs, and the network namespace and its veth pair,
 are gone. :meth:`Node.link` takes ``eth0`` down or up from the outside.
 
 ``/proc`` is not remounted inside a node: it stays the machine's, so a launcher running
@@ -21,9 +22,9 @@ in node A (in A's network, UTS and mount namespaces, but the machine's PID names
 a process cannot enter a sibling PID namespace) can still ``nsenter`` node B by its
 holder's PID (see ``tests/scripts/node_ssh.sh``, hydra's ``-launcher-exec``).
 
-:func:`two_nodes` makes both and always takes them down, holders, veth and mounts,
-on any failure. :func:`unavailable` says why nodes cannot be made here (not root, a
-missing command, ``unshare`` refused), for a test to skip with.
+:func:`two_nodes` makes the switch and both nodes and always takes them down (holders,
+veth pairs, mounts), on any failure. :func:`unavailable` says why nodes cannot be made
+here (not root, a missing command, ``unshare`` refused), for a test to skip with.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from launch_util import MPIEXEC, REPO_ROOT, kill_tree, start
@@ -48,6 +49,7 @@ NAMES = ("dckpt-node-a", "dckpt-node-b")
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 PREFIX = 24
 IFACE = "eth0"  # the veth end's name inside each node
+BRIDGE = "br0"  # the bridge in the switch's namespace
 COMMANDS = ("unshare", "nsenter", "ip", "mount", "hostname")
 TIMEOUT = 20.0  # seconds for each setup or teardown command
 
@@ -97,9 +99,7 @@ class Node:
     address: str
     holder: subprocess.Popen[str]
     init: int  # the PID namespace's init (the holder's child), by the machine's PID
-    hosts: Path
     dead: bool = False
-    _extra: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def command(self, argv: Sequence[str], *, pid: bool = True, cwd: Path = REPO_ROOT) -> list[str]:
         """``argv`` run inside this node, in ``cwd`` (``pid=False``: not in its PID
@@ -155,14 +155,10 @@ def _running(pid: int) -> bool:
     return stat[stat.rfind(")") + 2 :].split()[0] not in {"Z", "X"}
 
 
-def _holder(name: str, hosts: Path) -> tuple[subprocess.Popen[str], int]:
-    """Start a node's holder; returns it and its child (the PID namespace's init) once
-    the child has set the node up and said so."""
-    script = (
-        "set -e; mount -t tmpfs -o size=1g,mode=1777 dckpt-shm /dev/shm; "
-        f"mount --bind {hosts} /etc/hosts; hostname {name}; ip link set lo up; "
-        "echo ready; exec sleep 86400"
-    )
+def _holder(name: str, setup: str) -> tuple[subprocess.Popen[str], int]:
+    """Start a holder that runs ``setup`` (shell) in its new namespaces; returns it and
+    its child (the PID namespace's init) once the child has done so and said so."""
+    script = f"set -e; {setup}; echo ready; exec sleep 86400"
     holder = subprocess.Popen(
         [
             "unshare",
@@ -198,35 +194,99 @@ def _holder(name: str, hosts: Path) -> tuple[subprocess.Popen[str], int]:
     return holder, int(children[0])
 
 
-@contextlib.contextmanager
-def two_nodes(workdir: Path) -> Iterator[tuple[Node, Node]]:
-    """Nodes A and B, linked by a veth pair; taken down however the block ends."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    hosts = workdir / "hosts"
-    hosts.write_text(
-        "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(ADDRESSES, NAMES))
-    )
-    made: list[Node] = []
-    tag = f"dk{os.getpid() % 1_000_000}"  # veth names on the machine until moved (<= 15)
-    ends = (f"{tag}a", f"{tag}b")
-    try:
-        for name, address in zip(NAMES, ADDRESSES):
-            holder, init = _holder(name, hosts)
-            made.append(Node(name, address, holder, init, hosts))
+class Bed:
+    """Nodes A and B (:attr:`a`, :attr:`b`), each linked by a veth pair to a bridge in a
+    namespace of its own (:attr:`switch`); see :func:`two_nodes`."""
+
+    a: Node
+    b: Node
+    switch: Node
+
+    def __init__(self, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.hosts = workdir / "hosts"
+        self.hosts.write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(ADDRESSES, NAMES))
+        )
+        self.made: list[Node] = []  # every node ever made, for the teardown
+        self._ends: list[str] = []  # every veth end ever made on the machine
+
+    def up(self) -> None:
+        """Make the switch, and nodes A and B plugged into it."""
+        self.switch = self._switch()
+        self.a = self._node(0)
+        self.b = self._node(1)
+
+    def _node(self, i: int) -> Node:
+        name = NAMES[i]
+        holder, init = _holder(
+            name,
+            "mount -t tmpfs -o size=1g,mode=1777 dckpt-shm /dev/shm; "
+            f"mount --bind {self.hosts} /etc/hosts; hostname {name}; ip link set lo up",
+        )
+        node = Node(name, ADDRESSES[i], holder, init)
+        self.made.append(node)
+        self._plug(node)
+        return node
+
+    def _switch(self) -> Node:
+        """The switch: a namespace holding a bridge the nodes' links are plugged into,
+        so that losing one node leaves the other's link up, as on a real network."""
+        holder, init = _holder(
+            "switch", f"ip link add {BRIDGE} type bridge; ip link set {BRIDGE} up"
+        )
+        switch = Node("switch", "", holder, init)
+        self.made.append(switch)
+        return switch
+
+    def _plug(self, node: Node) -> None:
+        """A veth pair from ``node`` (its ``eth0``) to the switch's bridge."""
+        # names on the machine until moved into the namespaces (at most 15 characters)
+        tag = f"dk{os.getpid() % 100_000}{len(self._ends) // 2}"
+        ends = [f"{tag}n", f"{tag}s"]
+        self._ends += ends
         _run(["ip", "link", "add", ends[0], "type", "veth", "peer", "name", ends[1]])
-        for node, end in zip(made, ends):
-            _run(["ip", "link", "set", end, "netns", str(node.init)])
-            node.run(["ip", "link", "set", end, "name", IFACE])
-            node.run(["ip", "addr", "add", f"{node.address}/{PREFIX}", "dev", IFACE])
-            node.run(["ip", "link", "set", IFACE, "up"])
-        yield made[0], made[1]
-    finally:
-        for node in made:
-            node.kill()
-        for end in ends:  # only if it was never moved into a node
+        _run(["ip", "link", "set", ends[0], "netns", str(node.init)])
+        _run(["ip", "link", "set", ends[1], "netns", str(self.switch.init)])
+        self.switch.run(["ip", "link", "set", ends[1], "master", BRIDGE])
+        self.switch.run(["ip", "link", "set", ends[1], "up"])
+        node.run(["ip", "link", "set", ends[0], "name", IFACE])
+        node.run(["ip", "addr", "add", f"{node.address}/{PREFIX}", "dev", IFACE])
+        node.run(["ip", "link", "set", IFACE, "up"])
+
+    def replace_b(self) -> Node:
+        """A fresh node B, after the old one was lost (:meth:`Node.kill`): the same name
+        and address, an empty /dev/shm, a new link to the switch."""
+        assert self.b.dead, "replace a node once it is lost"
+        self.b = self._node(1)
+        return self.b
+
+    def close(self) -> None:
+        """Kill every node made, delete any veth end never moved into one."""
+        errors = []
+        for node in self.made:
+            try:
+                node.kill()
+            except NodesUnavailable as exc:
+                errors.append(exc)
+        for end in self._ends:
             with contextlib.suppress(Exception):
                 if Path(f"/sys/class/net/{end}").exists():
                     _run(["ip", "link", "del", end])
+        if errors:
+            raise errors[0]
+
+
+@contextlib.contextmanager
+def two_nodes(workdir: Path) -> Iterator[Bed]:
+    """A :class:`Bed` of nodes A and B; every node and link taken down however the block
+    ends (and if making them fails half way)."""
+    bed = Bed(workdir)
+    try:
+        bed.up()
+        yield bed
+    finally:
+        bed.close()
 
 
 def reachable(a: Node, b: Node) -> bool:

@@ -17,7 +17,9 @@ Needs root, ``unshare``/``nsenter`` (util-linux) and ``ip`` (iproute2); skips wi
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,9 +38,9 @@ pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no nodes here: {_
 
 
 @pytest.fixture
-def bed(tmp_path: Path) -> Iterator[tuple[nodes.Node, nodes.Node]]:
-    with nodes.two_nodes(tmp_path / "bed") as pair:
-        yield pair
+def bed(tmp_path: Path) -> Iterator[nodes.Bed]:
+    with nodes.two_nodes(tmp_path / "bed") as made:
+        yield made
 
 
 def _joined(procs: list[subprocess.Popen[str]], timeout: float = TIMEOUT) -> Any:
@@ -87,10 +89,8 @@ def _check_probe(proc: Any, a: nodes.Node, b: nodes.Node) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_torchrun_finds_the_nodes_and_reads_each_byte_once(
-    bed: tuple[nodes.Node, nodes.Node], tmp_path: Path
-) -> None:
-    a, b = bed
+def test_torchrun_finds_the_nodes_and_reads_each_byte_once(bed: nodes.Bed, tmp_path: Path) -> None:
+    a, b = bed.a, bed.b
     with bounded(140, "the torchrun job"):
         proc = _joined(nodes.torchrun([a, b], SCRIPT, "probe", str(tmp_path / "ckpt")))
     _check_probe(proc, a, b)
@@ -98,10 +98,69 @@ def test_torchrun_finds_the_nodes_and_reads_each_byte_once(
 
 @needs_mpi
 @pytest.mark.timeout(150)
-def test_mpiexec_finds_the_nodes_and_reads_each_byte_once(
-    bed: tuple[nodes.Node, nodes.Node], tmp_path: Path
-) -> None:
-    a, b = bed
+def test_mpiexec_finds_the_nodes_and_reads_each_byte_once(bed: nodes.Bed, tmp_path: Path) -> None:
+    a, b = bed.a, bed.b
     with bounded(140, "the mpiexec job"):
         proc = finish(nodes.mpiexec(a, b, SCRIPT, "probe", str(tmp_path / "ckpt")), TIMEOUT)
     _check_probe(proc, a, b)
+
+
+def _wait_for(paths: list[Path], procs: list[subprocess.Popen[str]], seconds: float) -> None:
+    """Until every file of ``paths`` exists (the ranks' events); fails with the jobs'
+    output if a job ends first or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        ended = [p for p in procs if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            missing = [p.name for p in paths if not p.exists()]
+            outputs = "\n".join(output(finish(p, 30)) for p in procs)
+            raise AssertionError(f"{missing} never came (a job ended: {bool(ended)})\n{outputs}")
+        time.sleep(0.01)
+
+
+def _train(signals: Path, tmp_path: Path, *extra: str) -> list[str]:
+    signals.mkdir(exist_ok=True)
+    run, tier = tmp_path / "run", "/dev/shm/distckpt-tier"
+    return ["train", "--ckpt-dir", str(run), "--local-dir", tier, "--events", str(signals), *extra]
+
+
+def _committed(node: nodes.Node, step: int) -> list[str]:
+    """The done marks of local step ``step`` in the node's own /dev/shm (as its ranks
+    see it, through the node's root)."""
+    where = node.shm / "distckpt-tier" / f"step-{step}"
+    return sorted(p.name.rsplit(".", 1)[1] for p in where.glob("done.*")) if where.exists() else []
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_lost_node_resumes_from_the_replicas(bed: nodes.Bed, tmp_path: Path) -> None:
+    a, b = bed.a, bed.b
+    signals = tmp_path / "signals"
+    args = _train(signals, tmp_path, "--steps", "7", "--hold-at", "5")
+    with bounded(140, "the lost-node jobs"):
+        procs = nodes.torchrun([a, b], SCRIPT, *args, env={"DISTCKPT_TIMEOUT": "15"})
+        _wait_for([signals / f"held.{r}" for r in range(4)], procs, TIMEOUT)
+        # Step 5 is committed on both nodes: each holds its ranks' marks of it.
+        assert _committed(a, 5) == ["r0", "r1"] and _committed(b, 5) == ["r2", "r3"]
+        shm = b.shm
+        b.kill()  # every process of node B, its /dev/shm and its end of the link
+        assert not shm.exists()
+        first = _joined(procs)
+        assert first.returncode != 0, output(first)
+        gave_up = sorted(int(r) for r in re.findall(r"^GAVEUP (\d+): ", first.stdout, re.M))
+        assert gave_up == [0, 1], output(first)
+        # A fresh node B, its /dev/shm empty: ranks 2 and 3 fetch their partitions from
+        # their replicas on node A; the run goes on to step 7 and ends bit for bit where
+        # an uninterrupted one does.
+        fresh = bed.replace_b()
+        assert not (fresh.shm / "distckpt-tier").exists()
+        second = _joined(
+            nodes.torchrun([a, fresh], SCRIPT, *_train(signals, tmp_path, "--steps", "7"))
+        )
+    assert _restored(second) == {
+        "tier": "local",
+        "number": 5,
+        "reason": "local step 5 is held whole by the surviving nodes",
+        "world": 4,
+    }, output(second)
+    assert_all_ok(second, 4)
+    assert _committed(a, 7) == ["r0", "r1"] and _committed(fresh, 7) == ["r2", "r3"]

@@ -12,7 +12,7 @@ neither ``$DISTCKPT_NODE`` nor ``$SLURM_NODEID`` is set).
   nodes): the bytes each rank read and received, the stored bytes, and the bytes the
   node's ``eth0`` received during the load (measured by the node's first rank).
 
-``two_nodes.py train --run R --tier T --signals S --steps N [...]``: training with a
+``two_nodes.py train --ckpt-dir R --local-dir T --events S --steps N [...]``: training with a
 node-local tier (one replica on the other node), as tests/scripts/local_tier.py, with a
 sharded state of 4 MiB; at the end every rank compares its state, bit for bit, with an
 uninterrupted replay. Events with the test go through files in ``S``:
@@ -178,7 +178,7 @@ def rows(length: int, parts: int, index: int) -> tuple[int, int]:
 
 def train(comm: Communicator, args: argparse.Namespace) -> int:
     rank, size = comm.rank, comm.size
-    signals = Path(args.signals)
+    signals = Path(args.events)
     w_rows = rows(W_SHAPE[0], size, rank)
     e_rows = rows(E_SHAPE[0], size, rank)
     w = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
@@ -194,10 +194,10 @@ def train(comm: Communicator, args: argparse.Namespace) -> int:
         counter=distckpt.PerRank(counter),
         meta={"lr": 0.0},
     )
-    tier = distckpt.LocalTier(args.tier, replicas=1, max_to_keep=2)
+    tier = distckpt.LocalTier(args.local_dir, replicas=1, max_to_keep=2)
     manager = distckpt.CheckpointManager(
         ckpt,
-        args.run,
+        args.ckpt_dir,
         max_to_keep=2,
         checkpoint_interval=args.persistent_every,
         step_counter=step,
@@ -288,9 +288,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["probe", "train"])
     ap.add_argument("dir", nargs="?")
-    ap.add_argument("--run")
-    ap.add_argument("--tier")
-    ap.add_argument("--signals")
+    # (no option is a prefix of one of torchrun's: its parser would take it)
+    ap.add_argument("--ckpt-dir")
+    ap.add_argument("--local-dir")
+    ap.add_argument("--events")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--persistent-every", type=int, default=10)
     ap.add_argument("--hold-at", type=int, default=-1)
