@@ -82,6 +82,17 @@ class StorageError(CheckpointError, OSError):
     operation, never a credential."""
 
 
+class ConditionFailed(CheckpointError, FileExistsError):
+    """A store's conditional write found the key present (create) or at another version
+    (replace); raised by the storage seam (:mod:`distckpt.storage.backend`) and turned
+    into the errors above by its callers."""
+
+
+class DirectoryLockedError(CheckpointError):
+    """Another live checkpoint manager holds the run directory's lock, took it over, or
+    (in this process) replaced the manager that tries to save."""
+
+
 class PointerConflictError(CheckpointError):
     """The ``latest`` pointer changed since this job read it: another job writes to the
     same directory. The pointer was left as the other job wrote it."""

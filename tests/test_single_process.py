@@ -771,3 +771,24 @@ def test_a_malformed_regular_entry_is_refused_before_any_read(
         load1({"a": before, "w": torch.zeros(4096)}, ck)
     assert words in str(ei.value)
     assert (before == -1).all()
+
+
+def test_every_error_is_public() -> None:
+    """Each error distckpt raises on purpose is importable from ``distckpt`` and is a
+    CheckpointError (the storage seam's ConditionFailed and the lock's error included)."""
+    import inspect
+
+    from distckpt import errors
+    from distckpt.storage import backend
+    from distckpt.training import lock
+
+    defined = {
+        name
+        for name, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.CheckpointError) and cls.__module__ == errors.__name__
+    }
+    assert defined <= set(distckpt.__all__), defined - set(distckpt.__all__)
+    assert {"ConditionFailed", "ConversionError", "DirectoryLockedError"} <= defined
+    assert backend.ConditionFailed is distckpt.ConditionFailed
+    assert lock.DirectoryLockedError is distckpt.DirectoryLockedError
+    assert issubclass(distckpt.ConditionFailed, FileExistsError)

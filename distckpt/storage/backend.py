@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from distckpt.errors import ConditionFailed as ConditionFailed  # the seam's own error
 from distckpt.errors import UnsafePathError
 
 Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
@@ -62,10 +63,6 @@ def check_name(name: Any, what: str = "a name") -> str:
     if not isinstance(name, str) or not name or "/" in name:
         raise UnsafePathError(f"{what} {name!r} is not an entry of its directory")
     return check_key(name, what, "its directory")
-
-
-class ConditionFailed(FileExistsError):
-    """A conditional write found the key present (create) or at another version (replace)."""
 
 
 @runtime_checkable

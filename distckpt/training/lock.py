@@ -20,7 +20,7 @@ import os
 import uuid
 from typing import Any
 
-from distckpt.errors import CheckpointError
+from distckpt.errors import DirectoryLockedError
 from distckpt.storage.backend import Store, resolve
 from distckpt.storage.lease import HEARTBEAT_SECONDS, STALE_SECONDS, Lease
 
@@ -32,11 +32,6 @@ __all__ = [
     "DirectoryLock",
     "DirectoryLockedError",
 ]
-
-
-class DirectoryLockedError(CheckpointError):
-    """Another live checkpoint manager holds the run directory's lock, took it over, or
-    (in this process) replaced the manager that tries to save."""
 
 
 class DirectoryLock:
