@@ -164,3 +164,56 @@ def test_torchrun_lost_node_resumes_from_the_replicas(bed: nodes.Bed, tmp_path: 
     }, output(second)
     assert_all_ok(second, 4)
     assert _committed(a, 7) == ["r0", "r1"] and _committed(fresh, 7) == ["r2", "r3"]
+
+
+def _persistent(run: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the run directory but the manager's lease and its lock file (the
+    lease is renewed while a job runs): its size and modification time."""
+    return {
+        str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and ".distckpt-lock" not in p.name
+    }
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_link_cut_in_a_save_fails_every_rank_and_commits_nothing(
+    bed: nodes.Bed, tmp_path: Path
+) -> None:
+    a, b = bed.a, bed.b
+    signals, run = tmp_path / "signals", tmp_path / "run"
+    env = {"DISTCKPT_TIMEOUT": str(CUT_TIMEOUT)}
+    with bounded(140, "the cut-link jobs"):
+        procs = nodes.torchrun(
+            [a, b], SCRIPT, *_train(signals, tmp_path, "--steps", "6", "--cut-at", "4"), env=env
+        )
+        # Every rank is in the local save of step 4, its data laid out, about to send its
+        # replica to the other node: node B's link goes down.
+        _wait_for([signals / f"insave.{r}" for r in range(4)], procs, TIMEOUT)
+        before = _persistent(run)
+        pointer = (run / "latest").read_bytes()
+        b.link(up=False)
+        (signals / "cut").touch()
+        _wait_for([signals / f"failed.{r}" for r in range(4)], procs, CUT_TIMEOUT + SLACK)
+        b.link(up=True)
+        first = _joined(procs)
+    assert first.returncode != 0, output(first)
+    failed = cases(first)["cut"]
+    assert sorted(failed) == [0, 1, 2, 3], output(first)
+    for record in failed.values():
+        assert record["error"] == "CommTimeoutError", record
+        assert f"failed (timeout {CUT_TIMEOUT} s)" in record["message"], record
+        assert record["seconds"] <= CUT_TIMEOUT + SLACK, record
+    # Nothing torn: the shared directory as it was (ckpt-1 and its pointer), and no node
+    # holds a mark of step 4 (its files may be there: no job counts them); step 3 whole.
+    assert _persistent(run) == before and (run / "latest").read_bytes() == pointer
+    assert json.loads(pointer)["latest"] == "ckpt-1"
+    assert _committed(a, 4) == [] and _committed(b, 4) == []
+    assert _committed(a, 3) == ["r0", "r1"] and _committed(b, 3) == ["r2", "r3"]
+    # The link back: the next job resumes from step 3, and its save of step 4 succeeds.
+    with bounded(100, "the job after the cut"):
+        second = _joined(nodes.torchrun([a, b], SCRIPT, *_train(signals, tmp_path), env=env))
+    record = _restored(second)
+    assert (record["tier"], record["number"], record["world"]) == ("local", 3, 4), output(second)
+    assert_all_ok(second, 4)
+    assert _committed(a, 4) == ["r0", "r1"] and _committed(b, 4) == ["r2", "r3"]
