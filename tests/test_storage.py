@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import random
+import sys
 import threading
 import time
 import traceback
@@ -24,14 +25,15 @@ import numpy as np
 import pytest
 import torch
 from fault_proxy import FaultProxy, Request
+from launch_util import check, finish, job_env, output, start
 from make_golden import assert_same_bits, assert_same_value
 from s3_server import S3Server, use
 
 import distckpt
 from distckpt.comm import SingleComm
 from distckpt.errors import CheckpointNotFoundError, StorageError
+from distckpt.storage import backend, s3_service
 from distckpt.storage import s3 as s3_mod
-from distckpt.storage import s3_service
 from distckpt.storage.backend import (
     ConditionFailed,
     ReadHandle,
@@ -481,6 +483,82 @@ def test_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(relative, PosixStore) and relative.path == tmp_path / "rel" / "dir"
     assert relative.path.is_absolute()
     assert not is_remote(tmp_path) and not is_remote(str(tmp_path)) and is_remote("s3://b/p")
+
+
+PLUGIN = '''
+from pathlib import Path
+
+from distckpt.storage.posix import PosixStore
+
+
+class MirrorStore(PosixStore):
+    """mirror://<path>: a directory, reached through a scheme of its own."""
+
+    @classmethod
+    def from_url(cls, url: str) -> "MirrorStore":
+        return cls(Path(url.removeprefix("mirror://")))
+
+    def where(self, key: str) -> str:
+        return f"mirror://{super().where(key)}"
+'''
+
+PLUGIN_JOB = """
+import sys
+import torch
+import distckpt
+from distckpt.storage.backend import resolve
+
+url = "mirror://" + sys.argv[1] + "/run"
+assert type(resolve(url)).__name__ == "MirrorStore", resolve(url)
+state = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
+distckpt.save(state, url + "/plain")
+got = {"w": torch.zeros(3, 4), "step": None}
+distckpt.load(got, url + "/plain")
+assert got["step"] == 7 and torch.equal(got["w"], state["w"]), got
+ckpt = distckpt.Checkpoint(w=state["w"])
+with distckpt.CheckpointManager(ckpt, url, max_to_keep=1) as manager:
+    manager.save()
+    manager.save()
+print("LATEST", distckpt.latest_checkpoint(url))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_store_plugged_in_through_an_entry_point(tmp_path: Path) -> None:
+    """An installed package adds a URL scheme through the ``distckpt.stores`` entry-point
+    group (no code run at start-up); save, load and the manager then work on it."""
+    site = tmp_path / "site"
+    (site / "mirror_store").mkdir(parents=True)
+    (site / "mirror_store" / "__init__.py").write_text(PLUGIN)
+    info = site / "mirror_store-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mirror-store\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[distckpt.stores]\nmirror = mirror_store:MirrorStore.from_url\n"
+    )
+    env = job_env({"PYTHONPATH": f"{site}:{Path(__file__).resolve().parent.parent}"})
+    proc = finish(start([sys.executable, "-c", PLUGIN_JOB, str(tmp_path)], env), 100)
+    check(proc)
+    assert f"LATEST mirror://{tmp_path}/run/ckpt-2" in proc.stdout, output(proc)
+    assert (tmp_path / "run" / "ckpt-2" / "zarr.json").is_file()
+    assert not (tmp_path / "run" / "ckpt-1").exists()  # retention went through the plug-in
+
+
+def test_register_store_in_process(tmp_path: Path) -> None:
+    def opener(url: str) -> PosixStore:
+        return PosixStore(tmp_path / url.removeprefix("here://"))
+
+    backend.register_store("here", opener)
+    try:
+        assert resolve("here://a/b") == PosixStore(tmp_path / "a" / "b")
+        assert is_remote("here://a")
+    finally:
+        backend._openers.pop("here")
+    with pytest.raises(ValueError, match="unsupported storage scheme 'here'.*s3://"):
+        resolve("here://a")
+    for bad in ("file", "no-dash", ""):
+        with pytest.raises(ValueError, match="bad storage scheme"):
+            backend.register_store(bad, opener)
 
 
 def _assert_clean_error(exc: BaseException, *words: str, secret: str) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -167,29 +167,78 @@ class Store(Protocol):
         """Make the entries of the finished ``keys`` durable (directory fsyncs)."""
 
 
+#: The entry-point group through which installed packages add stores: an entry named
+#: after the URL scheme whose object is the store's opener (``opener(url) -> Store``, e.g.
+#: a store class's ``from_url``).
+ENTRY_POINTS = "distckpt.stores"
+
+_openers: dict[str, Callable[[str], Store]] = {}
+
+
+def _open_s3(url: str) -> Store:
+    from distckpt.storage.s3 import S3Store
+
+    return S3Store.from_url(url)
+
+
+_BUILT_IN: dict[str, Callable[[str], Store]] = {"s3": _open_s3}
+
+
+def register_store(scheme: str, opener: Callable[[str], Store]) -> None:
+    """Open ``scheme://...`` locations with ``opener(url)`` (which returns a :class:`Store`)
+    in this process; an installed package does the same through the ``distckpt.stores``
+    entry-point group (:data:`ENTRY_POINTS`), without code at start-up."""
+    if not scheme.isidentifier() or scheme == "file":
+        raise ValueError(f"bad storage scheme {scheme!r}")
+    _openers[scheme] = opener
+
+
+def _opener(scheme: str, location: str) -> Callable[[str], Store]:
+    found = _openers.get(scheme) or _BUILT_IN.get(scheme)
+    if found is not None:
+        return found
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=ENTRY_POINTS, name=scheme):
+        opener = entry.load()
+        _openers[scheme] = opener
+        return opener  # type: ignore[no-any-return]
+    known = sorted({*_BUILT_IN, *_openers, *entry_points(group=ENTRY_POINTS).names})
+    raise ValueError(
+        f"{location}: unsupported storage scheme {scheme!r} (known: "
+        + ", ".join(f"{k}://" for k in known)
+        + ", or a path)"
+    )
+
+
+def _scheme(location: object) -> str | None:
+    """The URL scheme of ``location`` (None: a path; ``file://`` is a path)."""
+    if not isinstance(location, str) or "://" not in location:
+        return None
+    scheme = location.split("://", 1)[0]
+    return None if scheme == "file" else scheme
+
+
 def is_remote(location: str | os.PathLike[str] | Store) -> bool:
-    """Whether ``location`` names an object store (``s3://``)."""
+    """Whether ``location`` names an object store: a store that cannot rename, or a URL
+    (any scheme but ``file://``)."""
     if isinstance(location, Store):
         return not location.renames
-    return isinstance(location, str) and location.startswith("s3://")
+    return _scheme(location) is not None
 
 
 def resolve(location: str | os.PathLike[str] | Store) -> Store:
-    """The store at ``location``: a store is returned as is, ``s3://bucket/prefix`` is an
-    object store prefix (needs ``pip install 'distckpt[s3]'``), anything else a local or
-    shared directory (made absolute)."""
+    """The store at ``location``: a store is returned as is, ``scheme://...`` is opened by
+    the store registered for the scheme (``s3://bucket/prefix`` needs ``pip install
+    'distckpt[s3]'``; others come from :func:`register_store` or an installed package's
+    entry point), anything else is a local or shared directory (made absolute)."""
     if isinstance(location, Store):
         return location
-    if isinstance(location, str) and "://" in location:
-        scheme = location.split("://", 1)[0]
-        if scheme == "s3":
-            from distckpt.storage.s3 import S3Store
-
-            return S3Store.from_url(location)
-        if scheme != "file":
-            raise ValueError(
-                f"{location}: unsupported storage scheme {scheme!r} (use s3:// or a path)"
-            )
+    scheme = _scheme(location)
+    if scheme is not None:
+        assert isinstance(location, str)
+        return _opener(scheme, location)(location)
+    if isinstance(location, str) and location.startswith("file://"):
         location = location[len("file://") :]
     from distckpt.storage.posix import PosixStore
 
