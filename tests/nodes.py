@@ -210,6 +210,7 @@ class Bed:
         )
         self.made: list[Node] = []  # every node ever made, for the teardown
         self._ends: list[str] = []  # every veth end ever made on the machine
+        self.jobs: list[subprocess.Popen[str]] = []  # every job started by the methods
 
     def up(self) -> None:
         """Make the switch, and nodes A and B plugged into it."""
@@ -261,8 +262,32 @@ class Bed:
         self.b = self._node(1)
         return self.b
 
+    def torchrun(
+        self,
+        ranks_of: Sequence[Node],
+        script: Path,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+    ) -> list[subprocess.Popen[str]]:
+        """:func:`torchrun`, its agents killed (with all they started) by :meth:`close`."""
+        procs = torchrun(ranks_of, script, *args, env=env)
+        self.jobs += procs
+        return procs
+
+    def mpiexec(
+        self, script: Path, *args: str, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """:func:`mpiexec` on A and B, killed (with all it started) by :meth:`close`."""
+        proc = mpiexec(self.a, self.b, script, *args, env=env)
+        self.jobs.append(proc)
+        return proc
+
     def close(self) -> None:
-        """Kill every node made, delete any veth end never moved into one."""
+        """Kill every job still running and every node made, delete any veth end never
+        moved into one."""
+        for job in self.jobs:
+            if job.poll() is None:
+                kill_tree(job)
         errors = []
         for node in self.made:
             try:

@@ -26,7 +26,7 @@ from typing import Any
 
 import nodes
 import pytest
-from launch_util import SCRIPTS, assert_all_ok, bounded, cases, finish, needs_mpi, output
+from launch_util import SCRIPTS, assert_all_ok, cases, finish, needs_mpi, output
 
 SCRIPT = SCRIPTS / "two_nodes.py"
 TIMEOUT = 90  # seconds per job
@@ -91,8 +91,7 @@ def _check_probe(proc: Any, a: nodes.Node, b: nodes.Node) -> None:
 @pytest.mark.timeout(150)
 def test_torchrun_finds_the_nodes_and_reads_each_byte_once(bed: nodes.Bed, tmp_path: Path) -> None:
     a, b = bed.a, bed.b
-    with bounded(140, "the torchrun job"):
-        proc = _joined(nodes.torchrun([a, b], SCRIPT, "probe", str(tmp_path / "ckpt")))
+    proc = _joined(bed.torchrun([a, b], SCRIPT, "probe", str(tmp_path / "ckpt")))
     _check_probe(proc, a, b)
 
 
@@ -100,8 +99,7 @@ def test_torchrun_finds_the_nodes_and_reads_each_byte_once(bed: nodes.Bed, tmp_p
 @pytest.mark.timeout(150)
 def test_mpiexec_finds_the_nodes_and_reads_each_byte_once(bed: nodes.Bed, tmp_path: Path) -> None:
     a, b = bed.a, bed.b
-    with bounded(140, "the mpiexec job"):
-        proc = finish(nodes.mpiexec(a, b, SCRIPT, "probe", str(tmp_path / "ckpt")), TIMEOUT)
+    proc = finish(bed.mpiexec(SCRIPT, "probe", str(tmp_path / "ckpt")), TIMEOUT)
     _check_probe(proc, a, b)
 
 
@@ -136,26 +134,23 @@ def test_torchrun_lost_node_resumes_from_the_replicas(bed: nodes.Bed, tmp_path: 
     a, b = bed.a, bed.b
     signals = tmp_path / "signals"
     args = _train(signals, tmp_path, "--steps", "7", "--hold-at", "5")
-    with bounded(140, "the lost-node jobs"):
-        procs = nodes.torchrun([a, b], SCRIPT, *args, env={"DISTCKPT_TIMEOUT": "15"})
-        _wait_for([signals / f"held.{r}" for r in range(4)], procs, TIMEOUT)
-        # Step 5 is committed on both nodes: each holds its ranks' marks of it.
-        assert _committed(a, 5) == ["r0", "r1"] and _committed(b, 5) == ["r2", "r3"]
-        shm = b.shm
-        b.kill()  # every process of node B, its /dev/shm and its end of the link
-        assert not shm.exists()
-        first = _joined(procs)
-        assert first.returncode != 0, output(first)
-        gave_up = sorted(int(r) for r in re.findall(r"^GAVEUP (\d+): ", first.stdout, re.M))
-        assert gave_up == [0, 1], output(first)
-        # A fresh node B, its /dev/shm empty: ranks 2 and 3 fetch their partitions from
-        # their replicas on node A; the run goes on to step 7 and ends bit for bit where
-        # an uninterrupted one does.
-        fresh = bed.replace_b()
-        assert not (fresh.shm / "distckpt-tier").exists()
-        second = _joined(
-            nodes.torchrun([a, fresh], SCRIPT, *_train(signals, tmp_path, "--steps", "7"))
-        )
+    procs = bed.torchrun([a, b], SCRIPT, *args, env={"DISTCKPT_TIMEOUT": "15"})
+    _wait_for([signals / f"held.{r}" for r in range(4)], procs, TIMEOUT)
+    # Step 5 is committed on both nodes: each holds its ranks' marks of it.
+    assert _committed(a, 5) == ["r0", "r1"] and _committed(b, 5) == ["r2", "r3"]
+    shm = b.shm
+    b.kill()  # every process of node B, its /dev/shm and its end of the link
+    assert not shm.exists()
+    first = _joined(procs)
+    assert first.returncode != 0, output(first)
+    gave_up = sorted(int(r) for r in re.findall(r"^GAVEUP (\d+): ", first.stdout, re.M))
+    assert gave_up == [0, 1], output(first)
+    # A fresh node B, its /dev/shm empty: ranks 2 and 3 fetch their partitions from
+    # their replicas on node A; the run goes on to step 7 and ends bit for bit where
+    # an uninterrupted one does.
+    fresh = bed.replace_b()
+    assert not (fresh.shm / "distckpt-tier").exists()
+    second = _joined(bed.torchrun([a, fresh], SCRIPT, *_train(signals, tmp_path, "--steps", "7")))
     assert _restored(second) == {
         "tier": "local",
         "number": 5,
@@ -183,20 +178,19 @@ def test_torchrun_link_cut_in_a_save_fails_every_rank_and_commits_nothing(
     a, b = bed.a, bed.b
     signals, run = tmp_path / "signals", tmp_path / "run"
     env = {"DISTCKPT_TIMEOUT": str(CUT_TIMEOUT)}
-    with bounded(140, "the cut-link jobs"):
-        procs = nodes.torchrun(
-            [a, b], SCRIPT, *_train(signals, tmp_path, "--steps", "6", "--cut-at", "4"), env=env
-        )
-        # Every rank is in the local save of step 4, its data laid out, about to send its
-        # replica to the other node: node B's link goes down.
-        _wait_for([signals / f"insave.{r}" for r in range(4)], procs, TIMEOUT)
-        before = _persistent(run)
-        pointer = (run / "latest").read_bytes()
-        b.link(up=False)
-        (signals / "cut").touch()
-        _wait_for([signals / f"failed.{r}" for r in range(4)], procs, CUT_TIMEOUT + SLACK)
-        b.link(up=True)
-        first = _joined(procs)
+    procs = bed.torchrun(
+        [a, b], SCRIPT, *_train(signals, tmp_path, "--steps", "6", "--cut-at", "4"), env=env
+    )
+    # Every rank is in the local save of step 4, its data laid out, about to send its
+    # replica to the other node: node B's link goes down.
+    _wait_for([signals / f"insave.{r}" for r in range(4)], procs, TIMEOUT)
+    before = _persistent(run)
+    pointer = (run / "latest").read_bytes()
+    b.link(up=False)
+    (signals / "cut").touch()
+    _wait_for([signals / f"failed.{r}" for r in range(4)], procs, CUT_TIMEOUT + SLACK)
+    b.link(up=True)
+    first = _joined(procs)
     assert first.returncode != 0, output(first)
     failed = cases(first)["cut"]
     assert sorted(failed) == [0, 1, 2, 3], output(first)
@@ -211,8 +205,7 @@ def test_torchrun_link_cut_in_a_save_fails_every_rank_and_commits_nothing(
     assert _committed(a, 4) == [] and _committed(b, 4) == []
     assert _committed(a, 3) == ["r0", "r1"] and _committed(b, 3) == ["r2", "r3"]
     # The link back: the next job resumes from step 3, and its save of step 4 succeeds.
-    with bounded(100, "the job after the cut"):
-        second = _joined(nodes.torchrun([a, b], SCRIPT, *_train(signals, tmp_path), env=env))
+    second = _joined(bed.torchrun([a, b], SCRIPT, *_train(signals, tmp_path), env=env))
     record = _restored(second)
     assert (record["tier"], record["number"], record["world"]) == ("local", 3, 4), output(second)
     assert_all_ok(second, 4)
