@@ -30,6 +30,7 @@ here (not root, a missing command, ``unshare`` refused), for a test to skip with
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import select
 import shutil
@@ -52,6 +53,7 @@ IFACE = "eth0"  # the veth end's name inside each node
 BRIDGE = "br0"  # the bridge in the switch's namespace
 COMMANDS = ("unshare", "nsenter", "ip", "mount", "hostname")
 TIMEOUT = 20.0  # seconds for each setup or teardown command
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class NodesUnavailable(Exception):
@@ -155,6 +157,13 @@ def _running(pid: int) -> bool:
     return stat[stat.rfind(")") + 2 :].split()[0] not in {"Z", "X"}
 
 
+def _die_with_parent() -> None:
+    """In the holder before it runs: SIGKILL it if the test process dies (a node never
+    outlives the test session, even one killed without its teardown)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _holder(name: str, setup: str) -> tuple[subprocess.Popen[str], int]:
     """Start a holder that runs ``setup`` (shell) in its new namespaces; returns it and
     its child (the PID namespace's init) once the child has done so and said so."""
@@ -179,6 +188,7 @@ def _holder(name: str, setup: str) -> tuple[subprocess.Popen[str], int]:
         stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     assert holder.stdout is not None
     ready, _, _ = select.select([holder.stdout], [], [], TIMEOUT)
@@ -388,7 +398,9 @@ def mpiexec(
     a: Node, b: Node, script: Path, *args: str, env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """MPICH's hydra in node A (its network, UTS and mount namespaces) with 2 ranks on
-    each node; the proxy on B started by :data:`LAUNCHER` in place of ssh."""
+    each node; the proxy on B started by :data:`LAUNCHER` in place of ssh. Hydra forks
+    the proxy of its own host itself: A's ranks run in the machine's PID namespace (B's
+    in B's), which a kill of node A would not reach."""
     assert MPIEXEC is not None
     argv = [
         MPIEXEC,
