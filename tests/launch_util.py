@@ -301,10 +301,20 @@ def bounded(seconds: int, what: str = "this") -> Iterator[None]:
     def expired(signum: int, frame: Any) -> None:
         raise TimeoutError(f"{what} took more than {seconds} s")
 
+    # An outer time-out (pytest-timeout's, on the same timer) is kept: restored after
+    # the block with what is left of it, or left alone if it comes first.
+    began = time.monotonic()
     old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    if 0 < outer < seconds:
+        signal.setitimer(signal.ITIMER_REAL, outer, interval)
+        signal.signal(signal.SIGALRM, old)
     try:
         yield
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+        if not 0 < outer < seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            if outer > 0:
+                left = max(outer - (time.monotonic() - began), 0.001)
+                signal.setitimer(signal.ITIMER_REAL, left, interval)
