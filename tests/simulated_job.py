@@ -23,8 +23,10 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.engine import agree
 from distckpt.engine.commit import Report, build_index, index_bytes
+from distckpt.planning.describe import RankDesc, Schema
+from distckpt.planning.pieces import Piece, SavePlan
 from distckpt.planning.read_plan import plan_reads
-from distckpt.planning.save_plan import Piece, RankDesc, SavePlan, Schema, plan_save
+from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
 from distckpt.storage.index import Pieces
 

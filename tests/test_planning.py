@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from distckpt.errors import ValidationError
+from distckpt.planning.describe import Desc
 from distckpt.planning.layout import find_overlap, inner_chunks, regular_grid
 from distckpt.planning.read_plan import plan_reads
-from distckpt.planning.save_plan import Desc, make_save_plan
+from distckpt.planning.save_plan import make_save_plan
 from distckpt.slices import Box, chunk_bounds
 
 
@@ -251,7 +252,8 @@ def test_a_tensor_no_rank_holds_a_box_of_is_refused():
 
 def test_a_rank_without_leaves_takes_part_in_a_fresh_plan():
     from distckpt.engine import agree
-    from distckpt.planning.save_plan import plan_save, rank_desc
+    from distckpt.planning.describe import rank_desc
+    from distckpt.planning.save_plan import plan_save
 
     ranks = [rank_desc([Desc("a", "tensor", dtype="float32", shape=(4,), box=Box.full((4,)))])]
     ranks.append(rank_desc([]))

@@ -41,18 +41,9 @@ import numpy as np
 from distckpt.comm import Communicator
 from distckpt.comm.base import scatter
 from distckpt.comm.outcome import Failure, first_failure
-from distckpt.planning.save_plan import (
-    Desc,
-    RankDesc,
-    RankWork,
-    SavePlan,
-    Schema,
-    Share,
-    Shared,
-    check_contents,
-    raise_inconsistent,
-    rank_desc,
-)
+from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
+from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
+from distckpt.planning.validate import check_contents, raise_inconsistent
 from distckpt.transfer.workers import env_int
 
 COORDINATOR = 0

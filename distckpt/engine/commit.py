@@ -17,7 +17,7 @@ import numpy as np
 
 from distckpt import __version__
 from distckpt.errors import CheckpointError
-from distckpt.planning.save_plan import SavePlan, VarSpec
+from distckpt.planning.pieces import SavePlan, VarSpec
 from distckpt.storage import index as index_mod
 from distckpt.storage import zarr_meta
 from distckpt.storage.transaction import Transaction

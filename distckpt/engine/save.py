@@ -48,14 +48,9 @@ from distckpt.engine.background import AsyncSave
 from distckpt.engine.commit import Report, commit
 from distckpt.engine.snapshot import BufferPool
 from distckpt.items import Leaf, flatten
-from distckpt.planning.save_plan import (
-    DEFAULT_INNER_BYTES,
-    DEFAULT_SMALL_BYTES,
-    Desc,
-    Piece,
-    RankWork,
-    plan_save,
-)
+from distckpt.planning.describe import Desc
+from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES, Piece, RankWork
+from distckpt.planning.save_plan import plan_save
 from distckpt.progress import progress
 from distckpt.storage import codecs, shard_io, zarr_meta
 from distckpt.storage.backend import Store, is_remote, location, resolve

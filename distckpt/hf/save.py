@@ -58,7 +58,9 @@ from distckpt.hf.directory import (
     plan_files,
 )
 from distckpt.items import flatten
-from distckpt.planning.save_plan import Balancer, Desc, owners, validate
+from distckpt.planning.describe import Desc
+from distckpt.planning.save_plan import Balancer
+from distckpt.planning.validate import owners, validate
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.fsutil import atomic_write, fsync_dir
 from distckpt.storage.shard_io import as_bytes
