@@ -10,13 +10,12 @@ writes the index and commits atomically; restore reshards onto any world size::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from distckpt import comm  # noqa: E402
 from distckpt.engine.background import AsyncSave  # noqa: E402
 from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
-from distckpt.engine.load import LoadResult, load  # noqa: E402
-from distckpt.engine.save import SaveResult, prepare_async, save  # noqa: E402
+from distckpt.engine.load import load  # noqa: E402
+from distckpt.engine.results import LoadResult, SaveResult  # noqa: E402
+from distckpt.engine.save import prepare_async, save  # noqa: E402
 from distckpt.errors import (  # noqa: E402
     CheckpointError,
     CheckpointExists,
@@ -51,6 +50,7 @@ from distckpt.training import (  # noqa: E402
 from distckpt.training.lazy import before_change, wait_for_snapshot  # noqa: E402
 from distckpt.training.preemption import EXIT_PREEMPTED, PreemptionHandler  # noqa: E402
 from distckpt.transfer import default_io_workers, prepare_staging, set_staging  # noqa: E402
+from distckpt.version import VERSION as __version__  # noqa: F401
 
 
 def register_zarr_dtypes() -> None:

@@ -27,7 +27,7 @@ from distckpt import dtypes
 from distckpt.errors import UnsupportedValueError
 from distckpt.naming import escape_key
 from distckpt.slices import Box, chunk_bounds
-from distckpt.values import is_value
+from distckpt.values import encode, is_value
 
 
 @dataclass
@@ -230,3 +230,14 @@ def _walk(
             f"variable {name!r}: cannot store a {type(obj).__module__}.{type(obj).__qualname__}"
             f"{hint}"
         )
+
+
+def gather_leaves(state: dict[str, Any], allow_pickle: bool) -> tuple[list[Leaf], dict[str, Any]]:
+    """Flatten ``state`` and encode its Python values (typed JSON) now: they may change."""
+    leaves = flatten(state, allow_pickle=allow_pickle)
+    values = {
+        leaf.name: encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
+        for leaf in leaves
+        if leaf.tensor is None
+    }
+    return leaves, values

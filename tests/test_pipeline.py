@@ -21,7 +21,7 @@ import pytest
 from launch_util import SCRIPTS, assert_all_ok, cases, needs_mpi, output, run_mpi, run_torchrun
 
 from distckpt.comm import SingleComm
-from distckpt.engine.load import _left_by_all, _share, gather_left
+from distckpt.engine.matching import _left_by_all, _share, gather_left
 
 SCRIPT = SCRIPTS / "pipeline.py"
 NPROCS = 4

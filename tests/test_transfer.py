@@ -28,7 +28,6 @@ from make_golden import assert_same_bits
 from test_single_process import load1, random_tensor, save1, snapshot
 
 import distckpt
-from distckpt.engine.arrays import numpy_view
 from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.layout import inner_chunks
 from distckpt.slices import Box, c_order_bands
@@ -39,6 +38,7 @@ from distckpt.storage.staging import leftovers
 from distckpt.transfer import reader as reader_mod
 from distckpt.transfer import slabs, workers
 from distckpt.transfer import writer as writer_mod
+from distckpt.transfer.arrays import numpy_view
 from distckpt.transfer.slabs import SlabPool
 from distckpt.transfer.sources import HostData
 from distckpt.transfer.workers import TaskGroup

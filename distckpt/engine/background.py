@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from distckpt.engine.save import SaveResult
+    from distckpt.engine.results import SaveResult
 
 log = logging.getLogger("distckpt")
 

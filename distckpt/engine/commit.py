@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from distckpt import __version__
 from distckpt.errors import CheckpointError
 from distckpt.planning.pieces import SavePlan, VarSpec
 from distckpt.storage import index as index_mod
 from distckpt.storage import zarr_meta
 from distckpt.storage.transaction import Transaction
+from distckpt.version import VERSION
 
 
 @dataclass
@@ -128,7 +128,7 @@ def build_index(
     return {
         "format": index_mod.FORMAT,
         "format_version": newest,
-        "library_version": __version__,
+        "library_version": VERSION,
         "created": time.time(),
         "world_size": plan.world_size,
         "variables": variables,

@@ -32,8 +32,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -46,8 +45,9 @@ from distckpt.engine import background, snapshot
 from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.commit import Report, commit
+from distckpt.engine.results import SaveResult
 from distckpt.engine.snapshot import BufferPool
-from distckpt.items import Leaf, flatten
+from distckpt.items import Leaf, flatten, gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES, Piece, RankWork
 from distckpt.planning.save_plan import plan_save
@@ -60,22 +60,10 @@ from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.workers import TaskGroup
 from distckpt.transfer.writer import PieceJob, write_pieces
-from distckpt.values import encode
 
 log = logging.getLogger("distckpt")
 
 COORDINATOR = 0
-
-
-@dataclass
-class SaveResult:
-    """What one rank did in a save: where it went, bytes written, seconds per phase."""
-
-    path: Path | str  # a path, or the URL of an object store prefix
-    bytes_written: int = 0
-    files_written: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    plan_reused: bool = False  # the ranks reused the plan of an earlier save
 
 
 @dataclass
@@ -85,17 +73,6 @@ class _Local:
     leaves: list[Leaf]
     sources: dict[str, Source]
     values: dict[str, Any]
-
-
-def _gather_leaves(state: dict[str, Any], allow_pickle: bool) -> tuple[list[Leaf], dict[str, Any]]:
-    """Flatten ``state`` and encode its Python values (typed JSON) now: they may change."""
-    leaves = flatten(state, allow_pickle=allow_pickle)
-    values = {
-        leaf.name: encode(leaf.value, leaf.name, allow_pickle=allow_pickle)
-        for leaf in leaves
-        if leaf.tensor is None
-    }
-    return leaves, values
 
 
 def _describe(local: _Local) -> list[Desc]:
@@ -351,7 +328,7 @@ def save_in_background(
     values: dict[str, Any] = {}
     try:
         check()
-        leaves, values = _gather_leaves(state, allow_pickle)
+        leaves, values = gather_leaves(state, allow_pickle)
         snap = snapshot.take(leaves, _POOL, is_lazy)
     except Exception as exc:
         snap, error = Failure.capture(exc, comm.rank), exc
@@ -397,7 +374,7 @@ def _save_blocking(
     error: BaseException | None = None
     try:
         codecs.check(options.compression)
-        leaves, values = _gather_leaves(state, allow_pickle)
+        leaves, values = gather_leaves(state, allow_pickle)
         sources = {
             leaf.name: source_of(leaf.tensor, leaf.name)
             for leaf in leaves

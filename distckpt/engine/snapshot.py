@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from distckpt.engine.arrays import numpy_view
 from distckpt.items import Leaf
+from distckpt.transfer.arrays import numpy_view
 
 
 class BufferPool:

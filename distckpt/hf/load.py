@@ -31,15 +31,9 @@ from distckpt import dtypes
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import Failure
 from distckpt.engine import background
-from distckpt.engine.arrays import writable_view
-from distckpt.engine.load import (
-    LoadResult,
-    agree_names,
-    assign,
-    check_leaf,
-    settle,
-    target_box,
-)
+from distckpt.engine.load import settle
+from distckpt.engine.matching import agree_names, assign, check_leaf, target_box
+from distckpt.engine.results import LoadResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
 from distckpt.hf.directory import Weights, open_weights
@@ -49,6 +43,7 @@ from distckpt.progress import progress
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer import workers as transfer_workers
+from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.reader import Landing
 from distckpt.transfer.sources import follow_current
 from distckpt.transfer.workers import TaskGroup

@@ -46,7 +46,7 @@ from distckpt import dtypes
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import background
-from distckpt.engine.save import SaveResult
+from distckpt.engine.results import SaveResult
 from distckpt.errors import CheckpointExists, ValidationError
 from distckpt.hf import names as names_mod
 from distckpt.hf.directory import (
@@ -247,7 +247,7 @@ def _run(
             try:
                 plan = plan_fn(gathered)
                 assert plan is not None
-                _prepare(root, plan, overwrite)
+                prepare(root, plan, overwrite)
                 decision = (plan.token, plan.work)
             except Exception as exc:
                 decision = Failure.capture(exc, comm.rank)
@@ -300,7 +300,7 @@ def _existing(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if _OLD_WEIGHTS.match(p.name))
 
 
-def _prepare(root: Path, plan: _Plan, overwrite: bool) -> None:
+def prepare(root: Path, plan: _Plan, overwrite: bool) -> None:
     """Coordinator: check the directory, then create every file with its header, full size."""
     if root.exists() and not root.is_dir():
         raise CheckpointExists(f"{root} exists and is not a directory")

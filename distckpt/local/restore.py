@@ -33,8 +33,9 @@ import torch
 
 from distckpt import dtypes, values
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.engine.arrays import writable_view
-from distckpt.engine.load import LoadResult, _prepare, agree_names, assign, settle
+from distckpt.engine.load import settle
+from distckpt.engine.matching import agree_names, assign, prepare
+from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
 from distckpt.local.save import MESSAGE_BYTES, topology
@@ -44,6 +45,7 @@ from distckpt.storage.backend import Store
 from distckpt.storage.index import stored_dtype
 from distckpt.storage.posix import PosixReader
 from distckpt.storage.shard_io import crc32c
+from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
 
@@ -300,7 +302,7 @@ class LocalStep:
         requests: list[_Request] = []
         ready = False  # not if this rank failed, or is strict and lacks a name (see _prepare)
         try:
-            prepared = _prepare(
+            prepared = prepare(
                 state, self.index, result, comm.rank, comm.size, strict, allow_pickle, located=False
             )
             if prepared is not None:

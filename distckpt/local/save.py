@@ -42,8 +42,9 @@ import numpy as np
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure
 from distckpt.engine import background
-from distckpt.engine.save import SaveResult, Snapped, _gather_leaves, save_in_background
-from distckpt.items import Leaf
+from distckpt.engine.results import SaveResult
+from distckpt.engine.save import Snapped, save_in_background
+from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
 from distckpt.local.nodes import Topology, node_identity
 from distckpt.storage.backend import Store
@@ -434,7 +435,7 @@ def save_local(
     local: Snapped | Failure
     if not async_save:
         try:
-            leaves, values = _gather_leaves(state, allow_pickle)
+            leaves, values = gather_leaves(state, allow_pickle)
             arrays = {
                 leaf.name: source_for(leaf.tensor, leaf.name).host()
                 for leaf in leaves

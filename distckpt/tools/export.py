@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
-from distckpt.engine.arrays import writable_view
 from distckpt.engine.load import read_region
 from distckpt.errors import ConversionError, UnsupportedValueError
 from distckpt.hf.safetensors import TensorHeader, header
 from distckpt.slices import Box
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.tools.slabs import DEFAULT_SLAB_BYTES, slabs
+from distckpt.transfer.arrays import writable_view
 from distckpt.values import decode
 
 FORMATS = (".safetensors", ".pt", ".pth")

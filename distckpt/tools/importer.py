@@ -42,7 +42,8 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import SingleComm
-from distckpt.engine.save import SaveResult, save_from
+from distckpt.engine.results import SaveResult
+from distckpt.engine.save import save_from
 from distckpt.errors import CheckpointError, ConversionError
 from distckpt.hf.directory import open_weights
 from distckpt.transfer.sources import FileData, Source, source_for

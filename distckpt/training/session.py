@@ -32,7 +32,8 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, first_failure
-from distckpt.engine.load import gather_left, load_indexed, read_shared_index
+from distckpt.engine.load import load_indexed, read_shared_index
+from distckpt.engine.matching import gather_left
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve

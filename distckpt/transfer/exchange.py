@@ -41,8 +41,8 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator
-from distckpt.engine.arrays import writable_view
 from distckpt.slices import Box
+from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.reader import ReadTarget
 
 #: Largest unit, and largest pack of small units, in bytes.

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
-from distckpt.engine.arrays import writable_view
 from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.read_plan import Copy, plan_reads
 from distckpt.slices import Box, c_order_bands
@@ -36,6 +35,7 @@ from distckpt.storage.index import Pieces, StoredPiece
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.storage.shard_io import EMPTY
 from distckpt.transfer import slabs
+from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.sources import copy_context, follow_current, record_event
 from distckpt.transfer.workers import TaskGroup, interleaved
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
-from distckpt.engine.arrays import numpy_view
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.transfer import ranges, slabs
+from distckpt.transfer.arrays import numpy_view
 from distckpt.transfer.slabs import Region
 
 _streams: dict[torch.device, Any] = {}

@@ -1,0 +1,3 @@
+"""The version of distckpt (pyproject.toml reads it from here)."""
+
+VERSION = "0.1.0"
