@@ -11,11 +11,15 @@ writes the index and commits atomically; restore reshards onto any world size::
 from __future__ import annotations
 
 from distckpt import comm  # noqa: E402
-from distckpt.engine.background import AsyncSave  # noqa: E402
+from distckpt.engine.background import (
+    AsyncSave,  # noqa: E402
+    prepare_async,
+)
 from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
 from distckpt.engine.load import load  # noqa: E402
+from distckpt.engine.options import CheckpointOptions  # noqa: E402
 from distckpt.engine.results import LoadResult, SaveResult  # noqa: E402
-from distckpt.engine.save import prepare_async, save  # noqa: E402
+from distckpt.engine.save import save  # noqa: E402
 from distckpt.errors import (  # noqa: E402
     CheckpointError,
     CheckpointExists,
@@ -80,6 +84,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "CheckpointManager",
+    "CheckpointOptions",
     "CheckpointNotFoundError",
     "CommTimeoutError",
     "ConditionFailed",

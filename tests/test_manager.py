@@ -258,7 +258,7 @@ def test_new_manager_in_the_same_process_takes_over(tmp_path: Path) -> None:
     ckpt = _ckpt()
     second = CheckpointManager(ckpt, tmp_path, comm=COMM)
     # The lock object passed over without a release: the file still holds the same token.
-    assert second._lock is not None and second._lock.token == token
+    assert second._own.lock is not None and second._own.lock.token == token
     assert json.loads(lock.read_text())["token"] == token
     assert _names(second.checkpoints) == ["ckpt-1"]
     assert second.restore_or_initialize() == str(tmp_path / "ckpt-1")

@@ -25,10 +25,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from distckpt.engine.results import SaveResult
+import numpy as np
+
+from distckpt.comm import Communicator
+from distckpt.comm.base import background as background_comm
+from distckpt.comm.outcome import Failure
+from distckpt.engine import snapshot
+from distckpt.engine.results import SaveResult
+from distckpt.engine.snapshot import BufferPool
+from distckpt.items import Leaf, flatten, gather_leaves
 
 log = logging.getLogger("distckpt")
 
@@ -168,3 +175,75 @@ def snapshot_barrier() -> None:
     handle = _pending
     if handle is not None:
         handle._snapshot.wait()
+
+
+_POOL = BufferPool()
+
+
+#: A rank's state as a background save sees it: its leaves, the host copy of each
+#: tensor (by name) and its encoded values.
+Snapped = tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]]
+
+
+def save_in_background(
+    state: dict[str, Any],
+    comm: Communicator,
+    allow_pickle: bool,
+    lazy: bool | Callable[[str], bool],
+    where: str,
+    protocol: Callable[[Communicator, Snapped | Failure, BaseException | None], SaveResult],
+    check: Callable[[], None] = lambda: None,
+) -> AsyncSave:
+    """Snapshot ``state`` into the reusable host buffers on this thread (the ``lazy``
+    tensors later, on the background thread), then run ``protocol(background comm,
+    snapped, error)`` on a background thread: the save protocol of the shared store, or
+    of the node-local tier (:mod:`distckpt.local.save`). ``check()`` runs first. A failure
+    of either, or of the snapshot, reaches ``protocol`` as a :class:`Failure` (and
+    ``error``, this rank's own exception), which reports it on every rank."""
+    t0 = time.perf_counter()
+    bg_comm = background_comm(comm)  # collective the first time
+    everything = bool(lazy)
+    is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
+    error: BaseException | None = None
+    snap: snapshot.Snapshot | Failure
+    values: dict[str, Any] = {}
+    try:
+        check()
+        leaves, values = gather_leaves(state, allow_pickle)
+        snap = snapshot.take(leaves, _POOL, is_lazy)
+    except Exception as exc:
+        snap, error = Failure.capture(exc, comm.rank), exc
+    blocked = time.perf_counter() - t0
+    rank = comm.rank
+
+    def body(handle: AsyncSave) -> SaveResult:
+        snapped: Snapped | Failure
+        if isinstance(snap, Failure):
+            snapped = snap
+        else:
+            try:
+                snapshot.finish(snap)
+                snapped = (snap.leaves, snap.arrays, values)
+            except Exception as exc:
+                snapped = Failure.capture(exc, rank)
+        handle._snapshot.set()
+        result = protocol(bg_comm, snapped, error)
+        result.timings["snapshot"] = blocked
+        return result
+
+    handle = start(where, body)
+    log.debug("background save of %s started; the caller was blocked %.4fs", where, blocked)
+    return handle
+
+
+def prepare_async(state: dict[str, Any]) -> int:
+    """Allocate the host buffers that background saves of ``state`` copy into, now,
+    rather than in the first ``save(..., async_save=True)`` (which then returns as fast as
+    the later ones); returns their bytes. Local (no communication). Buffers are pinned for
+    GPU tensors. Call it once the state exists whole (an optimizer's state appears at its
+    first step); tensors added later get their buffers at the first save that has them::
+
+        distckpt.prepare_async({"model": model.state_dict(), "optim": opt.state_dict()})
+    """
+    leaves = flatten(state, allow_pickle=True)  # only the tensors matter here
+    return snapshot.prepare(leaves, _POOL)

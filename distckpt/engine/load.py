@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,14 +29,24 @@ from distckpt.comm import Communicator, auto, raise_if_any_failed
 from distckpt.comm.outcome import Failure
 from distckpt.engine import background
 from distckpt.engine.matching import Prepared, agree_names, assign, prepare
+from distckpt.engine.options import (
+    LOAD,
+    CheckpointOptions,
+    LoadKeywords,
+    Resolved,
+    merge_or_refuse,
+    resolve,
+)
 from distckpt.engine.results import LoadResult
 from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, is_remote, location, resolve
+from distckpt.storage.backend import Store, location
 from distckpt.transfer import exchange
-from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.reader import ReadTarget, read_targets
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("distckpt")
 
@@ -46,9 +56,8 @@ def load(
     path: str | os.PathLike[str],
     comm: Communicator | None = None,
     *,
-    strict: bool = True,
-    allow_pickle: bool = False,
-    io_workers: int | None = None,
+    options: CheckpointOptions | None = None,
+    **keywords: Unpack[LoadKeywords],
 ) -> LoadResult:
     """Fill ``state`` in place from the checkpoint at ``path``; every rank calls it.
 
@@ -63,53 +72,50 @@ def load(
     A value saved pickled is unpickled only with ``allow_pickle=True``: unpickling runs code
     from the checkpoint, so pass it only for checkpoints you trust.
 
+    ``options`` (a :class:`~distckpt.CheckpointOptions`) holds the settings; its load
+    fields (``strict``, ``allow_pickle``, ``io_workers``) may also be given as keyword
+    arguments, which win.
+
     Each rank reads with ``io_workers`` threads (default: the cores this rank may use,
     see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS`` overrides it). GPU
     targets are filled through pinned staging slabs (:mod:`distckpt.transfer.slabs`).
     """
     background.finish_pending()  # also raises the error of a save nobody waited for
     comm = comm or auto()
-    return load_indexed(
-        state,
-        resolve(path),
-        None,
-        comm,
-        strict=strict,
-        allow_pickle=allow_pickle,
-        io_workers=io_workers,
-    )
+    merged, refused = merge_or_refuse(options, keywords, LOAD, "load")
+    return load_indexed(state, resolve(merged, path, comm), None, comm, refused=refused)
 
 
 def load_indexed(
     state: dict[str, Any],
-    store: Store,
+    run: Resolved,
     index: dict[str, Any] | None,
     comm: Communicator,
     *,
-    strict: bool = True,
-    allow_pickle: bool = False,
-    io_workers: int | None = None,
+    refused: BaseException | None = None,
 ) -> LoadResult:
-    """:func:`load` from ``store`` with its ``index`` already read on every rank (by
-    :func:`read_shared_index`; None: read it now), as a restore that loads in several
-    rounds does."""
+    """:func:`load` as ``run`` says (its store, options and I/O workers), with the
+    checkpoint's ``index`` already read on every rank (by :func:`read_shared_index`; None:
+    read it now), as a restore that loads in several rounds does. ``refused``: this rank's
+    arguments were refused (reported on every rank)."""
+    store, opts = run.store, run.options
     result = LoadResult(location(store))
     t0 = time.perf_counter()
     error: BaseException | None = None
     prepared: Prepared | None = None
-    workers = 1
     try:
         if index is None:
             index = read_shared_index(store, comm)
-        workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
-        prepared = prepare(state, index, result, comm.rank, comm.size, strict, allow_pickle)
+        if refused is not None:
+            raise refused
+        prepared = prepare(state, index, result, comm.rank, comm.size, opts)
     except Exception as exc:
         error = exc
     try:
         stored = index["variables"] if index is not None else {}
-        groups = _agree(comm, stored, prepared, result, strict)
+        groups = _agree(comm, stored, prepared, result, opts.strict)
         if groups is not None and prepared is not None:
-            _read(comm, store, prepared, groups, result, workers)
+            _read(comm, store, prepared, groups, result, run.io_workers)
     except Exception as exc:
         error = error or exc
     if prepared is not None:
@@ -236,7 +242,6 @@ def read_region(
     reads and decompressing compressed pieces. Returns the bytes read (as stored);
     ``on_bytes(n)`` is told the bytes of ``out`` filled as they are. Memory: ``out`` plus
     an inner chunk or two per I/O worker."""
-    store = resolve(root)
-    workers = transfer_workers.resolve(io_workers, network=is_remote(store))
+    run = resolve(CheckpointOptions(io_workers=io_workers), root)
     read = ReadTarget(name, entry, target, out=out)
-    return read_targets(store, [read], workers=workers, on_bytes=on_bytes)
+    return read_targets(run.store, [read], workers=run.io_workers, on_bytes=on_bytes)

@@ -21,6 +21,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator
+from distckpt.engine.options import CheckpointOptions
 from distckpt.engine.results import LoadResult
 from distckpt.errors import (
     MissingVariablesError,
@@ -53,8 +54,7 @@ def prepare(
     result: LoadResult,
     rank: int,
     world: int,
-    strict: bool,
-    allow_pickle: bool,
+    options: CheckpointOptions,
     *,
     located: bool = True,
 ) -> Prepared | None:
@@ -62,10 +62,13 @@ def prepare(
     ``located=False``: the index describes the variables but not where their pieces are
     (the node-local tier's), so no :class:`~distckpt.storage.index.Pieces` are made.
 
+    ``options.strict`` and ``options.allow_pickle`` apply.
+
     Sets ``result.missing`` and this rank's ``result.unexpected`` (for :func:`agree_names`,
     which makes it the job's). None when ``strict`` and a name is missing: the load fails
     once the job has agreed on the names, so that the error lists the job's unexpected
     names too."""
+    strict, allow_pickle = options.strict, options.allow_pickle
     stored: dict[str, Any] = index["variables"]
     leaves = flatten(state, allow_pickle=allow_pickle)
     names = {leaf.name for leaf in leaves}

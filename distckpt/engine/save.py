@@ -31,35 +31,42 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto
-from distckpt.comm.base import background as background_comm
 from distckpt.comm.outcome import Failure, first_failure
-from distckpt.engine import background, snapshot
+from distckpt.engine import background
 from distckpt.engine.agree import agree
-from distckpt.engine.background import AsyncSave
+from distckpt.engine.background import AsyncSave, Snapped, save_in_background
 from distckpt.engine.commit import Report, commit
+from distckpt.engine.options import (
+    SAVE,
+    CheckpointOptions,
+    Resolved,
+    SaveKeywords,
+    merge_or_refuse,
+    resolve,
+)
 from distckpt.engine.results import SaveResult
-from distckpt.engine.snapshot import BufferPool
-from distckpt.items import Leaf, flatten, gather_leaves
+from distckpt.items import Leaf, gather_leaves
 from distckpt.planning.describe import Desc
-from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES, Piece, RankWork
+from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
 from distckpt.progress import progress
-from distckpt.storage import codecs, shard_io, zarr_meta
-from distckpt.storage.backend import Store, is_remote, location, resolve
-from distckpt.storage.codecs import Compression
+from distckpt.storage import shard_io, zarr_meta
+from distckpt.storage.backend import Store, location
 from distckpt.storage.transaction import Transaction, begin, save_root
-from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.workers import TaskGroup
 from distckpt.transfer.writer import PieceJob, write_pieces
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("distckpt")
 
@@ -118,47 +125,37 @@ def _checksums(local: _Local, names: list[str], workers: int) -> dict[str, int]:
 
 
 @dataclass
-class _Options:
-    final: Store
-    overwrite: bool
-    small_bytes: int
-    inner_bytes: int
-    compression: Compression
-    io_workers: int
+class _Job:
+    """One save as it runs: its options, resolved once (store, I/O workers), the callback
+    after its commit, and whether rank 0 may show progress."""
+
+    run: Resolved
     after_commit: Callable[[], None] | None = None
     show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
+    error: BaseException | None = None  # the options were refused on this rank
 
     @classmethod
-    def at(
+    def of(
         cls,
+        options: CheckpointOptions | None,
+        keywords: Mapping[str, Any],
         path: str | os.PathLike[str],
         comm: Communicator,
-        io_workers: int | None,
-        *,
-        overwrite: bool,
-        small_bytes: int = DEFAULT_SMALL_BYTES,
-        inner_bytes: int = DEFAULT_INNER_BYTES,
-        compression: Compression = None,
-        after_commit: Callable[[], None] | None = None,
-        show_progress: bool = True,
-    ) -> _Options:
-        """The options of a save to ``path``: its store, and its I/O workers (at least
-        :data:`~distckpt.transfer.workers.NETWORK_WORKERS` on an object store)."""
-        store = resolve(path)
-        workers = transfer_workers.resolve(io_workers, comm, network=is_remote(store))
-        return cls(
-            store,
-            overwrite,
-            small_bytes,
-            inner_bytes,
-            compression,
-            workers,
-            after_commit,
-            show_progress,
-        )
+        where: str,
+        **job: Any,
+    ) -> _Job:
+        """The job of a save to ``path``. Options refused on this rank (a bad compression,
+        say) do not raise here: the save reports them on every rank (see ``error``)."""
+        merged, error = merge_or_refuse(options, keywords, SAVE, where)
+        return cls(resolve(merged, path, comm), error=error, **job)
 
+    @property
+    def final(self) -> Store:
+        return self.run.store
 
-_POOL = BufferPool()
+    @property
+    def options(self) -> CheckpointOptions:
+        return self.run.options
 
 
 @overload
@@ -167,15 +164,11 @@ def save(
     path: str | os.PathLike[str],
     comm: Communicator | None = ...,
     *,
-    overwrite: bool = ...,
-    small_bytes: int = ...,
-    inner_bytes: int = ...,
-    allow_pickle: bool = ...,
+    options: CheckpointOptions | None = ...,
     async_save: Literal[False] = ...,
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
-    compression: Compression = ...,
-    io_workers: int | None = ...,
+    **keywords: Unpack[SaveKeywords],
 ) -> SaveResult: ...
 
 
@@ -185,15 +178,11 @@ def save(
     path: str | os.PathLike[str],
     comm: Communicator | None = ...,
     *,
-    overwrite: bool = ...,
-    small_bytes: int = ...,
-    inner_bytes: int = ...,
-    allow_pickle: bool = ...,
+    options: CheckpointOptions | None = ...,
     async_save: Literal[True],
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
-    compression: Compression = ...,
-    io_workers: int | None = ...,
+    **keywords: Unpack[SaveKeywords],
 ) -> AsyncSave: ...
 
 
@@ -203,15 +192,11 @@ def save(
     path: str | os.PathLike[str],
     comm: Communicator | None = ...,
     *,
-    overwrite: bool = ...,
-    small_bytes: int = ...,
-    inner_bytes: int = ...,
-    allow_pickle: bool = ...,
+    options: CheckpointOptions | None = ...,
     async_save: bool,
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
-    compression: Compression = ...,
-    io_workers: int | None = ...,
+    **keywords: Unpack[SaveKeywords],
 ) -> SaveResult | AsyncSave: ...
 
 
@@ -220,15 +205,11 @@ def save(
     path: str | os.PathLike[str],
     comm: Communicator | None = None,
     *,
-    overwrite: bool = False,
-    small_bytes: int = DEFAULT_SMALL_BYTES,
-    inner_bytes: int = DEFAULT_INNER_BYTES,
-    allow_pickle: bool = False,
+    options: CheckpointOptions | None = None,
     async_save: bool = False,
     lazy: bool | Callable[[str], bool] = False,
     after_commit: Callable[[], None] | None = None,
-    compression: Compression = None,
-    io_workers: int | None = None,
+    **keywords: Unpack[SaveKeywords],
 ) -> SaveResult | AsyncSave:
     """Save ``state`` as a committed checkpoint at ``path``; every rank calls it.
 
@@ -240,6 +221,10 @@ def save(
     needs ``allow_pickle=True`` too). Moves no ``latest`` pointer. Example::
 
         distckpt.save({"model": model.state_dict(), "step": 10}, "run/ckpt-10")
+
+    ``options`` (a :class:`~distckpt.CheckpointOptions`) holds the settings; each of its
+    save fields (``compression``, ``small_bytes``, ``inner_bytes``, ``overwrite``,
+    ``allow_pickle``, ``io_workers``) may also be given as a keyword argument, which wins.
 
     ``async_save=True`` copies the tensors into reusable host buffers (pinned for GPU
     tensors) and returns an :class:`~distckpt.engine.background.AsyncSave` at once; the
@@ -274,85 +259,31 @@ def save(
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
     background.finish_pending()
     comm = comm or auto()
-    options = _Options.at(
+    job = _Job.of(
+        options,
+        keywords,
         path,
         comm,
-        io_workers,
-        overwrite=overwrite,
-        small_bytes=small_bytes,
-        inner_bytes=inner_bytes,
-        compression=compression,
+        "save",
         after_commit=after_commit,
         show_progress=not async_save,
     )
     if not async_save:
-        return _save_blocking(state, comm, options, allow_pickle, source_for)
+        return _save_blocking(state, comm, job, source_for)
+
+    def check() -> None:
+        if job.error is not None:
+            raise job.error
 
     return save_in_background(
         state,
         comm,
-        allow_pickle,
+        job.options.allow_pickle,
         lazy,
-        options.final.url,
-        lambda bg_comm, snapped, error: _protocol(bg_comm, _hosted(snapped), options, error),
-        check=lambda: codecs.check(compression),
+        job.final.url,
+        lambda bg_comm, snapped, error: _protocol(bg_comm, _hosted(snapped), job, error),
+        check=check,
     )
-
-
-#: A rank's state as a background save sees it: its leaves, the host copy of each
-#: tensor (by name) and its encoded values.
-Snapped = tuple[list[Leaf], dict[str, np.ndarray], dict[str, Any]]
-
-
-def save_in_background(
-    state: dict[str, Any],
-    comm: Communicator,
-    allow_pickle: bool,
-    lazy: bool | Callable[[str], bool],
-    where: str,
-    protocol: Callable[[Communicator, Snapped | Failure, BaseException | None], SaveResult],
-    check: Callable[[], None] = lambda: None,
-) -> AsyncSave:
-    """Snapshot ``state`` into the reusable host buffers on this thread (the ``lazy``
-    tensors later, on the background thread), then run ``protocol(background comm,
-    snapped, error)`` on a background thread: the save protocol of the shared store, or
-    of the node-local tier (:mod:`distckpt.local.save`). ``check()`` runs first. A failure
-    of either, or of the snapshot, reaches ``protocol`` as a :class:`Failure` (and
-    ``error``, this rank's own exception), which reports it on every rank."""
-    t0 = time.perf_counter()
-    bg_comm = background_comm(comm)  # collective the first time
-    everything = bool(lazy)
-    is_lazy: Callable[[str], bool] = lazy if callable(lazy) else (lambda name: everything)
-    error: BaseException | None = None
-    snap: snapshot.Snapshot | Failure
-    values: dict[str, Any] = {}
-    try:
-        check()
-        leaves, values = gather_leaves(state, allow_pickle)
-        snap = snapshot.take(leaves, _POOL, is_lazy)
-    except Exception as exc:
-        snap, error = Failure.capture(exc, comm.rank), exc
-    blocked = time.perf_counter() - t0
-    rank = comm.rank
-
-    def body(handle: background.AsyncSave) -> SaveResult:
-        snapped: Snapped | Failure
-        if isinstance(snap, Failure):
-            snapped = snap
-        else:
-            try:
-                snapshot.finish(snap)
-                snapped = (snap.leaves, snap.arrays, values)
-            except Exception as exc:
-                snapped = Failure.capture(exc, rank)
-        handle._snapshot.set()
-        result = protocol(bg_comm, snapped, error)
-        result.timings["snapshot"] = blocked
-        return result
-
-    handle = background.start(where, body)
-    log.debug("background save of %s started; the caller was blocked %.4fs", where, blocked)
-    return handle
 
 
 def _hosted(snapped: Snapped | Failure) -> _Local | Failure:
@@ -366,15 +297,15 @@ def _hosted(snapped: Snapped | Failure) -> _Local | Failure:
 def _save_blocking(
     state: dict[str, Any],
     comm: Communicator,
-    options: _Options,
-    allow_pickle: bool,
+    job: _Job,
     source_of: Callable[[Any, str], Source],
 ) -> SaveResult:
     local: _Local | Failure
     error: BaseException | None = None
     try:
-        codecs.check(options.compression)
-        leaves, values = gather_leaves(state, allow_pickle)
+        if job.error is not None:
+            raise job.error
+        leaves, values = gather_leaves(state, job.options.allow_pickle)
         sources = {
             leaf.name: source_of(leaf.tensor, leaf.name)
             for leaf in leaves
@@ -383,7 +314,7 @@ def _save_blocking(
         local = _Local(leaves, sources, values)
     except Exception as exc:
         local, error = Failure.capture(exc, comm.rank), exc
-    return _protocol(comm, local, options, error=error)
+    return _protocol(comm, local, job, error=error)
 
 
 def save_from(
@@ -392,9 +323,8 @@ def save_from(
     source_of: Callable[[Any, str], Source],
     comm: Communicator | None = None,
     *,
-    overwrite: bool = False,
-    allow_pickle: bool = False,
-    io_workers: int | None = None,
+    options: CheckpointOptions | None = None,
+    **keywords: Unpack[SaveKeywords],
 ) -> SaveResult:
     """A blocking :func:`save` that reads each tensor leaf through ``source_of(tensor,
     name)``: an import's state holds meta tensors (their shapes and dtypes) whose bytes
@@ -402,29 +332,16 @@ def save_from(
     writer asks for them, through the staging slabs, so the state is never in memory."""
     background.finish_pending()
     comm = comm or auto()
-    options = _Options.at(path, comm, io_workers, overwrite=overwrite)
-    return _save_blocking(state, comm, options, allow_pickle, source_of)
-
-
-def prepare_async(state: dict[str, Any]) -> int:
-    """Allocate the host buffers that background saves of ``state`` copy into, now,
-    rather than in the first ``save(..., async_save=True)`` (which then returns as fast as
-    the later ones); returns their bytes. Local (no communication). Buffers are pinned for
-    GPU tensors. Call it once the state exists whole (an optimizer's state appears at its
-    first step); tensors added later get their buffers at the first save that has them::
-
-        distckpt.prepare_async({"model": model.state_dict(), "optim": opt.state_dict()})
-    """
-    leaves = flatten(state, allow_pickle=True)  # only the tensors matter here
-    return snapshot.prepare(leaves, _POOL)
+    return _save_blocking(state, comm, _Job.of(options, keywords, path, comm, "save"), source_of)
 
 
 def _protocol(
-    comm: Communicator, local: _Local | Failure, opts: _Options, error: BaseException | None
+    comm: Communicator, local: _Local | Failure, job: _Job, error: BaseException | None
 ) -> SaveResult:
     """Steps 1 to 5 of the protocol, from this rank's leaves or the failure that replaced
     them (``error``, the local exception, is re-raised as itself on this rank)."""
-    final = opts.final
+    final = job.final
+    opts = job.options
     result = SaveResult(location(final))
     stored_bytes = 0  # by every rank: known to the coordinator
     t0 = time.perf_counter()
@@ -437,18 +354,15 @@ def _protocol(
         except Exception as exc:
             error, descs = exc, Failure.capture(exc, comm.rank)
     # What a cached plan must have been made with (a mapping of compression choices is
-    # ordered: its first matching pattern wins; copied, so a later edit is a change).
-    choices = opts.compression
-    if choices is not None and not isinstance(choices, str):
-        choices = tuple(choices.items())  # type: ignore[assignment]
-    options = (opts.small_bytes, opts.inner_bytes, choices, comm.size)
+    # ordered: its first matching pattern wins).
+    made_with = (opts.small_bytes, opts.inner_bytes, opts.compression_key(), comm.size)
     staging: Transaction | None = None
     try:
         agreed = agree(
             comm,
             descs,
-            lambda names: _checksums(local, names, opts.io_workers),  # type: ignore[arg-type]
-            options,
+            lambda names: _checksums(local, names, job.run.io_workers),  # type: ignore[arg-type]
+            made_with,
             lambda ranks: plan_save(
                 ranks,
                 small_bytes=opts.small_bytes,
@@ -470,7 +384,7 @@ def _protocol(
         t_exchange = time.perf_counter()
         if not isinstance(report, Failure):
             try:
-                report = _write(work, local, received, comm.rank, opts, result)
+                report = _write(work, local, received, comm.rank, job, result)
             except Exception as exc:
                 local_error, report = exc, Failure.capture(exc, comm.rank)
         reports = comm.gather(report, root=COORDINATOR)
@@ -491,9 +405,9 @@ def _protocol(
             if staging is not None:
                 staging.abort()
                 staging = None
-            elif opts.after_commit is not None:
+            elif job.after_commit is not None:
                 try:
-                    opts.after_commit()
+                    job.after_commit()
                 except Exception as exc:
                     local_error, outcome = exc, Failure.capture(exc, comm.rank)
         outcome = comm.broadcast(outcome, root=COORDINATOR)
@@ -573,7 +487,7 @@ def _write(
     local: _Local,
     received: dict[int, dict[int, bytes]],
     rank: int,
-    opts: _Options,
+    job: _Job,
     result: SaveResult,
 ) -> Report:
     """Write this rank's pieces into the staging directory with its I/O workers; return
@@ -581,7 +495,7 @@ def _write(
 
     On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
     when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
-    root = save_root(opts.final, work.token)
+    root = save_root(job.final, work.token)
     jobs: list[PieceJob] = []
     files: list[tuple[str, bytes]] = []
     for piece in work.writes:
@@ -592,9 +506,9 @@ def _write(
     keys = [job.key for job in jobs] + [key for key, _ in files]
     root.prepare(keys)
     total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
-    label = f"saving {opts.final.name} (rank 0's share)"
-    with progress(label, total if opts.show_progress else 0, rank=rank) as bar:
-        written = write_pieces(root, jobs, files, workers=opts.io_workers, on_bytes=bar.update)
+    label = f"saving {job.final.name} (rank 0's share)"
+    with progress(label, total if job.show_progress else 0, rank=rank) as bar:
+        written = write_pieces(root, jobs, files, workers=job.run.io_workers, on_bytes=bar.update)
     result.bytes_written += sum(size for size, _ in written.values())
     result.files_written += len(files) + sum(1 for size, _ in written.values() if size)
     root.persist(keys)

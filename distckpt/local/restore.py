@@ -35,6 +35,7 @@ from distckpt import dtypes, values
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.load import settle
 from distckpt.engine.matching import agree_names, assign, prepare
+from distckpt.engine.options import CheckpointOptions
 from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
@@ -265,21 +266,15 @@ class LocalStep:
     # ------------------------------------------------------------ reading
 
     def load(
-        self,
-        state: dict[str, Any],
-        comm: Communicator,
-        *,
-        strict: bool = True,
-        allow_pickle: bool = False,
-        io_workers: int | None = None,
+        self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions
     ) -> LoadResult:
         """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
-        checkpoint; collective."""
-        del io_workers  # reads are local memory maps: the page cache does the work
+        checkpoint with ``options`` (but ``io_workers``: reads are local memory maps, the
+        page cache does the work); collective."""
         t0 = time.perf_counter()
         while True:  # again while a copy failed its checksum and another node has one
             result = LoadResult(self.path)
-            error, bad = self._load_once(state, comm, strict, allow_pickle, result)
+            error, bad = self._load_once(state, comm, options, result)
             if bad is None or not any(bad) or not self._drop_copies(comm, bad):
                 break
         result.timings["plan"] = self._t_plan - t0
@@ -290,8 +285,7 @@ class LocalStep:
         self,
         state: dict[str, Any],
         comm: Communicator,
-        strict: bool,
-        allow_pickle: bool,
+        options: CheckpointOptions,
         result: LoadResult,
     ) -> tuple[BaseException | None, list[list[int]] | None]:
         """One attempt of :meth:`load`: this rank's error, and (when the transfers ran)
@@ -303,7 +297,7 @@ class LocalStep:
         ready = False  # not if this rank failed, or is strict and lacks a name (see _prepare)
         try:
             prepared = prepare(
-                state, self.index, result, comm.rank, comm.size, strict, allow_pickle, located=False
+                state, self.index, result, comm.rank, comm.size, options, located=False
             )
             if prepared is not None:
                 reads, fresh = prepared.reads, prepared.fresh
@@ -318,7 +312,7 @@ class LocalStep:
         ]
         try:  # the job's unexpected names travel with the requests
             everyone = agree_names(
-                comm, asked if ready else None, self.index["variables"], result, strict
+                comm, asked if ready else None, self.index["variables"], result, options.strict
             )
         except Exception as exc:  # the names error, under strict
             return error or exc, None

@@ -42,14 +42,14 @@ import numpy as np
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure
 from distckpt.engine import background
+from distckpt.engine.background import Snapped, save_in_background
+from distckpt.engine.options import CheckpointOptions, resolve
 from distckpt.engine.results import SaveResult
-from distckpt.engine.save import Snapped, save_in_background
 from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
 from distckpt.local.nodes import Topology, node_identity
 from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import as_bytes, crc32c
-from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.sources import source_for
 from distckpt.transfer.workers import TaskGroup
@@ -263,7 +263,7 @@ def _protocol(
     store: Store,
     step: Step,
     local: Snapped | Failure,
-    io_workers: int | None,
+    options: CheckpointOptions,
     error: BaseException | None,
 ) -> SaveResult:
     result = SaveResult(store.where(files.step_dir(step.number)))
@@ -306,7 +306,7 @@ def _protocol(
     group: TaskGroup | None = None
     received: dict[int, dict[str, Any]] = {}
     try:
-        group = TaskGroup(transfer_workers.resolve(io_workers, comm))
+        group = TaskGroup(resolve(options, store, comm).io_workers)
         store.prepare(keys)
         for o, key in zip(owners, keys, strict=True):
             handles[o] = store.create(key, layout.size if o == rank else None)
@@ -420,16 +420,17 @@ def save_local(
     store: Store,
     step: Step,
     comm: Communicator,
+    options: CheckpointOptions,
     *,
-    allow_pickle: bool = False,
     async_save: bool = False,
     lazy: Any = False,
-    io_workers: int | None = None,
 ) -> SaveResult | background.AsyncSave:
     """Save ``state`` as local step ``step`` into this node's ``store``; collective.
 
     Blocking, or (``async_save``) in the background after a snapshot into the same host
-    buffers as a background save to the shared store; ``lazy`` as there."""
+    buffers as a background save to the shared store; ``lazy`` as there. Of ``options``,
+    ``allow_pickle`` and ``io_workers`` apply (a local step is never compressed)."""
+    allow_pickle = options.allow_pickle
     background.finish_pending()
     error: BaseException | None = None
     local: Snapped | Failure
@@ -444,7 +445,7 @@ def save_local(
             local = (leaves, arrays, values)
         except Exception as exc:
             local, error = Failure.capture(exc, comm.rank), exc
-        return _protocol(comm, store, step, local, io_workers, error)
+        return _protocol(comm, store, step, local, options, error)
 
     return save_in_background(
         state,
@@ -452,5 +453,5 @@ def save_local(
         allow_pickle,
         lazy,
         store.where(files.step_dir(step.number)),
-        lambda bg_comm, snapped, error: _protocol(bg_comm, store, step, snapped, io_workers, error),
+        lambda bg_comm, snapped, error: _protocol(bg_comm, store, step, snapped, options, error),
     )

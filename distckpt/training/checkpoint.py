@@ -15,15 +15,22 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator, auto
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
-from distckpt.engine.save import prepare_async as engine_prepare_async
+from distckpt.engine.background import prepare_async as engine_prepare_async
+from distckpt.engine.options import (
+    RESTORE,
+    WRITE,
+    CheckpointOptions,
+    RestoreKeywords,
+    WriteKeywords,
+    merge,
+)
 from distckpt.engine.save import save as engine_save
 from distckpt.errors import CorruptCheckpointError
-from distckpt.storage.codecs import Compression
 from distckpt.training.handlers import collect, plan_restore
 from distckpt.training.lazy import guard_optimizer_steps
 from distckpt.training.names import nest
@@ -38,6 +45,9 @@ from distckpt.training.session import (
 )
 from distckpt.training.status import CheckpointLoadStatus, InitializationOnlyStatus
 from distckpt.training.tracking import Node, ObjectGraphError, track, walk
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class Checkpoint(Node):
@@ -134,11 +144,10 @@ class Checkpoint(Node):
         path: str | os.PathLike[str],
         comm: Communicator | None = None,
         *,
-        allow_pickle: bool = False,
+        options: CheckpointOptions | None = None,
         async_save: bool = False,
         lazy: bool = False,
-        compression: Compression = None,
-        io_workers: int | None = None,
+        **keywords: Unpack[WriteKeywords],
     ) -> Any:
         """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
 
@@ -147,37 +156,32 @@ class Checkpoint(Node):
         :class:`~distckpt.errors.CheckpointExists` if a checkpoint is already committed
         there. Objects that are neither tensors nor typed Python values are refused unless
         ``allow_pickle=True`` (then stored pickled, and :meth:`restore` needs
-        ``allow_pickle=True`` to read them). See :meth:`save` for ``async_save``, ``lazy``,
-        ``compression`` and ``io_workers``.
+        ``allow_pickle=True`` to read them). See :meth:`save` for ``options``,
+        ``async_save`` and ``lazy``.
         """
-        handle = self._write(
-            path, comm, allow_pickle, async_save, lazy, None, compression, io_workers
-        )
+        opts = merge(options, keywords, WRITE, "write")
+        handle = self._write(path, comm, opts, async_save, lazy, None)
         return handle if async_save else os.fspath(path)
 
     def _write(
         self,
         path: str | os.PathLike[str],
         comm: Communicator | None,
-        allow_pickle: bool,
+        options: CheckpointOptions,
         async_save: bool,
         lazy: bool,
         after_commit: Callable[[], None] | None,
-        compression: Compression = None,
-        io_workers: int | None = None,
     ) -> Any:
         comm = comm or auto()
-        state, lazy_names = self._to_save(allow_pickle, lazy)
+        state, lazy_names = self._to_save(options.allow_pickle, lazy)
         return engine_save(
             state,
             path,
             comm,
-            allow_pickle=allow_pickle,
+            options=options,
             async_save=async_save or lazy,
             lazy=lazy_names,
             after_commit=after_commit,
-            compression=compression,
-            io_workers=io_workers,
         )
 
     def _to_save(self, allow_pickle: bool, lazy: bool) -> tuple[dict[str, Any], Any]:
@@ -210,11 +214,10 @@ class Checkpoint(Node):
         file_prefix: str | os.PathLike[str],
         comm: Communicator | None = None,
         *,
-        allow_pickle: bool = False,
+        options: CheckpointOptions | None = None,
         async_save: bool = False,
         lazy: bool = False,
-        compression: Compression = None,
-        io_workers: int | None = None,
+        **keywords: Unpack[WriteKeywords],
     ) -> Any:
         """Save as ``{file_prefix}-{N}`` and make it its directory's latest. Collective.
 
@@ -236,11 +239,12 @@ class Checkpoint(Node):
         place yourself between a lazy save and the next step only after :meth:`sync` (or
         ``handle.wait_snapshot()``).
 
+        ``options`` (a :class:`~distckpt.CheckpointOptions`) and the keyword arguments
         ``compression`` (``"zstd"``, ``"blosc-lz4"`` or a mapping of name patterns, such
-        as ``{"optimizer/*": "zstd"}``) compresses the stored tensors, as in
-        :func:`distckpt.save`. ``io_workers`` is each rank's number of I/O threads, as
-        there.
+        as ``{"optimizer/*": "zstd"}``), ``small_bytes``, ``inner_bytes``,
+        ``allow_pickle`` and ``io_workers`` are as in :func:`distckpt.save`.
         """
+        opts = merge(options, keywords, WRITE, "save")
         comm = comm or auto()
         counter = self._save_counter + 1
         path = f"{os.fspath(file_prefix)}-{counter}"
@@ -254,9 +258,7 @@ class Checkpoint(Node):
             advance_pointer(path)
 
         try:
-            handle = self._write(
-                path, comm, allow_pickle, async_save, lazy, move_pointer, compression, io_workers
-            )
+            handle = self._write(path, comm, opts, async_save, lazy, move_pointer)
         except BaseException as exc:
             undo(exc)
             raise
@@ -276,8 +278,8 @@ class Checkpoint(Node):
         path: str | os.PathLike[str] | None,
         comm: Communicator | None = None,
         *,
-        allow_pickle: bool = False,
-        io_workers: int | None = None,
+        options: CheckpointOptions | None = None,
+        **keywords: Unpack[RestoreKeywords],
     ) -> CheckpointLoadStatus | InitializationOnlyStatus:
         """Fill the graph from the checkpoint at ``path``; collective.
 
@@ -293,8 +295,9 @@ class Checkpoint(Node):
         :class:`~distckpt.errors.ShapeMismatchError` naming the variable and both shapes.
         A value saved pickled is refused unless ``allow_pickle=True`` (unpickling runs code
         from the checkpoint: only for checkpoints you trust). ``io_workers`` is each rank's
-        number of I/O threads (see :func:`distckpt.load`).
+        number of I/O threads (see :func:`distckpt.load`); both may come in ``options``.
         """
+        opts = merge(options, keywords, RESTORE, "restore")
         if path is None:
             self._warn_unresolved()
             background.finish_pending()
@@ -302,15 +305,10 @@ class Checkpoint(Node):
         comm = comm or auto()
         background.finish_pending()
         source = StoredCheckpoint(path, comm)
-        return self._restore_from(source, comm, allow_pickle=allow_pickle, io_workers=io_workers)
+        return self._restore_from(source, comm, opts)
 
     def _restore_from(
-        self,
-        source: Source,
-        comm: Communicator,
-        *,
-        allow_pickle: bool = False,
-        io_workers: int | None = None,
+        self, source: Source, comm: Communicator, options: CheckpointOptions
     ) -> CheckpointLoadStatus:
         """Fill the graph from ``source`` (a persistent checkpoint or a local step)."""
         self._warn_unresolved()
@@ -319,9 +317,7 @@ class Checkpoint(Node):
             self._session.deactivate()
         if self._finalizer is not None:
             self._finalizer.detach()
-        session = RestoreSession(
-            source, comm, self, allow_pickle=allow_pickle, io_workers=io_workers
-        )
+        session = RestoreSession(source, comm, self, options)
         self._session = session
         plan = Plan([Slot(SAVE_COUNTER, None, self._set_counter)])
         try:

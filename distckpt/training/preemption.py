@@ -81,7 +81,7 @@ class PreemptionHandler:
         self.signals = tuple(signals)
         self.exit_code = exit_code
         self.check_every = check_every
-        self.step_counter = step_counter if step_counter is not None else manager._step_counter
+        self.step_counter = step_counter if step_counter is not None else manager.step_counter
         self.received: int | None = None  # the first signal this rank received
         self.preempted = False  # set on every rank once the ranks agreed
         self.checkpoint: str | None = None
@@ -135,7 +135,7 @@ class PreemptionHandler:
         self._calls += 1
         if self._calls % self.check_every:
             return False
-        comm = self.manager._comm
+        comm = self.manager.comm
         seen = comm.allgather(self.received)
         signals = [s for s in seen if s is not None]
         if not signals:

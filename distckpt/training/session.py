@@ -34,6 +34,8 @@ from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.engine.matching import gather_left
+from distckpt.engine.options import CheckpointOptions
+from distckpt.engine.options import resolve as resolve_options
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve
@@ -57,15 +59,8 @@ class Source(Protocol):
     path: Any
     index: dict[str, Any]
 
-    def load(
-        self,
-        state: dict[str, Any],
-        comm: Communicator,
-        *,
-        strict: bool,
-        allow_pickle: bool,
-        io_workers: int | None,
-    ) -> Any: ...
+    def load(self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions) -> Any:
+        """Collective: fill ``state`` as :func:`distckpt.load` with ``options`` does."""
 
 
 class StoredCheckpoint:
@@ -77,24 +72,8 @@ class StoredCheckpoint:
         self.path = location(self.store)
         self.index = read_shared_index(self.store, comm)
 
-    def load(
-        self,
-        state: dict[str, Any],
-        comm: Communicator,
-        *,
-        strict: bool,
-        allow_pickle: bool,
-        io_workers: int | None,
-    ) -> Any:
-        return load_indexed(
-            state,
-            self.store,
-            self.index,
-            comm,
-            strict=strict,
-            allow_pickle=allow_pickle,
-            io_workers=io_workers,
-        )
+    def load(self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions) -> Any:
+        return load_indexed(state, resolve_options(options, self.store, comm), self.index, comm)
 
 
 @dataclass
@@ -114,14 +93,12 @@ class RestoreSession:
         source: Source,
         comm: Communicator,
         root: Any,
-        *,
-        allow_pickle: bool = False,
-        io_workers: int | None = None,
+        options: CheckpointOptions,
     ) -> None:
         self.source = source
         self.path = source.path
-        self.allow_pickle = allow_pickle
-        self.io_workers = io_workers
+        self.options = options.replace(strict=False)  # rounds of partial loads
+        self.allow_pickle = options.allow_pickle
         self.comm = comm
         self._root = weakref.ref(root)
         self.index = source.index
@@ -214,13 +191,7 @@ class RestoreSession:
         raise_if_any_failed(self.comm, error)
         for batch in rounds:
             if batch:
-                self.source.load(
-                    nest(batch),
-                    self.comm,
-                    strict=False,
-                    allow_pickle=self.allow_pickle,
-                    io_workers=self.io_workers,
-                )
+                self.source.load(nest(batch), self.comm, self.options)
         try:
             for slot, holder in ready:
                 if slot.on_value is not None:

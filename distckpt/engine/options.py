@@ -1,0 +1,201 @@
+"""One value for the settings of saves and loads: :class:`CheckpointOptions`.
+
+Every entry point (:func:`distckpt.save`, :func:`distckpt.load`,
+:class:`~distckpt.Checkpoint`, :class:`~distckpt.CheckpointManager`, the node-local tier
+and the Hugging Face functions) takes it as ``options=`` and passes it on whole; each of
+its fields may also be given as a keyword argument, which wins over the value's field::
+
+    opts = distckpt.CheckpointOptions(compression="zstd", io_workers=8)
+    distckpt.save(state, "run/ckpt-10", options=opts)
+    distckpt.save(state, "run/ckpt-11", options=opts, overwrite=True)   # one field changed
+    manager = distckpt.CheckpointManager(ckpt, "run", options=opts)
+
+An entry point accepts only the fields that mean something to it (a load has no
+``compression``); another one is a :class:`TypeError`, as an unknown keyword is.
+:func:`resolve` turns the options into what one operation runs with (its store, its
+I/O workers), once, where the operation starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
+from distckpt.storage import codecs
+from distckpt.storage.backend import Store, is_remote
+from distckpt.storage.backend import resolve as resolve_store
+from distckpt.storage.codecs import Compression
+from distckpt.transfer import workers as transfer_workers
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How a save or a load runs. Each field's default is distckpt's.
+
+    Saving:
+
+    * ``compression``: ``"zstd"``, ``"blosc-lz4"``, or a mapping of name patterns
+      (:mod:`fnmatch`, ``*`` also matches ``/``) to one of them or None; the first pattern
+      that matches a name wins, and a name none matches is stored raw (see
+      :func:`distckpt.save`). The coordinator's choice is the one used.
+    * ``small_bytes``: tensors of at most this many bytes become one plain chunk written
+      by one rank (never compressed).
+    * ``inner_bytes``: the size of the inner chunks of a shard: the unit of checksums and
+      of the reads of a resharded load.
+    * ``overwrite``: replace a checkpoint committed at the path (:func:`distckpt.save`).
+
+    Saving and loading:
+
+    * ``allow_pickle``: store objects that are neither tensors nor typed Python values
+      pickled, and unpickle them on load. Unpickling runs code from the checkpoint: only
+      for checkpoints you trust.
+    * ``io_workers``: each rank's I/O threads (default: the cores this rank may use;
+      ``$DISTCKPT_IO_WORKERS`` overrides it; at least 8 against an object store).
+
+    Loading:
+
+    * ``strict``: a name on one side only is an error (:func:`distckpt.load`).
+    """
+
+    compression: Compression = None
+    small_bytes: int = DEFAULT_SMALL_BYTES
+    inner_bytes: int = DEFAULT_INNER_BYTES
+    overwrite: bool = False
+    allow_pickle: bool = False
+    io_workers: int | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        codecs.check(self.compression)
+        if isinstance(self.compression, Mapping):  # a copy: a later edit is not ours
+            object.__setattr__(self, "compression", dict(self.compression))
+        for name in ("small_bytes", "inner_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (0 if name == "small_bytes" else 1):
+                raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
+        if self.io_workers is not None:
+            transfer_workers.positive_int(self.io_workers, "io_workers")
+
+    def replace(self, **changes: Any) -> CheckpointOptions:
+        """These options with ``changes`` (field names) made."""
+        return dataclasses.replace(self, **changes)
+
+    def compression_key(self) -> Any:
+        """``compression`` as a hashable, ordered value (a cached plan's key)."""
+        choices = self.compression
+        if choices is None or isinstance(choices, str):
+            return choices
+        return tuple(choices.items())
+
+
+class SaveKeywords(TypedDict, total=False):
+    """The fields of :class:`CheckpointOptions` a save takes as keyword arguments."""
+
+    compression: Compression
+    small_bytes: int
+    inner_bytes: int
+    overwrite: bool
+    allow_pickle: bool
+    io_workers: int | None
+
+
+class WriteKeywords(TypedDict, total=False):
+    """The fields a save that never replaces a checkpoint takes (a manager's, a
+    :class:`~distckpt.Checkpoint`'s): :class:`SaveKeywords` but ``overwrite``."""
+
+    compression: Compression
+    small_bytes: int
+    inner_bytes: int
+    allow_pickle: bool
+    io_workers: int | None
+
+
+class LoadKeywords(TypedDict, total=False):
+    """The fields of :class:`CheckpointOptions` a load takes as keyword arguments."""
+
+    allow_pickle: bool
+    io_workers: int | None
+    strict: bool
+
+
+class RestoreKeywords(TypedDict, total=False):
+    """The fields a restore of an object graph takes (its status replaces ``strict``)."""
+
+    allow_pickle: bool
+    io_workers: int | None
+
+
+class ManagerKeywords(TypedDict, total=False):
+    """The fields a :class:`~distckpt.CheckpointManager` takes for its saves and restores."""
+
+    compression: Compression
+    small_bytes: int
+    inner_bytes: int
+    allow_pickle: bool
+    io_workers: int | None
+
+
+SAVE = frozenset(SaveKeywords.__annotations__)
+WRITE = frozenset(WriteKeywords.__annotations__)
+LOAD = frozenset(LoadKeywords.__annotations__)
+RESTORE = frozenset(RestoreKeywords.__annotations__)
+MANAGER = frozenset(ManagerKeywords.__annotations__)
+
+
+def merge(
+    options: CheckpointOptions | None,
+    keywords: Mapping[str, Any],
+    accepted: frozenset[str],
+    where: str,
+) -> CheckpointOptions:
+    """``options`` (default: distckpt's) with the ``keywords`` an entry point was given;
+    a name that ``where`` does not take is a :class:`TypeError`."""
+    if options is not None and not isinstance(options, CheckpointOptions):
+        raise TypeError(
+            f"{where}(): options must be a distckpt.CheckpointOptions, got {type(options).__name__}"
+        )
+    unknown = sorted(set(keywords) - accepted)
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    base = options if options is not None else CheckpointOptions()
+    return base.replace(**keywords) if keywords else base
+
+
+def merge_or_refuse(
+    options: CheckpointOptions | None,
+    keywords: Mapping[str, Any],
+    accepted: frozenset[str],
+    where: str,
+) -> tuple[CheckpointOptions, BaseException | None]:
+    """:func:`merge`, or distckpt's defaults and the error when this rank's arguments are
+    refused: a collective entry point reports it on every rank instead of raising it
+    alone before its first collective."""
+    try:
+        return merge(options, keywords, accepted, where), None
+    except (TypeError, ValueError) as exc:
+        return CheckpointOptions(), exc
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What one save or load runs with: its options, its store, and the I/O workers of
+    this rank (resolved once, where the operation starts)."""
+
+    options: CheckpointOptions
+    store: Store
+    io_workers: int
+
+
+def resolve(
+    options: CheckpointOptions, location: str | os.PathLike[str] | Store, comm: Any = None
+) -> Resolved:
+    """The store at ``location`` and this rank's I/O workers for ``options`` (which may ask
+    ``comm`` how many ranks share the node: call it on every rank); at least
+    :data:`~distckpt.transfer.workers.NETWORK_WORKERS` against an object store."""
+    store = resolve_store(location)
+    workers = transfer_workers.resolve(options.io_workers, comm, network=is_remote(store))
+    return Resolved(options, store, workers)
