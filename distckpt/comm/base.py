@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from distckpt.comm.outcome import Failure, first_failure
+from distckpt.comm.outcome import share
 
 #: Default bound, in seconds, on how long a collective waits for a missing rank.
 DEFAULT_TIMEOUT = 300.0
@@ -111,7 +111,4 @@ def raise_if_any_failed(comm: Communicator, exc: BaseException | None) -> None:
     The rank where it happened re-raises its own exception object. Ranks that passed
     ``None`` raise only when another rank failed, so every rank leaves the same way.
     """
-    payload = None if exc is None else Failure.capture(exc, comm.rank)
-    failure = first_failure(comm.allgather(payload))
-    if failure is not None:
-        failure.raise_here(comm.rank, exc)
+    share(comm, None, exc)

@@ -1,9 +1,19 @@
-"""Carrying one rank's failure to every rank, for phases that gather to and decide on a root.
+"""Carrying one rank's failure to every rank: the collective steps every protocol is made of.
 
-A phase of the save protocol ends with a gather to the coordinator (each rank sends its
-result or a :class:`Failure`) and a broadcast of the coordinator's decision (the next
-step's input or the first failure). Every rank then either continues or raises the same
-exception, so no rank is left waiting in a collective the others have abandoned.
+* :func:`coordinate`: every rank sends its contribution (or the :class:`Failure` that
+  replaced it) to the coordinator, which decides; every rank gets the decision, or the
+  same error. The plan and the commit of a save, the plan and the finish of a Hugging
+  Face export are such steps.
+* :func:`announce`: the coordinator alone computes something (reads an index, decides
+  whether to save); every rank gets it, or the same error.
+* :func:`share`: every rank gets every rank's payload, or the same error (no
+  coordinator: each rank acts on what all sent).
+
+In each, every rank either continues or raises the same exception (as the original
+object on the rank where it happened, as a copy carrying that rank's traceback
+elsewhere), so no rank is left waiting in a collective the others have abandoned. Each
+takes the communicator's collectives and so its deadline (``DISTCKPT_TIMEOUT``): a dead
+rank makes the others raise :class:`~distckpt.errors.CommTimeoutError`.
 """
 
 from __future__ import annotations
@@ -11,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from distckpt.errors import RemoteError
 
@@ -69,3 +80,78 @@ def first_failure(payloads: list[Any] | None) -> Failure | None:
         if isinstance(payload, Failure):
             return payload
     return None
+
+
+T = TypeVar("T")
+
+
+def coordinate(
+    comm: Any,
+    contribution: Any,
+    decide: Callable[[list[Any]], T],
+    *,
+    error: BaseException | None = None,
+    settle: Callable[[Failure | None], None] | None = None,
+    root: int = 0,
+) -> T:
+    """Collective: the coordinator decides from every rank's contribution; every rank
+    returns the decision or raises the same error.
+
+    Call order, on every rank: ``comm.gather(contribution, root)``; on ``root`` only, when
+    no rank sent a :class:`Failure`, ``decide(contributions)`` (in rank order; an exception
+    it raises becomes the outcome), then ``settle(failure or None)`` (cleanup that must
+    happen before any rank goes on, such as removing what a failed save wrote);
+    ``comm.broadcast(outcome, root)``; then every rank returns the decision or raises the
+    lowest failing rank's error. ``error`` is this rank's own exception when its
+    ``contribution`` is the :class:`Failure` of it: that rank raises the object itself.
+    A decision is never a :class:`Failure` itself.
+    """
+    gathered = comm.gather(contribution, root=root)
+    outcome: Any = None
+    if comm.rank == root:
+        assert gathered is not None
+        outcome = first_failure(gathered)
+        if outcome is None:
+            try:
+                outcome = decide(gathered)
+            except Exception as exc:
+                error, outcome = exc, Failure.capture(exc, comm.rank)
+        if settle is not None:
+            try:
+                settle(outcome if isinstance(outcome, Failure) else None)
+            except Exception as exc:
+                if not isinstance(outcome, Failure):
+                    error, outcome = exc, Failure.capture(exc, comm.rank)
+    return _received(comm, outcome, error, root)
+
+
+def announce(comm: Any, compute: Callable[[], T], *, root: int = 0) -> T:
+    """Collective: ``compute()`` on ``root`` alone; every rank returns its result or raises
+    its error (call order: ``compute`` on ``root``, then ``comm.broadcast``)."""
+    outcome: Any = None
+    error: BaseException | None = None
+    if comm.rank == root:
+        try:
+            outcome = compute()
+        except Exception as exc:
+            error, outcome = exc, Failure.capture(exc, comm.rank)
+    return _received(comm, outcome, error, root)
+
+
+def share(comm: Any, payload: Any, error: BaseException | None = None) -> list[Any]:
+    """Collective: every rank's ``payload`` in rank order (``comm.allgather``), or, when any
+    rank passes its ``error`` (or a :class:`Failure` captured earlier as its payload), that
+    error raised on every rank (the lowest rank's)."""
+    sent = Failure.capture(error, comm.rank) if error is not None else payload
+    everyone = comm.allgather(sent)
+    failure = first_failure(everyone)
+    if failure is not None:
+        failure.raise_here(comm.rank, error)
+    return list(everyone)
+
+
+def _received(comm: Any, outcome: Any, error: BaseException | None, root: int) -> Any:
+    outcome = comm.broadcast(outcome, root=root)
+    if isinstance(outcome, Failure):
+        outcome.raise_here(comm.rank, error)
+    return outcome

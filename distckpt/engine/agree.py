@@ -40,7 +40,7 @@ import numpy as np
 
 from distckpt.comm import Communicator
 from distckpt.comm.base import scatter
-from distckpt.comm.outcome import Failure, first_failure
+from distckpt.comm.outcome import Failure, coordinate
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
 from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
 from distckpt.planning.validate import check_contents, raise_inconsistent
@@ -170,17 +170,18 @@ def agree(
             )
         except Exception as exc:
             local_error, offer = exc, Failure.capture(exc, comm.rank)
-    offers = comm.gather(offer, root=COORDINATOR)
     begun: list[Agreed] = []  # the coordinator's agreement, once its transaction began
+    offers: list[Offer] = []  # the coordinator's: every rank's offer
     try:
 
-        def reuse_or_describe() -> Any:
-            decision, agreed = decide(offers, options, begin)  # type: ignore[arg-type]
+        def reuse_or_describe(gathered: list[Any]) -> Any:
+            offers.extend(gathered)
+            decision, agreed = decide(offers, options, begin)
             if agreed is not None:
                 begun.append(agreed)
             return decision
 
-        decision = _broadcast_decision(comm, offers, reuse_or_describe, local_error)
+        decision = coordinate(comm, offer, reuse_or_describe, error=local_error)
         if isinstance(decision, Reuse):
             assert cached is not None and cached.plan_id == decision.plan_id
             cached.saves += 1
@@ -202,17 +203,16 @@ def agree(
                 full = Full(schema, mine.boxes, more)
             except Exception as exc:
                 local_error, full = exc, Failure.capture(exc, comm.rank)
-        fulls = comm.gather(full, root=COORDINATOR)
         shares: list[Share] | None = None
 
-        def make() -> Any:
+        def make(fulls: list[Any]) -> Any:
             nonlocal shares
-            assert offers is not None and fulls is not None and mine is not None
+            assert mine is not None
             outcome, shares, agreed = plan_fresh(offers, fulls, mine.schema, options, plan, begin)
             begun.append(agreed)
             return outcome
 
-        plan_id, token, shared = _broadcast_decision(comm, fulls, make, local_error)
+        plan_id, token, shared = coordinate(comm, full, make, error=local_error)
         share = scatter(comm, shares, root=COORDINATOR)
         work = shared.expand(share, comm.rank, token)
         assert isinstance(offer, Offer)
@@ -224,29 +224,6 @@ def agree(
         for agreed in begun:
             agreed.begun.abort()
         raise
-
-
-def _broadcast_decision(
-    comm: Communicator,
-    gathered: list[Any] | None,
-    decide: Callable[[], Any],
-    local_error: BaseException | None,
-) -> Any:
-    """Collective, after a gather: the coordinator's decision on every rank, which is the
-    first rank's failure or ``decide()`` (run on the coordinator); a failure is raised on
-    every rank (as itself on the rank where it happened)."""
-    decision: Any = None
-    if comm.rank == COORDINATOR:
-        decision = first_failure(gathered)
-        if decision is None:
-            try:
-                decision = decide()
-            except Exception as exc:
-                decision, local_error = Failure.capture(exc, comm.rank), exc
-    decision = comm.broadcast(decision, root=COORDINATOR)
-    if isinstance(decision, Failure):
-        decision.raise_here(comm.rank, local_error)
-    return decision
 
 
 def _finish(begun: list[Agreed], work: RankWork, *, reused: bool) -> Agreed:

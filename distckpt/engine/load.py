@@ -26,7 +26,7 @@ import numpy as np
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto, raise_if_any_failed
-from distckpt.comm.outcome import Failure
+from distckpt.comm.outcome import announce
 from distckpt.engine import background
 from distckpt.engine.matching import Prepared, agree_names, assign, prepare
 from distckpt.engine.options import (
@@ -128,17 +128,7 @@ def read_shared_index(store: Store, comm: Communicator) -> dict[str, Any]:
     """Collective: the index of the checkpoint at ``store``, read by rank 0 alone and
     broadcast, so that a job of thousands of ranks reads it once from shared storage. A
     failure to read it is raised on every rank."""
-    payload: bytes | Failure | None = None
-    error: BaseException | None = None
-    if comm.rank == 0:
-        try:
-            payload = index_mod.read_index_bytes(store)
-        except Exception as exc:
-            error, payload = exc, Failure.capture(exc, comm.rank)
-    payload = comm.broadcast(payload, root=0)
-    if isinstance(payload, Failure):
-        payload.raise_here(comm.rank, error)
-    assert isinstance(payload, bytes)
+    payload = announce(comm, lambda: index_mod.read_index_bytes(store))
     return index_mod.parse_index(payload, store)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto
-from distckpt.comm.outcome import Failure, first_failure
+from distckpt.comm.outcome import Failure, coordinate
 from distckpt.engine import background
 from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave, Snapped, save_in_background
@@ -387,32 +387,25 @@ def _protocol(
                 report = _write(work, local, received, comm.rank, job, result)
             except Exception as exc:
                 local_error, report = exc, Failure.capture(exc, comm.rank)
-        reports = comm.gather(report, root=COORDINATOR)
         t_write = time.perf_counter()
 
-        # 5. Commit.
-        outcome: Failure | None = None
-        if comm.rank == COORDINATOR:
-            assert reports is not None and staging is not None and agreed.plan is not None
-            outcome = first_failure(reports)
-            if outcome is None:
-                stored_bytes = sum(report.nbytes for report in reports)
-                try:
-                    commit(agreed.plan, reports, agreed.values or {}, staging)
-                    staging = None  # committed: nothing left to abort
-                except Exception as exc:
-                    local_error, outcome = exc, Failure.capture(exc, comm.rank)
+        # 5. Commit (the coordinator, once every rank's report is in).
+        def commit_all(reports: list[Report]) -> None:
+            nonlocal staging, stored_bytes
+            assert staging is not None and agreed.plan is not None
+            stored_bytes = sum(report.nbytes for report in reports)
+            commit(agreed.plan, reports, agreed.values or {}, staging)
+            staging = None  # committed: nothing left to abort
+            if job.after_commit is not None:
+                job.after_commit()  # its error is every rank's, the checkpoint committed
+
+        def abort_unless_committed(failure: Failure | None) -> None:
+            nonlocal staging
             if staging is not None:
                 staging.abort()
                 staging = None
-            elif job.after_commit is not None:
-                try:
-                    job.after_commit()
-                except Exception as exc:
-                    local_error, outcome = exc, Failure.capture(exc, comm.rank)
-        outcome = comm.broadcast(outcome, root=COORDINATOR)
-        if outcome is not None:
-            outcome.raise_here(comm.rank, local_error)
+
+        coordinate(comm, report, commit_all, error=local_error, settle=abort_unless_committed)
     except BaseException:
         # A collective that failed (a dead rank, a time-out) skips the normal abort: never
         # leave a staging directory whose heartbeat would keep it looking alive.

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.comm.outcome import Failure
+from distckpt.comm.outcome import Failure, share
 from distckpt.engine import background
 from distckpt.engine.background import Snapped, save_in_background
 from distckpt.engine.options import CheckpointOptions, resolve
@@ -296,9 +296,9 @@ def _protocol(
             error = error or exc
     # Every rank learns every transfer (and whether a rank already failed). Files are
     # created only after it: no rank writes into a step its node's leader still removes.
-    plans = comm.allgather(None if error is not None or layout is None else layout.messages)
-    if error is not None or any(p is None for p in plans):
-        raise_if_any_failed(comm, error)
+    # (A snapshot that failed on the background thread is a Failure without ``error``.)
+    mine = local if isinstance(local, Failure) else (layout and layout.messages)
+    plans = share(comm, mine, error)
     assert layout is not None
     owners = (rank, *sources)
     keys = [files.data_key(step.number, o, step.token) for o in owners]

@@ -45,7 +45,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.comm import Communicator, auto
+from distckpt.comm.outcome import announce
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.options import MANAGER, CheckpointOptions, ManagerKeywords, merge
@@ -169,22 +170,22 @@ class CheckpointManager:
         if older is not None:
             older.successor_waits()
 
-        error: BaseException | None = None
-        state: dict[str, Any] | None = None
         handed_over = None if older is None else older.lock_to_hand_over()
-        if comm.rank == 0:
+
+        def start() -> dict[str, Any]:  # rank 0
             try:
                 self._own.acquire(store, lock_stale_seconds, handed_over)
                 collect_garbage(store)
                 state = self._kept.recover()
                 if local is not None:
                     state["run"] = run_identity(store)
-            except BaseException as exc:
-                error = exc
+                return state
+            except BaseException:
                 self._own.abandon(handed_over)
-        raise_if_any_failed(comm, error)
+                raise
+
+        state = announce(comm, start)
         self._own.take_over(older, handed_over)
-        state = comm.broadcast(state)
         run = str(state.pop("run", ""))  # with a local tier: whose local steps count
         if local is not None:
             self._local = LocalSaves(local, comm, run)
@@ -298,16 +299,7 @@ class CheckpointManager:
         self._own.refuse_if_replaced(self._directory)
         self.sync()
         comm = self._comm
-        decision: dict[str, Any] | None = None
-        error: BaseException | None = None
-        if comm.rank == 0:
-            try:
-                decision = self._decide(checkpoint_number, check_interval)
-            except BaseException as exc:
-                error = exc
-        raise_if_any_failed(comm, error)
-        decision = comm.broadcast(decision)
-        assert decision is not None
+        decision = announce(comm, lambda: self._decide(checkpoint_number, check_interval))
         if not decision["save"]:
             return None
         schedule, checkpoint = self._schedule, self._checkpoint
