@@ -30,12 +30,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
-
-import numpy as np
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto
@@ -44,6 +41,7 @@ from distckpt.engine import background
 from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave, Snapped, save_in_background
 from distckpt.engine.commit import Report, commit
+from distckpt.engine.gather_small import assemble, send_small
 from distckpt.engine.options import (
     SAVE,
     CheckpointOptions,
@@ -55,10 +53,10 @@ from distckpt.engine.options import (
 from distckpt.engine.results import SaveResult
 from distckpt.items import Leaf, gather_leaves
 from distckpt.planning.describe import Desc
-from distckpt.planning.pieces import Piece, RankWork
+from distckpt.planning.pieces import RankWork
 from distckpt.planning.save_plan import plan_save
 from distckpt.progress import progress
-from distckpt.storage import shard_io, zarr_meta
+from distckpt.storage import zarr_meta
 from distckpt.storage.backend import Store, location
 from distckpt.storage.transaction import Transaction, begin, save_root
 from distckpt.transfer.sources import HostData, Source, source_for
@@ -380,7 +378,7 @@ def _protocol(
 
         # 3-4. Exchange small tensors, write.
         report: Any
-        received, report = _exchange(comm, work, local)
+        received, report = send_small(comm, work, local.sources)
         t_exchange = time.perf_counter()
         if not isinstance(report, Failure):
             try:
@@ -436,45 +434,6 @@ def _protocol(
     return result
 
 
-def _exchange(
-    comm: Communicator, work: RankWork, local: _Local
-) -> tuple[dict[int, dict[int, bytes]], Failure | None]:
-    """Send the boxes of small tensors to their writers (one gather per writer).
-
-    Every rank takes part in every gather, even after a local error (it then sends
-    nothing and reports the error), so no rank is left waiting.
-    """
-    outgoing: dict[int, dict[tuple[int, int], bytes]] = defaultdict(dict)
-    failure: Failure | None = None
-    try:
-        for piece_id, k, writer, var in work.sends:
-            data = local.sources[var].host()
-            outgoing[writer][(piece_id, k)] = shard_io.as_bytes(data).tobytes()
-    except Exception as exc:
-        failure, outgoing = Failure.capture(exc, comm.rank), defaultdict(dict)
-    received: dict[int, dict[int, bytes]] = defaultdict(dict)
-    for writer in work.exchange_writers:
-        gathered = comm.gather(outgoing.get(writer, {}), root=writer)
-        if gathered is not None:
-            for part in gathered:
-                for (piece_id, k), data in part.items():
-                    received[piece_id][k] = data
-    return received, failure
-
-
-def _assemble(piece: Piece, local: _Local, received: dict[int, bytes], rank: int) -> Source:
-    if len(piece.sources) == 1 and piece.sources[0][0] == rank and piece.sources[0][1] == piece.box:
-        return local.sources[piece.var]
-    out = np.zeros(piece.box.lengths, dtype=dtypes.numpy_dtype(piece.dtype))
-    for k, (src_rank, box) in enumerate(piece.sources):
-        region = out[box.relative_to(piece.box).slices()]
-        if src_rank == rank:
-            region[...] = local.sources[piece.var].host()
-        else:
-            region[...] = np.frombuffer(received[k], dtype=out.dtype).reshape(box.lengths)
-    return HostData(out)
-
-
 def _write(
     work: RankWork,
     local: _Local,
@@ -494,7 +453,7 @@ def _write(
     for piece in work.writes:
         if piece.meta_file is not None and piece.meta is not None:
             files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
-        data = _assemble(piece, local, received.get(piece.id, {}), rank)
+        data = assemble(piece, local.sources, received.get(piece.id, {}), rank)
         jobs.append(PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec))
     keys = [job.key for job in jobs] + [key for key, _ in files]
     root.prepare(keys)

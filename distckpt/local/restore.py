@@ -1,7 +1,7 @@
 """Restoring from the node-local tier: which step the surviving nodes hold whole, and
 each rank's partitions fetched from whichever rank holds them.
 
-1. **Choose** (*one allgather*): each rank lists the committed saves its node directory
+1. **Choose** (*one allgather*, :mod:`distckpt.local.choose`): each rank lists the committed saves its node directory
    holds (:func:`distckpt.local.files.survey`) and whose partitions they are. A save is
    *whole* when every rank of the job that saved it is held by some surviving rank,
    original or replica. Every rank picks the same one: the newest whole save newer than
@@ -39,6 +39,7 @@ from distckpt.engine.options import CheckpointOptions
 from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
+from distckpt.local.choose import Choice
 from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage import wellformed
@@ -51,67 +52,6 @@ from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
 
 log = logging.getLogger("distckpt")
-
-
-@dataclass
-class Choice:
-    """A whole save of the local tier: its step and token, the world that saved it, and
-    which ranks of this job hold each saved rank's partitions."""
-
-    step: int
-    token: str
-    world: int
-    holders: dict[int, list[int]]
-
-
-@dataclass
-class Survey:
-    """What the ranks found: the save chosen (or None), and why, in words."""
-
-    choice: Choice | None
-    reason: str
-
-
-def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -> Survey:
-    """Collective: the newest whole save of ``run`` newer than ``newer_than`` (None: any).
-    Never raises on one rank alone (the survey skips what it cannot read)."""
-    held = files.survey(store, run)
-    everyone = comm.allgather([(h.step, h.token, h.world, h.owners) for h in held])
-    saves: dict[tuple[int, str], tuple[int, dict[int, list[int]]]] = {}
-    for rank, found in enumerate(everyone):
-        for step, token, world, owners in found:
-            _, holders = saves.setdefault((step, token), (world, {}))
-            for owner in owners:
-                holders.setdefault(owner, []).append(rank)
-    if not saves:
-        return Survey(None, "the local tier holds no committed step")
-    missing: dict[int, list[int]] = {}
-    for (step, token), (world, holders) in sorted(saves.items(), reverse=True):
-        if newer_than is not None and step <= newer_than:
-            break
-        lost = [o for o in range(world) if o not in holders]
-        if lost:
-            missing.setdefault(step, lost)
-            continue
-        reason = f"local step {step} is held whole by the surviving nodes"
-        if missing:
-            reason += "; newer " + "; ".join(
-                f"step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
-                for s, lost in sorted(missing.items(), reverse=True)
-            )
-        return Survey(Choice(step, token, world, holders), reason)
-    if missing:
-        reason = "; ".join(
-            f"local step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
-            for s, lost in sorted(missing.items(), reverse=True)
-        )
-    else:
-        reason = f"no local step is newer than persistent checkpoint number {newer_than}"
-    return Survey(None, reason)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import Any
 from distckpt.comm import Communicator
 from distckpt.engine.options import CheckpointOptions
 from distckpt.local import LocalTier, files
-from distckpt.local.restore import LocalStep, choose
+from distckpt.local.choose import choose
+from distckpt.local.restore import LocalStep
 from distckpt.local.save import Step, save_local, topology
 from distckpt.storage.backend import Store, resolve
 from distckpt.training.checkpoint import Checkpoint
