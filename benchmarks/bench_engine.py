@@ -143,7 +143,7 @@ def writer_layout(spec: dict[str, Any], writers: int) -> list[list[tuple[int, in
 
 def raw_save(state: dict[str, Any], path: Path, rank: int) -> None:
     """This rank's shards into one file with ``writev``; fsync of the file and directory."""
-    from distckpt.engine.arrays import host_array
+    from distckpt.transfer.arrays import host_array
 
     path.mkdir(parents=True, exist_ok=True)
     views = [memoryview(host_array(dt.to_local()).reshape(-1).view("u1")) for dt in state.values()]

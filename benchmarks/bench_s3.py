@@ -73,7 +73,7 @@ def split_url(url: str) -> tuple[str, str]:
 def raw_save(state: dict[str, Any], url: str, rank: int, workers: int, part: int) -> int:
     """This rank's shards, concatenated, as one object: a multipart upload of ``part``
     bytes per part, ``workers`` threads. Returns the bytes uploaded."""
-    from distckpt.engine.arrays import host_array
+    from distckpt.transfer.arrays import host_array
 
     cli = raw_client()
     bucket, prefix = split_url(url)

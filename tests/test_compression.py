@@ -1,4 +1,4 @@
-"""Compressed checkpoints: zstd and blosc-lz4 inner chunks, chosen per name pattern.
+"""Compressed checkpoints: zstd, blosc-zstd and blosc-lz4 inner chunks, chosen per name pattern.
 
 Round trips of every dtype (bit-exact), the index and zarr metadata a compressed save
 writes, resharded reads into ``distckpt.Shard`` targets, damage inside a compressed chunk,
@@ -36,8 +36,8 @@ from distckpt.tools.verify import verify
 
 pytestmark = pytest.mark.timeout(120)
 
-CHOICES = ["zstd", "blosc-lz4"]
-STORED = {"zstd": "zstd", "blosc-lz4": "blosc"}
+CHOICES = ["zstd", "blosc-zstd", "blosc-lz4"]
+STORED = {"zstd": "zstd", "blosc-zstd": "blosc", "blosc-lz4": "blosc"}
 
 
 def smooth(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -67,11 +67,11 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, choice: str) -> Non
             assert p["codec"]["name"] == STORED[choice], name
         assert inner_codecs(tmp_path / "ck", name) == ["bytes", STORED[choice], "crc32c"]
     blosc = index["variables"]["complex128"]["pieces"][0]["codec"]
-    if choice == "blosc-lz4":  # configured as zarr-python configures it for the dtype
+    if choice.startswith("blosc"):  # configured as zarr-python configures it for the dtype
         assert blosc["configuration"] == {
             "typesize": 16,
-            "cname": "lz4",
-            "clevel": 5,
+            "cname": choice.removeprefix("blosc-"),
+            "clevel": 5 if choice == "blosc-lz4" else 3,
             "shuffle": "shuffle",
             "blocksize": 0,
         }
@@ -128,7 +128,7 @@ def test_choose_and_check() -> None:
     assert codecs.choose(patterns, "net/w") is None
     assert codecs.choose({"a*": "zstd"}, "b") is None
     assert codecs.choose("blosc-lz4", "anything") == "blosc-lz4"
-    for good in (None, "zstd", "blosc-lz4", {"*": "zstd", "x": None}):
+    for good in (None, "zstd", "blosc-zstd", "blosc-lz4", {"*": "zstd", "x": None}):
         codecs.check(good)
     for bad in ("gzip", {"*": "lz4"}, {1: "zstd"}):
         with pytest.raises(ValueError):

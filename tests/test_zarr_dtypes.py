@@ -468,7 +468,7 @@ def write_compressed(
         shard_io.write_sharded(store, key, part, shard, inner, codec=codec, fsync=False)
 
 
-@pytest.mark.parametrize("choice", ["zstd", "blosc-lz4"])
+@pytest.mark.parametrize("choice", ["zstd", "blosc-zstd", "blosc-lz4"])
 @pytest.mark.parametrize("name", NAMES + ["float32", "int8", "bool", "complex128"])
 def test_compressed_distckpt_layout_reads_in_both(tmp_path: Path, name: str, choice: str) -> None:
     shape = (37, 21)
@@ -498,7 +498,7 @@ def test_compressed_distckpt_layout_reads_in_both(tmp_path: Path, name: str, cho
     assert ts_open(path)[region].read().result().tobytes() == data[region].tobytes()
 
 
-@pytest.mark.parametrize("choice", ["zstd", "blosc-lz4"])
+@pytest.mark.parametrize("choice", ["zstd", "blosc-zstd", "blosc-lz4"])
 def test_compressed_checkpoint_array_reads_in_both(tmp_path: Path, choice: str) -> None:
     import torch
 

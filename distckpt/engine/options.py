@@ -38,7 +38,7 @@ class CheckpointOptions:
 
     Saving:
 
-    * ``compression``: ``"zstd"``, ``"blosc-lz4"``, or a mapping of name patterns
+    * ``compression``: ``"zstd"``, ``"blosc-zstd"``, ``"blosc-lz4"``, or a mapping of name patterns
       (:mod:`fnmatch`, ``*`` also matches ``/``) to one of them or None; the first pattern
       that matches a name wins, and a name none matches is stored raw (see
       :func:`distckpt.save`). The coordinator's choice is the one used.

@@ -237,10 +237,10 @@ def save(
     before any rank returns (the training layer moves its ``latest`` pointer there); an
     error it raises is raised on every rank, the checkpoint staying committed.
 
-    ``compression`` compresses the stored tensors: ``"zstd"`` or ``"blosc-lz4"`` for all
-    of them, or a mapping of name patterns (:mod:`fnmatch`, ``*`` also matches ``/``) to a
-    choice or None, where the first pattern that matches a name wins and a name none
-    matches is stored raw::
+    ``compression`` compresses the stored tensors: ``"zstd"``, ``"blosc-zstd"`` or
+    ``"blosc-lz4"`` for all of them, or a mapping of name patterns (:mod:`fnmatch`, ``*``
+    also matches ``/``) to a choice or None, where the first pattern that matches a name
+    wins and a name none matches is stored raw::
 
         distckpt.save(state, path, compression={"optimizer/*": "zstd", "*": None})
 

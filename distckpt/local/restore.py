@@ -1,11 +1,11 @@
 """Restoring from the node-local tier: which step the surviving nodes hold whole, and
 each rank's partitions fetched from whichever rank holds them.
 
-1. **Choose** (*one allgather*, :mod:`distckpt.local.choose`): each rank lists the committed saves its node directory
-   holds (:func:`distckpt.local.files.survey`) and whose partitions they are. A save is
-   *whole* when every rank of the job that saved it is held by some surviving rank,
-   original or replica. Every rank picks the same one: the newest whole save newer than
-   the newest persistent checkpoint, or none.
+1. **Choose** (*one allgather*, :mod:`distckpt.local.choose`): each rank lists the
+   committed saves its node directory holds (:func:`distckpt.local.files.survey`) and
+   whose partitions they are. A save is *whole* when every rank of the job that saved it
+   is held by some surviving rank, original or replica. Every rank picks the same one:
+   the newest whole save newer than the newest persistent checkpoint, or none.
 2. **Read the manifests** (*one allgather*): the first holder of each saved rank reads
    its manifest; from all of them every rank builds an index of the step, as a
    persistent checkpoint's, so the restore matches names, kinds, shapes and dtypes and

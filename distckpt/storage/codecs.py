@@ -1,7 +1,9 @@
 """Optional compression of inner chunks: zarr v3's ``zstd`` and ``blosc`` codecs.
 
-A save chooses a compression per variable (:func:`choose`): ``None`` (raw), ``"zstd"`` or
-``"blosc-lz4"``, for the whole checkpoint or by name pattern::
+A save chooses a compression per variable (:func:`choose`): ``None`` (raw), ``"zstd"``,
+``"blosc-zstd"`` (zstd after byte shuffling, blosc's) or ``"blosc-lz4"``, for the whole
+checkpoint or by name pattern (benchmarks/bench_compression.py measures them per dtype;
+the README says which to use when)::
 
     distckpt.save(state, path, compression="zstd")
     distckpt.save(state, path, compression={"optimizer/*": "zstd", "*": None})
@@ -29,7 +31,10 @@ from distckpt.errors import UnsupportedFormatError
 
 #: What a save's ``compression`` accepts: one choice, or patterns to choices.
 Compression: TypeAlias = str | None | Mapping[str, str | None]
-CHOICES = ("zstd", "blosc-lz4")
+CHOICES = ("zstd", "blosc-zstd", "blosc-lz4")
+#: blosc's zstd level: 3 gives bf16 weights about 1.35x at a few hundred MB/s per core,
+#: where 5 gives 1.42x at a third of that speed (benchmarks/bench_compression.py).
+BLOSC_ZSTD_LEVEL = 3
 
 
 class Codec(Protocol):
@@ -151,8 +156,11 @@ def make(choice: str | None, itemsize: int) -> Codec | None:
         return None
     if choice == "zstd":
         return Zstd()
+    shuffle = "bitshuffle" if itemsize == 1 else "shuffle"
     if choice == "blosc-lz4":
-        return Blosc(typesize=itemsize, shuffle="bitshuffle" if itemsize == 1 else "shuffle")
+        return Blosc(typesize=itemsize, shuffle=shuffle)
+    if choice == "blosc-zstd":
+        return Blosc(typesize=itemsize, cname="zstd", clevel=BLOSC_ZSTD_LEVEL, shuffle=shuffle)
     raise ValueError(f"unknown compression {choice!r}")
 
 

@@ -240,8 +240,8 @@ class Checkpoint(Node):
         ``handle.wait_snapshot()``).
 
         ``options`` (a :class:`~distckpt.CheckpointOptions`) and the keyword arguments
-        ``compression`` (``"zstd"``, ``"blosc-lz4"`` or a mapping of name patterns, such
-        as ``{"optimizer/*": "zstd"}``), ``small_bytes``, ``inner_bytes``,
+        ``compression`` (``"zstd"``, ``"blosc-zstd"``, ``"blosc-lz4"`` or a mapping of name
+        patterns, such as ``{"optimizer/*": "zstd"}``), ``small_bytes``, ``inner_bytes``,
         ``allow_pickle`` and ``io_workers`` are as in :func:`distckpt.save`.
         """
         opts = merge(options, keywords, WRITE, "save")

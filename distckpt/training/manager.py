@@ -85,7 +85,7 @@ class CheckpointManager:
 
     ``options`` (a :class:`~distckpt.CheckpointOptions`) applies to every save and
     restore the manager makes, a preemption's final save included; its fields
-    ``compression`` (``"zstd"``, ``"blosc-lz4"`` or name patterns such as
+    ``compression`` (``"zstd"``, ``"blosc-zstd"``, ``"blosc-lz4"`` or name patterns such as
     ``{"optimizer/*": "zstd"}``, see :func:`distckpt.save`), ``small_bytes``,
     ``inner_bytes``, ``allow_pickle`` (only for checkpoints you trust) and ``io_workers``
     may also be given as keyword arguments, which win.
