@@ -324,7 +324,7 @@ class PosixStore:
     def persist(self, keys: Iterable[str]) -> None:
         dirs: set[Path] = set()
         for key in keys:
-            parts = Path(key).parents
+            parts = Path(check_key(key)).parents
             dirs.update(self.path / p for p in parts)
         for d in sorted(dirs, key=lambda p: -len(p.parts)):
             fsync_dir(d)
@@ -332,11 +332,20 @@ class PosixStore:
 
 @contextmanager
 def _locked(path: Path) -> Any:
-    """An exclusive ``lockf`` lock on a file beside ``path`` (works on NFS v4 too)."""
-    lock = path.with_name(f".{path.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    """An exclusive lock on ``path``: against other processes a ``lockf`` lock on a file
+    beside it (works on NFS v4 too), against other threads of this one a thread lock
+    (``lockf`` locks belong to the process, and closing any descriptor drops them)."""
+    with _thread_locks_guard:
+        in_process = _thread_locks.setdefault(path, threading.Lock())
+    with in_process:
+        lock = path.with_name(f".{path.name}.lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+_thread_locks: dict[Path, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()

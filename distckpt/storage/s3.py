@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from distckpt.errors import StorageError
+from distckpt.errors import StorageError, UnsafePathError
 from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key, join
 from distckpt.storage.s3_service import (  # noqa: F401 - public names re-exported
     MAX_ATTEMPTS,
@@ -149,8 +149,8 @@ class S3Store:
         start = time.monotonic()
         try:
             return fn()
-        except (StorageError, ConditionFailed, FileNotFoundError):
-            raise  # a nested request's, already ours
+        except (StorageError, ConditionFailed, FileNotFoundError, UnsafePathError):
+            raise  # a nested request's, or a key refused before any request: already ours
         except Exception as exc:
             if transient(exc):
                 service.fell_silent(self.bucket)
@@ -344,10 +344,12 @@ class S3Store:
                 )
 
     def prepare(self, keys: Iterable[str]) -> None:
-        pass  # an object store has no directories
+        for key in keys:
+            check_key(key)  # an object store has no directories: only the keys to check
 
     def persist(self, keys: Iterable[str]) -> None:
-        pass  # a finished upload is durable
+        for key in keys:
+            check_key(key)  # a finished upload is durable: only the keys to check
 
 
 def multipart_etag(etags: Sequence[str]) -> str:
