@@ -7,6 +7,9 @@ that got new entries. Conditional writes are made atomic with ``link`` (create: 
 complete temporary file is linked to the name, which fails if it exists) and a
 ``lockf`` lock beside the file (replace: compare the version, then rename over it); the
 version of a file is the crc32c of its bytes, so it survives a copy of the directory.
+Directories rename atomically (``exchange`` with ``renameat2(RENAME_EXCHANGE)`` where
+the file system has it), so a save commits by renaming its staging directory
+(:data:`~distckpt.storage.staging.RENAME`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ import crc32c as _crc
 import numpy as np
 
 from distckpt.errors import UnsafePathError
-from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key
-from distckpt.storage.fsutil import atomic_write, fsync_dir, open_regular, read_regular, write_file
+from distckpt.storage.backend import Buffer, Capabilities, ConditionFailed, byte_view, check_key
+from distckpt.storage.fsutil import (
+    atomic_write,
+    exchange,
+    fsync_dir,
+    open_regular,
+    read_regular,
+    write_file,
+)
+from distckpt.storage.staging import RENAME
 
 _IOV_MAX = 1024
 
@@ -154,7 +165,15 @@ class PosixStore:
     """A directory of a POSIX file system (created when first written to). ``root`` is
     where links stop being followed (default: ``path`` itself; see the module)."""
 
-    renames = True
+    capabilities = Capabilities(
+        renames=True,
+        conditional_create=True,
+        conditional_update=True,
+        ranged_reads=True,
+        parallel_writes=True,
+        local_files=True,
+    )
+    commit_strategy = RENAME
 
     def __init__(self, path: str | os.PathLike[str], *, root: Path | None = None) -> None:
         self.path = Path(path)
@@ -312,6 +331,15 @@ class PosixStore:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+    def rename(self, key: str, new_key: str) -> None:
+        os.rename(self._p(key), self._p(new_key))
+
+    def exchange(self, key: str, other: str) -> bool:
+        return exchange(self._p(key), self._p(other))
+
+    def touch(self, key: str) -> None:
+        os.utime(self._p(key))
 
     def prepare(self, keys: Iterable[str]) -> None:
         made: set[Path] = set()

@@ -42,7 +42,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from distckpt.errors import StorageError, UnsafePathError
-from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key, join
+from distckpt.storage.backend import (
+    Buffer,
+    Capabilities,
+    ConditionFailed,
+    byte_view,
+    check_key,
+    join,
+)
+from distckpt.storage.claim import CLAIM
 from distckpt.storage.s3_service import (  # noqa: F401 - public names re-exported
     MAX_ATTEMPTS,
     TIMEOUT_ENV,
@@ -84,7 +92,13 @@ T = TypeVar("T")
 class S3Store:
     """A prefix of an S3 bucket (``s3://bucket/prefix``)."""
 
-    renames = False
+    capabilities = Capabilities(
+        conditional_create=True,
+        conditional_update=True,
+        ranged_reads=True,
+        parallel_writes=True,
+    )
+    commit_strategy = CLAIM
 
     def __init__(self, bucket: str, prefix: str = "") -> None:
         self.bucket = bucket
