@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from fault_proxy import FaultProxy, Request
+from launch_util import job_env
 from make_golden import assert_same_bits, assert_same_value
 from s3_server import S3Server, use
 
@@ -195,6 +198,32 @@ def test_the_commit_is_the_stores_not_its_types(tmp_path: Path) -> None:
     # and the rename strategy on the same directory: a staging directory beside the name
     renamed = declaring(RENAME)(tmp_path / "run")
     assert transaction.save_root(renamed.child("ck"), "0123abcd").name == ".ck.staging-0123abcd"
+
+
+NO_PYTEST = """
+import importlib, pkgutil, sys
+sys.modules["pytest"] = None  # any import of it fails
+import distckpt
+for module in pkgutil.walk_packages(distckpt.__path__, "distckpt."):
+    if not module.name.startswith(("distckpt.testing", "distckpt.__main__")):
+        importlib.import_module(module.name)
+try:
+    import distckpt.testing
+except ImportError as exc:
+    print("TESTING NEEDS", exc)
+"""
+
+
+def test_only_the_shipped_suite_needs_pytest() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_PYTEST],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TESTING NEEDS" in proc.stdout and "pytest" in proc.stdout, proc.stdout
 
 
 # -- locations -----------------------------------------------------------------------

@@ -106,7 +106,7 @@ class Capabilities:
     #: A server-side copy or hard link of an object exists (not used yet).
     copies: bool = False
 
-    def names(self) -> builtins.list[str]:
+    def names(self) -> list[str]:
         """The flags that are set."""
         return [f.name for f in fields(self) if getattr(self, f.name)]
 
@@ -150,7 +150,8 @@ class WriteHandle(Protocol):
     """One object or file being written, each byte once, from several threads at once."""
 
     def write(self, buffers: Sequence[Buffer], offset: int) -> int:
-        """Write ``buffers`` back to back at ``offset``; return the bytes written."""
+        """Write ``buffers`` back to back at ``offset``; return the bytes written (after
+        :meth:`finish` or :meth:`abort`: :class:`ValueError`)."""
 
     def finish(self, durable: bool = True) -> None:
         """Make the object whole and visible (and, with ``durable``, on stable storage)."""
@@ -189,7 +190,8 @@ class Store(Protocol):
     def read(self, key: str) -> bytes: ...
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
-        """The object and a version tag for :meth:`put_if`."""
+        """The object and a version tag for :meth:`put_if` (a tag may name the bytes:
+        writing the same bytes again may give the same tag)."""
 
     def open(self, key: str, size: int | None = None) -> ReadHandle:
         """Open for ranged reads; ``size``, when known (from the index), saves a request."""
