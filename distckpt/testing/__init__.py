@@ -14,6 +14,7 @@ Import it in tests only: it needs pytest, which distckpt itself never does.
 See :class:`StoreTests` for the optional hooks.
 """
 
-from distckpt.testing.store_suite import MiB, StoreTests, needs, payload, write_out_of_order
+from distckpt.testing.store_helpers import MiB, needs, payload, write_out_of_order
+from distckpt.testing.store_suite import StoreTests
 
 __all__ = ["MiB", "StoreTests", "needs", "payload", "write_out_of_order"]

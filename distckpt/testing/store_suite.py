@@ -26,17 +26,13 @@ are those of a hook the subclass leaves out:
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
-import threading
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -44,7 +40,6 @@ import pytest
 from distckpt.errors import UnsafePathError
 from distckpt.storage.backend import (
     Capabilities,
-    ConditionFailed,
     ReadHandle,
     RenamingStore,
     Store,
@@ -53,96 +48,26 @@ from distckpt.storage.backend import (
     location,
     resolve,
 )
-
-MiB = 1 << 20
-F = TypeVar("F", bound=Callable[..., Any])
-
-#: Keys that lead outside a store (or are no keys): every method refuses them.
-HOSTILE_KEYS = ("..", "../x", "a/../../x", "/abs", "a//b", "./a", "a/./b", "a/..", "a\0b")
-
-
-def needs(*flags: str) -> Callable[[F], F]:
-    """Mark a case as one for the stores that declare every one of ``flags``."""
-    unknown = set(flags) - set(Capabilities.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"no such capabilities: {sorted(unknown)}")
-
-    def mark(case: F) -> F:
-        case._needs = flags  # type: ignore[attr-defined]
-        return case
-
-    return mark
+from distckpt.testing.conditional_cases import ConditionalWriteCases
+from distckpt.testing.store_helpers import (
+    HOSTILE_KEYS,
+    MiB,
+    needs,
+    payload,
+    write_out_of_order,
+)
 
 
-def payload(n: int, seed: int = 0) -> bytes:
-    """``n`` random bytes, the same for the same ``seed``."""
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def write_out_of_order(
-    handle: WriteHandle, data: bytes, rng: random.Random, threads: int = 4
-) -> None:
-    """Write ``data`` through ``handle`` in random pieces, in random order, from
-    ``threads`` threads; some writes are several buffers of several kinds."""
-    pieces: list[tuple[int, int]] = []
-    at = 0
-    while at < len(data):
-        n = min(len(data) - at, rng.randint(1, 3 * MiB // 2))
-        pieces.append((at, n))
-        at += n
-    rng.shuffle(pieces)
-    cuts = {
-        p: sorted({p[0], sum(p), *(rng.randint(p[0], sum(p)) for _ in range(2))}) for p in pieces
-    }
-
-    def one(piece: tuple[int, int]) -> int:
-        cut = cuts[piece]
-        buffers: list[Any] = []
-        for k, (a, b) in enumerate(zip(cut, cut[1:])):
-            chunk = data[a:b]
-            kind = k % 3
-            buffers.append(
-                chunk
-                if kind == 0
-                else np.frombuffer(chunk, dtype=np.uint8).copy()
-                if kind == 1
-                else memoryview(bytearray(chunk))
-            )
-        return handle.write(buffers, piece[0])
-
-    with ThreadPoolExecutor(threads) as pool:
-        written = list(pool.map(one, pieces))
-    assert written == [n for _, n in pieces]
-
-
-def _race(url: str, op: str, i: int, version: str, gate: Any, results: Any) -> None:
-    """One forked racer: open the store from ``url``, wait for the others, then write."""
-    try:
-        store = resolve(url)
-        gate.wait(30)
-        data = f"process {i}".encode()
-        if op == "create":
-            store.put_new("race", data)
-        else:
-            store.put_if("race", data, version)
-        results.put((i, "won"))
-    except ConditionFailed:
-        results.put((i, "lost"))
-    except BaseException as exc:  # reported, so the test fails with it
-        results.put((i, f"{type(exc).__name__}: {exc}"))
-
-
-class StoreTests:
+class StoreTests(ConditionalWriteCases):
     """What every :class:`~distckpt.storage.backend.Store` does (see the module)."""
 
     #: What the backend's store declares (``MyStore.capabilities``); selects the cases.
     capabilities: ClassVar[Capabilities]
     #: Whether conditional writers also race as forked processes (see the module).
     process_races: ClassVar[bool] = True
-    #: Threads in the races of conditional writers.
-    racers: ClassVar[int] = 8
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Leave out the cases that ``capabilities`` and the hooks do not call for."""
         super().__init_subclass__(**kwargs)
         caps = getattr(cls, "capabilities", None)
         if not isinstance(caps, Capabilities):
@@ -152,9 +77,10 @@ class StoreTests:
             "test_put_new_race_processes": cls.process_races,
             "test_put_if_race_processes": cls.process_races,
         }
-        for name, case in vars(StoreTests).items():
+        for name in dir(StoreTests):
             if not name.startswith("test_") or name in vars(cls):
-                continue
+                continue  # not a case, or the subclass's own (None: left out by it)
+            case = next(vars(k)[name] for k in cls.__mro__[1:] if vars(k).get(name) is not None)
             applies = all(getattr(caps, f) for f in getattr(case, "_needs", ()))
             setattr(cls, name, case if applies and hooks.get(name, True) else None)
 
@@ -164,10 +90,6 @@ class StoreTests:
     def store(self) -> Store:
         """A fresh, empty store (the subclass's fixture)."""
         raise NotImplementedError("a StoreTests subclass provides the store fixture")
-
-    def second_client(self, store: Store) -> Store:
-        """Another client of the same location as ``store``."""
-        return resolve(store.url)
 
     def faults(self, store: Store) -> AbstractContextManager[Callable[[], int]] | None:
         """A context in which requests of ``store`` meet injected faults (errors, dropped
@@ -286,126 +208,6 @@ class StoreTests:
         store.write("fresh", b"1")
         age = store.age("fresh")
         assert -2.0 < age < 60.0  # object stores keep whole seconds
-
-    # -- conditional writes ------------------------------------------------------------
-
-    @needs("conditional_create")
-    def test_put_new(self, store: Store) -> None:
-        version = store.put_new("d/lock", b"first")
-        assert isinstance(version, str) and version
-        assert store.read_versioned("d/lock") == (b"first", version)
-        with pytest.raises(ConditionFailed) as info:
-            store.put_new("d/lock", b"second")
-        assert isinstance(info.value, FileExistsError)
-        assert store.read_versioned("d/lock") == (b"first", version)
-        # an object written plainly counts as present too
-        store.write("d/plain", b"p")
-        with pytest.raises(ConditionFailed):
-            store.put_new("d/plain", b"q")
-        assert store.read("d/plain") == b"p"
-
-    @needs("conditional_create", "conditional_update")
-    def test_put_if(self, store: Store) -> None:
-        v1 = store.put_new("lease", b"one")
-        v2 = store.put_if("lease", b"two", v1)
-        assert v2 != v1
-        assert store.read_versioned("lease") == (b"two", v2)
-        with pytest.raises(ConditionFailed):
-            store.put_if("lease", b"three", v1)  # a version that is gone
-        assert store.read_versioned("lease") == (b"two", v2)
-        store.write("lease", b"changed behind our back")
-        with pytest.raises(ConditionFailed):
-            store.put_if("lease", b"four", v2)
-        assert store.read("lease") == b"changed behind our back"
-        with pytest.raises(ConditionFailed):
-            store.put_if("absent", b"five", v2)  # replacing what is not there
-        assert not store.exists("absent")
-        _, v3 = store.read_versioned("lease")
-        assert store.put_if("lease", b"six", v3) == store.read_versioned("lease")[1]
-
-    @needs("conditional_update")
-    def test_versions_change(self, store: Store) -> None:
-        store.write("v", b"alpha")
-        data1, v1 = store.read_versioned("v")
-        store.write("v", b"beta")
-        data2, v2 = store.read_versioned("v")
-        assert (data1, data2) == (b"alpha", b"beta")
-        assert v1 != v2
-        store.write("v", b"gamma")
-        assert store.read_versioned("v")[1] not in (v1, v2)
-
-    def _race_threads(self, store: Store, write: Callable[[Store, bytes], object]) -> bytes:
-        """``racers`` threads (half of them through a second client) write at once; exactly
-        one may win. Returns the winner's bytes, which the store must hold."""
-        other = self.second_client(store)
-        gate = threading.Barrier(self.racers)
-        won: list[bytes] = []
-        race = uuid.uuid4().hex  # a version may name bytes: each race writes its own
-
-        def one(i: int) -> None:
-            data = f"writer {i} of race {race}".encode()
-            gate.wait(30)
-            try:
-                write(other if i % 2 else store, data)
-            except ConditionFailed:
-                return
-            won.append(data)
-
-        with ThreadPoolExecutor(self.racers) as pool:
-            list(pool.map(one, range(self.racers)))
-        assert len(won) == 1, won
-        assert store.read("race") == won[0]
-        return won[0]
-
-    @needs("conditional_create")
-    def test_put_new_race_threads(self, store: Store) -> None:
-        for trial in range(3):
-            self._race_threads(store.child(f"t{trial}"), lambda s, d: s.put_new("race", d))
-
-    @needs("conditional_create", "conditional_update")
-    def test_put_if_race_threads(self, store: Store) -> None:
-        store.put_new("race", b"start")
-        for _ in range(3):
-            _, version = store.read_versioned("race")
-
-            def replace(s: Store, data: bytes, version: str = version) -> str:
-                return s.put_if("race", data, version)
-
-            self._race_threads(store, replace)
-
-    def _race_processes(self, store: Store, op: str, version: str = "") -> None:
-        ctx = multiprocessing.get_context("fork")
-        gate = ctx.Barrier(4)
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=_race, args=(store.url, op, i, version, gate, results))
-            for i in range(4)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            outcomes = sorted(results.get(timeout=60) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.exitcode is None:
-                    p.kill()
-        assert [p.exitcode for p in procs] == [0] * 4
-        winners = [i for i, outcome in outcomes if outcome == "won"]
-        assert len(winners) == 1, outcomes
-        assert [o for _, o in outcomes].count("lost") == 3, outcomes
-        assert store.read("race") == f"process {winners[0]}".encode()
-
-    @pytest.mark.timeout(120)
-    @needs("conditional_create")
-    def test_put_new_race_processes(self, store: Store) -> None:
-        self._race_processes(store, "create")
-
-    @pytest.mark.timeout(120)
-    @needs("conditional_create", "conditional_update")
-    def test_put_if_race_processes(self, store: Store) -> None:
-        version = store.put_new("race", b"start")
-        self._race_processes(store, "replace", version)
 
     # -- listing and deleting ----------------------------------------------------------
 
