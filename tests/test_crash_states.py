@@ -150,17 +150,17 @@ MUTATIONS = [
     (
         "delete-before-rename",
         "storage/staging.py",
-        "            if exchange(self.path, self.final):\n",
-        "            shutil.rmtree(self.final)\n"
-        "            os.rename(self.path, self.final)\n"
-        "            fsync_dir(self.final.parent)\n"
+        "            if parent.exchange(mine, name):\n",
+        "            parent.delete_tree(name)\n"
+        "            parent.rename(mine, name)\n"
+        "            parent.persist([name])\n"
         "            return\n"
-        "            if exchange(self.path, self.final):\n",
+        "            if parent.exchange(mine, name):\n",
         ["overwrite"],
     ),
     (  # the groups' metadata, written at the commit, left out of the directories' fsync
         "group-metadata-not-durable",
-        "storage/transaction.py",
+        "storage/staging.py",
         "        self.root.persist(files)\n",
         "",
         ["overwrite"],

@@ -20,6 +20,12 @@ coordinator):
 A load uses :meth:`Store.open` (ranged reads; :meth:`ReadHandle.will_need` says which
 ranges come next, so an object store fetches each run once).
 
+What a store can do it says in :attr:`Store.capabilities` (:class:`Capabilities`), and how
+a save becomes a checkpoint on it in :attr:`Store.commit_strategy`: "rename a staging
+directory" (:data:`distckpt.storage.staging.RENAME`, for a store that also has the three
+methods of :class:`RenamingStore`) or "claim the name, then create the index last"
+(:data:`distckpt.storage.claim.CLAIM`). distckpt asks the store, never its type.
+
 Errors: a missing key is :class:`FileNotFoundError`; a failed condition is
 :class:`ConditionFailed` (a :class:`FileExistsError`); a permanent service failure (no
 such bucket, access denied, retries exhausted) is :class:`~distckpt.errors.StorageError`,
@@ -31,11 +37,15 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from distckpt.errors import ConditionFailed as ConditionFailed  # the seam's own error
-from distckpt.errors import UnsafePathError
+from distckpt.errors import StorageError, UnsafePathError
+
+if TYPE_CHECKING:
+    from distckpt.storage.strategy import CommitStrategy
 
 Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
 
@@ -65,6 +75,54 @@ def check_name(name: Any, what: str = "a name") -> str:
     return check_key(name, what, "its directory")
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store can do, declared by its class (``capabilities = Capabilities(...)``).
+    distckpt asks these flags, never the store's type; the conformance suite
+    (:class:`distckpt.testing.StoreTests`) runs the cases the flags select."""
+
+    #: A directory renames atomically, and :class:`RenamingStore`'s methods exist: what
+    #: the :data:`~distckpt.storage.staging.RENAME` commit needs.
+    renames: bool = False
+    #: :meth:`Store.put_new` is atomic: of writers racing to create a key, from threads,
+    #: processes or hosts, exactly one wins. The claim commit, the manager's lock and
+    #: the ``latest`` pointer need it.
+    conditional_create: bool = False
+    #: :meth:`Store.put_if` is an atomic compare-and-swap on the version read. Needed
+    #: by the same.
+    conditional_update: bool = False
+    #: A read at an offset fetches only the bytes asked. Every store answers ranged
+    #: reads; one without them fetches the object to do so, and distckpt then reads
+    #: each sharded piece whole, once.
+    ranged_reads: bool = False
+    #: A :class:`WriteHandle` takes writes at any offset, in any order, from several
+    #: threads at once. A save needs it.
+    parallel_writes: bool = False
+    #: Keys are regular files of this machine, at the paths :meth:`Store.where` names
+    #: (``url`` is a path too), and the store never follows a link inside it: they may
+    #: be mapped into memory. A store without it is reached over a network (distckpt
+    #: gives its transfers more workers).
+    local_files: bool = False
+    #: A server-side copy or hard link of an object exists (not used yet).
+    copies: bool = False
+
+    def names(self) -> list[str]:
+        """The flags that are set."""
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+def require(store: Store, *flags: str, doing: str) -> None:
+    """Raise :class:`~distckpt.errors.StorageError` naming ``store``, ``doing`` and each of
+    ``flags`` (names of :class:`Capabilities`) that the store does not declare."""
+    missing = [flag for flag in flags if not getattr(store.capabilities, flag)]
+    if missing:
+        raise StorageError(
+            f"{store.url}: cannot {doing}: the store does not declare "
+            + ", ".join(missing)
+            + f" (its capabilities: {', '.join(store.capabilities.names()) or 'none'})"
+        )
+
+
 @runtime_checkable
 class ReadHandle(Protocol):
     """One object or file open for ranged reads; used by one thread at a time."""
@@ -92,7 +150,8 @@ class WriteHandle(Protocol):
     """One object or file being written, each byte once, from several threads at once."""
 
     def write(self, buffers: Sequence[Buffer], offset: int) -> int:
-        """Write ``buffers`` back to back at ``offset``; return the bytes written."""
+        """Write ``buffers`` back to back at ``offset``; return the bytes written (after
+        :meth:`finish` or :meth:`abort`: :class:`ValueError`)."""
 
     def finish(self, durable: bool = True) -> None:
         """Make the object whole and visible (and, with ``durable``, on stable storage)."""
@@ -107,8 +166,15 @@ class Store(Protocol):
 
     #: What users see: an absolute path or ``s3://bucket/prefix``. Never a credential.
     url: str
-    #: Whether a directory can be renamed atomically (the commit strategy depends on it).
-    renames: bool
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the store can do (a class attribute)."""
+
+    @property
+    def commit_strategy(self) -> CommitStrategy:
+        """How a save becomes a checkpoint on it (a class attribute):
+        :data:`~distckpt.storage.staging.RENAME` or :data:`~distckpt.storage.claim.CLAIM`."""
 
     @property
     def name(self) -> str: ...
@@ -124,7 +190,8 @@ class Store(Protocol):
     def read(self, key: str) -> bytes: ...
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
-        """The object and a version tag for :meth:`put_if`."""
+        """The object and a version tag for :meth:`put_if` (a tag may name the bytes:
+        writing the same bytes again may give the same tag)."""
 
     def open(self, key: str, size: int | None = None) -> ReadHandle:
         """Open for ranged reads; ``size``, when known (from the index), saves a request."""
@@ -164,7 +231,26 @@ class Store(Protocol):
         """Make it possible to create ``keys`` (directories on a file system)."""
 
     def persist(self, keys: Iterable[str]) -> None:
-        """Make the entries of the finished ``keys`` durable (directory fsyncs)."""
+        """Make the entries of ``keys`` durable, as they now are: created, renamed or
+        removed (directory fsyncs on a file system; nothing to do on an object store)."""
+
+
+@runtime_checkable
+class RenamingStore(Store, Protocol):
+    """A store whose directories rename atomically (``capabilities.renames``): what the
+    :data:`~distckpt.storage.staging.RENAME` commit calls beyond :class:`Store`."""
+
+    def rename(self, key: str, new_key: str) -> None:
+        """Give the directory ``key`` the name ``new_key``, atomically: readers see one or
+        the other, never a part. A ``new_key`` that holds entries is never replaced (an
+        :class:`OSError`); one that does not exist is created."""
+
+    def exchange(self, key: str, other: str) -> bool:
+        """Swap the directories ``key`` and ``other`` atomically; False (nothing done)
+        where the store cannot, and the commit then makes do with two renames."""
+
+    def touch(self, key: str) -> None:
+        """Make ``key`` look just written to :meth:`Store.age` (a heartbeat)."""
 
 
 #: The entry-point group through which installed packages add stores: an entry named
@@ -220,11 +306,11 @@ def _scheme(location: object) -> str | None:
 
 
 def is_remote(location: str | os.PathLike[str] | Store) -> bool:
-    """Whether ``location`` names an object store: a store that cannot rename, or a URL
-    (any scheme but ``file://``)."""
-    if isinstance(location, Store):
-        return not location.renames
-    return _scheme(location) is not None
+    """Whether ``location`` is reached over a network: its store does not declare
+    ``local_files`` (a path never is; a URL is asked of the store its scheme opens)."""
+    if not isinstance(location, Store) and _scheme(location) is None:
+        return False
+    return not resolve(location).capabilities.local_files
 
 
 def resolve(location: str | os.PathLike[str] | Store) -> Store:
@@ -246,15 +332,14 @@ def resolve(location: str | os.PathLike[str] | Store) -> Store:
 
 
 def location(store: Store) -> Path | str:
-    """What results report as the place: the path of a directory, else the URL."""
-    path = getattr(store, "path", None)
-    return path if isinstance(path, Path) else store.url
+    """What results report as the place: the path of a store of local files, else the URL."""
+    return Path(store.url) if store.capabilities.local_files else store.url
 
 
 def child_location(directory: str | os.PathLike[str] | Store, name: str) -> str:
-    """``name`` in ``directory`` as users write it: a URL under an object store prefix, else
-    the path ``os.path.join`` makes (relative stays relative)."""
-    if isinstance(directory, Store) or is_remote(directory):
+    """``name`` in ``directory`` as users write it: under a store or a URL as the store
+    writes it, else the path ``os.path.join`` makes (relative stays relative)."""
+    if isinstance(directory, Store) or _scheme(directory) is not None:
         return resolve(directory).where(name)
     return os.path.join(os.fspath(directory), name)
 

@@ -1,7 +1,8 @@
-"""The commit on an object store, which has no rename: "a claim, then the index last".
+"""The commit by claim (:data:`CLAIM`), for stores without rename: "a claim, then the
+index last".
 
-A checkpoint on an object store exists exactly when its index object (the root
-``zarr.json``) exists. A save of ``<prefix>``:
+A checkpoint on such a store (an object store) exists exactly when its index object (the
+root ``zarr.json``) exists. A save of ``<prefix>``:
 
 1. **claims the name** (coordinator): creates ``.<name>.distckpt-save`` beside the
    prefix only if absent (a conditional put, ``If-None-Match``), a lease
@@ -30,6 +31,9 @@ Retention (:func:`retire`) marks a checkpoint, deletes its index first, then its
 Abandoned saves and retirements (a stale claim and no index) are removed by
 :func:`collect_garbage`, incomplete multipart uploads with them
 (:meth:`~distckpt.storage.s3.S3Store.delete_tree` aborts those).
+
+It needs of a store only :class:`~distckpt.storage.backend.Store`'s methods, with
+``conditional_create`` and ``conditional_update``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 from distckpt.errors import CheckpointExists
 from distckpt.storage.backend import ConditionFailed, Store
 from distckpt.storage.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
+from distckpt.storage.strategy import Pending
 from distckpt.storage.zarr_meta import ZARR_JSON
 
 log = logging.getLogger(__name__)
@@ -63,8 +68,8 @@ def read_claim(checkpoint: Store) -> tuple[dict[str, Any], str, float] | None:
     return read_lease(checkpoint.parent, claim_key(checkpoint.name))
 
 
-class ObjectCommit:
-    """A save's claim on one checkpoint name of an object store (coordinator only)."""
+class ClaimCommit:
+    """A save's claim on one checkpoint name (coordinator only)."""
 
     def __init__(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> None:
         self.final = final
@@ -180,3 +185,60 @@ def leftovers(directory: Store) -> list[str]:
     """The checkpoint names in ``directory`` that have a claim beside them (saves running
     or abandoned, retirements unfinished), from one listing."""
     return [m["name"] for m in map(_CLAIM.match, directory.list()) if m]
+
+
+def pending(directory: Store) -> list[Pending]:
+    """The uncommitted saves in ``directory`` (a claim and no index), sorted by name."""
+    found = []
+    for name in leftovers(directory):
+        prefix = directory.child(name)
+        claim = read_claim(prefix)
+        if claim is None or prefix.exists(ZARR_JSON):
+            continue  # committed meanwhile, or a commit's claim not yet released
+        started = claim[0].get("time")
+        found.append(
+            Pending(
+                name,
+                name,
+                live(claim),
+                float(started) if isinstance(started, (int, float)) else None,
+                sum(size for _, size, _ in prefix.walk()),
+            )
+        )
+    return found
+
+
+class ClaimStrategy:
+    """The commit strategy of stores without rename (see the module)."""
+
+    name = "claim"
+    requires: tuple[str, ...] = ("conditional_create", "conditional_update")
+
+    def __repr__(self) -> str:
+        return "CLAIM"
+
+    def save_root(self, final: Store, token: str) -> Store:
+        return final  # the ranks write in place: there is nothing to rename
+
+    def begin(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> ClaimCommit:
+        collect_garbage(final.parent)
+        return ClaimCommit(final, token, world_size, overwrite=overwrite)
+
+    def retire(self, checkpoint: Store) -> None:
+        retire(checkpoint)
+
+    def retiring(self, checkpoint: Store) -> bool:
+        return retiring(checkpoint)
+
+    def collect_garbage(self, directory: Store) -> list[str]:
+        return collect_garbage(directory)
+
+    def pending(self, directory: Store) -> list[Pending]:
+        return pending(directory)
+
+    def leftovers(self, directory: Store) -> list[str]:
+        return [directory.where(name) for name in leftovers(directory)]
+
+
+#: The commit by claim (see the module): ``commit_strategy = CLAIM``.
+CLAIM = ClaimStrategy()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from distckpt.storage.backend import ConditionFailed, Store
+from distckpt.storage.backend import ConditionFailed, Store, require
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,9 @@ class Lease:
 
     def acquire(self, busy: Callable[[dict[str, Any], float], Exception]) -> None:
         """Take the lease, taking over a stale one; raise ``busy(holder, age)`` when a live
-        holder has it."""
+        holder has it. A store without atomic conditional writes cannot hold one: a
+        :class:`~distckpt.errors.StorageError` says so."""
+        require(self.store, "conditional_create", "conditional_update", doing=f"lease {self.key}")
         data = json.dumps(self._doc).encode()
         for _ in range(3):
             try:

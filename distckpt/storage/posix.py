@@ -7,6 +7,9 @@ that got new entries. Conditional writes are made atomic with ``link`` (create: 
 complete temporary file is linked to the name, which fails if it exists) and a
 ``lockf`` lock beside the file (replace: compare the version, then rename over it); the
 version of a file is the crc32c of its bytes, so it survives a copy of the directory.
+Directories rename atomically (``exchange`` with ``renameat2(RENAME_EXCHANGE)`` where
+the file system has it), so a save commits by renaming its staging directory
+(:data:`~distckpt.storage.staging.RENAME`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ import crc32c as _crc
 import numpy as np
 
 from distckpt.errors import UnsafePathError
-from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key
-from distckpt.storage.fsutil import atomic_write, fsync_dir, open_regular, read_regular, write_file
+from distckpt.storage.backend import Buffer, Capabilities, ConditionFailed, byte_view, check_key
+from distckpt.storage.fsutil import (
+    atomic_write,
+    exchange,
+    fsync_dir,
+    open_regular,
+    read_regular,
+    write_file,
+)
+from distckpt.storage.staging import RENAME
 
 _IOV_MAX = 1024
 
@@ -154,7 +165,15 @@ class PosixStore:
     """A directory of a POSIX file system (created when first written to). ``root`` is
     where links stop being followed (default: ``path`` itself; see the module)."""
 
-    renames = True
+    capabilities = Capabilities(
+        renames=True,
+        conditional_create=True,
+        conditional_update=True,
+        ranged_reads=True,
+        parallel_writes=True,
+        local_files=True,
+    )
+    commit_strategy = RENAME
 
     def __init__(self, path: str | os.PathLike[str], *, root: Path | None = None) -> None:
         self.path = Path(path)
@@ -313,6 +332,15 @@ class PosixStore:
         else:
             path.unlink(missing_ok=True)
 
+    def rename(self, key: str, new_key: str) -> None:
+        os.rename(self._p(key), self._p(new_key))
+
+    def exchange(self, key: str, other: str) -> bool:
+        return exchange(self._p(key), self._p(other))
+
+    def touch(self, key: str) -> None:
+        os.utime(self._p(key))
+
     def prepare(self, keys: Iterable[str]) -> None:
         made: set[Path] = set()
         for key in keys:
@@ -324,7 +352,7 @@ class PosixStore:
     def persist(self, keys: Iterable[str]) -> None:
         dirs: set[Path] = set()
         for key in keys:
-            parts = Path(key).parents
+            parts = Path(check_key(key)).parents
             dirs.update(self.path / p for p in parts)
         for d in sorted(dirs, key=lambda p: -len(p.parts)):
             fsync_dir(d)
@@ -332,11 +360,20 @@ class PosixStore:
 
 @contextmanager
 def _locked(path: Path) -> Any:
-    """An exclusive ``lockf`` lock on a file beside ``path`` (works on NFS v4 too)."""
-    lock = path.with_name(f".{path.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    """An exclusive lock on ``path``: against other processes a ``lockf`` lock on a file
+    beside it (works on NFS v4 too), against other threads of this one a thread lock
+    (``lockf`` locks belong to the process, and closing any descriptor drops them)."""
+    with _thread_locks_guard:
+        in_process = _thread_locks.setdefault(path, threading.Lock())
+    with in_process:
+        lock = path.with_name(f".{path.name}.lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+_thread_locks: dict[Path, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()

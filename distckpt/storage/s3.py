@@ -41,8 +41,16 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from distckpt.errors import StorageError
-from distckpt.storage.backend import Buffer, ConditionFailed, byte_view, check_key, join
+from distckpt.errors import StorageError, UnsafePathError
+from distckpt.storage.backend import (
+    Buffer,
+    Capabilities,
+    ConditionFailed,
+    byte_view,
+    check_key,
+    join,
+)
+from distckpt.storage.claim import CLAIM
 from distckpt.storage.s3_service import (  # noqa: F401 - public names re-exported
     MAX_ATTEMPTS,
     TIMEOUT_ENV,
@@ -84,7 +92,13 @@ T = TypeVar("T")
 class S3Store:
     """A prefix of an S3 bucket (``s3://bucket/prefix``)."""
 
-    renames = False
+    capabilities = Capabilities(
+        conditional_create=True,
+        conditional_update=True,
+        ranged_reads=True,
+        parallel_writes=True,
+    )
+    commit_strategy = CLAIM
 
     def __init__(self, bucket: str, prefix: str = "") -> None:
         self.bucket = bucket
@@ -149,8 +163,8 @@ class S3Store:
         start = time.monotonic()
         try:
             return fn()
-        except (StorageError, ConditionFailed, FileNotFoundError):
-            raise  # a nested request's, already ours
+        except (StorageError, ConditionFailed, FileNotFoundError, UnsafePathError):
+            raise  # a nested request's, or a key refused before any request: already ours
         except Exception as exc:
             if transient(exc):
                 service.fell_silent(self.bucket)
@@ -344,10 +358,12 @@ class S3Store:
                 )
 
     def prepare(self, keys: Iterable[str]) -> None:
-        pass  # an object store has no directories
+        for key in keys:
+            check_key(key)  # an object store has no directories: only the keys to check
 
     def persist(self, keys: Iterable[str]) -> None:
-        pass  # a finished upload is durable
+        for key in keys:
+            check_key(key)  # a finished upload is durable: only the keys to check
 
 
 def multipart_etag(etags: Sequence[str]) -> str:

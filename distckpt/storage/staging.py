@@ -1,15 +1,23 @@
-"""Staging directories and the commit: "write under a temporary name, then rename".
+"""The commit by rename (:data:`RENAME`): "write under a temporary name, then rename".
 
-A save writes into ``<parent>/.<name>.staging-<token>/``, never into ``<name>``. The
-coordinator creates it with an owner file (host, pid, start time) whose modification time
-is a heartbeat, refreshed by a daemon thread while the save runs. The commit writes the
-index, fsyncs, removes the owner file and renames the directory to ``<name>``
-(atomically exchanging it with an existing checkpoint when replacing one), then fsyncs
-the parent. A checkpoint therefore exists under its name only once it is complete.
+A save of ``<name>`` writes into ``.<name>.staging-<token>/`` beside it, never into
+``<name>``. The coordinator creates it with an owner file (host, pid, start time) whose
+modification time is a heartbeat, refreshed by a daemon thread while the save runs. The
+commit writes the index, makes it durable, removes the owner file and renames the
+directory to ``<name>`` (atomically exchanging it with an existing checkpoint when
+replacing one), then makes the parent's entries durable. A checkpoint therefore exists
+under its name only once it is complete.
 
-:func:`collect_garbage` removes staging directories whose heartbeat has stopped (or whose
-owner process is gone on this host), and the ``.trash-`` directories of replaced
-checkpoints; it never touches a staging directory whose heartbeat is fresh.
+Retention (:meth:`RenameStrategy.retire`) marks a checkpoint with an owner file that says
+so, renames it out of sight (``.<name>.trash-<token>``), then removes it.
+:meth:`RenameStrategy.collect_garbage` removes staging directories whose heartbeat has
+stopped (or whose owner process is gone on this host) and trash directories; it never
+touches a staging directory whose heartbeat is fresh, and puts back a complete checkpoint
+that a replacing commit left under its staging name.
+
+Everything here goes through the store's methods: :class:`~distckpt.storage.backend.Store`
+and the three of :class:`~distckpt.storage.backend.RenamingStore` (``rename``,
+``exchange``, ``touch``), so any store that declares ``renames`` can use it.
 """
 
 from __future__ import annotations
@@ -18,14 +26,17 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
-from distckpt.storage.fsutil import exchange, fsync_dir, read_regular, write_file
+from distckpt.errors import CheckpointExists, StorageError, UnsafePathError
+from distckpt.storage.backend import RenamingStore, Store, WriteHandle, location, resolve
 from distckpt.storage.lease import pid_dead
+from distckpt.storage.strategy import Pending
+from distckpt.storage.zarr_meta import ZARR_JSON
 
 log = logging.getLogger(__name__)
 
@@ -35,41 +46,61 @@ STALE_SECONDS = 60.0
 LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
 
 
-def staging_path(final: Path, token: str) -> Path:
-    return final.parent / f".{final.name}.staging-{token}"
+def staging_name(name: str, token: str) -> str:
+    return f".{name}.staging-{token}"
 
 
-def trash_path(final: Path, token: str) -> Path:
-    return final.parent / f".{final.name}.trash-{token}"
+def trash_name(name: str, token: str) -> str:
+    return f".{name}.trash-{token}"
+
+
+def renaming(store: Store) -> RenamingStore:
+    """``store``, which the rename commit needs to have :class:`RenamingStore`'s methods."""
+    if not isinstance(store, RenamingStore):
+        raise StorageError(
+            f"{store.url}: the rename commit needs the store's rename, exchange and touch "
+            "methods (distckpt.storage.backend.RenamingStore)"
+        )
+    return store
 
 
 class Staging:
     """A staging directory owned by this process (the coordinator), with its heartbeat."""
 
-    def __init__(self, final: Path, token: str, world_size: int) -> None:
-        self.final = final
+    def __init__(self, final: str | os.PathLike[str] | Store, token: str, world_size: int) -> None:
+        self.final = resolve(final)
         self.token = token
-        self.path = staging_path(final, token)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        self.path.mkdir()
+        self.parent = renaming(self.final.parent)
+        self.entry = staging_name(self.final.name, token)
+        self.store = renaming(self.parent.child(self.entry))
+        self.path = location(self.store)
+        self.store.prepare([OWNER_FILE])  # the directory, and the parent if need be
         owner = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
             "world_size": world_size,
-            "target": final.name,
+            "target": self.final.name,
         }
-        write_file(self.path / OWNER_FILE, json.dumps(owner).encode(), fsync=False)
+        handle: WriteHandle | None = None
+        try:
+            handle = self.store.create(OWNER_FILE)
+            handle.write([json.dumps(owner).encode()], 0)
+            handle.finish(durable=False)  # the commit removes it; a crash leaves a stale one
+        except BaseException:
+            if handle is not None:
+                handle.abort()
+            self.parent.delete_tree(self.entry)
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="distckpt-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
-        owner = self.path / OWNER_FILE
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
-                os.utime(owner)
-            except OSError:
+                self.store.touch(OWNER_FILE)
+            except Exception:
                 return
 
     def stop_heartbeat(self) -> None:
@@ -79,89 +110,201 @@ class Staging:
     def commit(self, *, overwrite: bool) -> None:
         """Rename the finished staging directory to its final name (coordinator only).
 
-        The caller has written and fsynced every file, including the index.
+        The caller has written and made durable every file, including the index.
         """
         self.stop_heartbeat()
-        (self.path / OWNER_FILE).unlink()
-        fsync_dir(self.path)
-        if self.final.exists() and overwrite:
-            if exchange(self.path, self.final):
-                fsync_dir(self.final.parent)
-                shutil.rmtree(self.path, ignore_errors=True)  # now holds the old checkpoint
+        self.store.delete(OWNER_FILE)
+        self.store.persist([OWNER_FILE])
+        parent, mine, name = self.parent, self.entry, self.final.name
+        if overwrite and parent.exists(name):
+            if parent.exchange(mine, name):
+                parent.persist([name])
+                parent.delete_tree(mine)  # now holds the old checkpoint
                 return
-            trash = trash_path(self.final, self.token)
-            os.rename(self.final, trash)
-            os.rename(self.path, self.final)
-            fsync_dir(self.final.parent)
-            shutil.rmtree(trash, ignore_errors=True)
+            trash = trash_name(name, self.token)
+            parent.rename(name, trash)
+            parent.rename(mine, name)
+            parent.persist([name])
+            parent.delete_tree(trash)
             return
-        # os.rename onto an existing non-empty directory fails: no silent overwrite.
-        os.rename(self.path, self.final)
-        fsync_dir(self.final.parent)
+        # A rename onto a directory that holds entries fails: no silent overwrite.
+        parent.rename(mine, name)
+        parent.persist([name])
 
     def abort(self) -> None:
         self.stop_heartbeat()
-        shutil.rmtree(self.path, ignore_errors=True)
+        self.parent.delete_tree(self.entry)
 
 
-def owner_alive(path: Path, stale_seconds: float = STALE_SECONDS) -> bool:
-    """Whether the save that owns staging directory ``path`` still runs (its heartbeat is
-    fresh and, on this host, its process exists)."""
-    owner = path / OWNER_FILE
+class RenameCommit:
+    """The staging directory of one save and its rename into place (coordinator only)."""
+
+    def __init__(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> None:
+        from distckpt.storage.index import is_committed
+
+        parent = final.parent
+        committed = is_committed(final)
+        if not committed and parent.exists(final.name) and (not final.is_dir("") or final.list()):
+            raise CheckpointExists(
+                f"{final.url} exists and is not a distckpt checkpoint; not "
+                + ("replacing it" if overwrite else "touching it")
+            )
+        if committed and not overwrite:
+            raise CheckpointExists(
+                f"{final.url} already holds a committed checkpoint; pass overwrite=True to "
+                "replace it"
+            )
+        collect(parent)
+        self.final = final
+        self.overwrite = overwrite
+        self._staging = Staging(final, token, world_size)
+        self.root: Store = self._staging.store
+
+    def commit(self, files: dict[str, bytes], index: bytes) -> None:
+        from distckpt.storage.index import is_committed
+
+        for key, data in files.items():
+            self.root.write(key, data)
+        self.root.persist(files)
+        self.root.write(ZARR_JSON, index)
+        if not self.overwrite and is_committed(self.final):
+            raise CheckpointExists(
+                f"{self.final.url} was committed by another save while this one ran"
+            )
+        self._staging.commit(overwrite=self.overwrite)
+
+    def abort(self) -> None:
+        self._staging.abort()
+
+
+def owner_alive(staging: Store, stale_seconds: float = STALE_SECONDS) -> bool:
+    """Whether the save that owns the staging directory ``staging`` still runs (its
+    heartbeat is fresh and, on this host, its process exists)."""
     try:
-        age = time.time() - owner.lstat().st_mtime
-        info = json.loads(read_regular(owner))
+        age = staging.age(OWNER_FILE)
+        info = json.loads(staging.read(OWNER_FILE))
     except (OSError, ValueError, RecursionError):
         # No owner file: the save is being committed or was abandoned; judge by the dir.
         try:
-            return time.time() - path.stat().st_mtime < stale_seconds
+            return staging.parent.age(staging.name) < stale_seconds
         except OSError:
             return False
     return age <= stale_seconds and not pid_dead(info)
 
 
-def _complete(path: Path) -> bool:
+def _complete(staging: Store) -> bool:
     from distckpt.storage.index import is_committed
 
-    return not (path / OWNER_FILE).exists() and is_committed(path)
+    return not staging.exists(OWNER_FILE) and is_committed(staging)
 
 
-def collect_garbage(
-    directory: str | os.PathLike[str], stale_seconds: float = STALE_SECONDS
-) -> list[Path]:
-    """Remove abandoned staging and trash directories in ``directory``; return what went."""
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        match = LEFTOVER.match(entry.name)
-        if not match or not entry.is_dir(follow_symlinks=False):
+def leftover_names(directory: Store) -> list[str]:
+    """The staging and trash directories in ``directory`` (live or not), by name. A link
+    or a file with such a name is not one: it is left alone."""
+    return [n for n in directory.list() if LEFTOVER.match(n) and directory.is_dir(n)]
+
+
+def collect(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]:
+    """Remove the abandoned staging and trash directories in ``directory``; return the
+    names of those removed."""
+    parent = renaming(directory)
+    removed: list[str] = []
+    for entry in leftover_names(directory):
+        match = LEFTOVER.match(entry)
+        assert match is not None
+        staging = directory.child(entry)
+        if match["what"] == "staging" and owner_alive(staging, stale_seconds):
             continue
-        path = Path(entry.path)
-        if match["what"] == "staging" and owner_alive(path, stale_seconds):
-            continue
-        final = path.parent / match["name"]
-        if not final.exists() and _complete(path):
+        name = match["name"]
+        if not directory.exists(name) and _complete(staging):
             # A crash inside a replacing commit: put the complete checkpoint back.
-            log.warning("restoring %s from interrupted commit %s", final, path)
-            os.rename(path, final)
-            fsync_dir(final.parent)
+            log.warning("restoring %s from interrupted commit %s", directory.where(name), entry)
+            parent.rename(entry, name)
+            parent.persist([name])
             continue
-        log.info("removing abandoned %s directory %s", match["what"], path)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        log.info("removing abandoned %s directory %s", match["what"], directory.where(entry))
+        directory.delete_tree(entry)
+        removed.append(entry)
     return removed
 
 
-def leftovers(directory: str | os.PathLike[str]) -> list[Path]:
-    """Staging and trash directories present in ``directory`` (live or not)."""
-    try:
-        return sorted(
-            Path(e.path)
-            for e in os.scandir(directory)
-            if LEFTOVER.match(e.name) and e.is_dir(follow_symlinks=False)
-        )
-    except FileNotFoundError:
-        return []
+def collect_garbage(
+    directory: str | os.PathLike[str] | Store, stale_seconds: float = STALE_SECONDS
+) -> list[Path | str]:
+    """Remove abandoned staging and trash directories in ``directory``; return what went
+    (paths on a file system)."""
+    store = resolve(directory)
+    return [location(store.child(name)) for name in collect(store, stale_seconds)]
+
+
+def leftovers(directory: str | os.PathLike[str] | Store) -> list[Path | str]:
+    """Staging and trash directories present in ``directory`` (live or not; paths on a
+    file system)."""
+    store = resolve(directory)
+    return [location(store.child(name)) for name in leftover_names(store)]
+
+
+class RenameStrategy:
+    """The commit strategy of stores whose directories rename atomically (see the module)."""
+
+    name = "rename"
+    requires: tuple[str, ...] = ("renames",)
+
+    def __repr__(self) -> str:
+        return "RENAME"
+
+    def save_root(self, final: Store, token: str) -> Store:
+        return final.parent.child(staging_name(final.name, token))
+
+    def begin(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> RenameCommit:
+        return RenameCommit(final, token, world_size, overwrite=overwrite)
+
+    def retire(self, checkpoint: Store) -> None:
+        """Mark ``checkpoint``, rename it out of sight, then remove it."""
+        parent, name = renaming(checkpoint.parent), checkpoint.name
+        if not parent.is_dir(name):
+            if parent.exists(name):  # not a checkpoint of this directory: never through it
+                raise UnsafePathError(
+                    f"{checkpoint.url} is not a directory (a link?), not a checkpoint; left alone"
+                )
+            return
+        # The mark keeps collect_garbage from restoring it as an interrupted commit.
+        checkpoint.write(OWNER_FILE, json.dumps({"deleting": True}).encode())
+        trash = trash_name(name, uuid.uuid4().hex[:16])
+        parent.rename(name, trash)
+        parent.persist([name])
+        try:
+            parent.delete_tree(trash)
+        except OSError as exc:
+            log.warning("could not remove %s (collect_garbage will): %s", parent.where(trash), exc)
+
+    def retiring(self, checkpoint: Store) -> bool:
+        return checkpoint.exists(OWNER_FILE)
+
+    def collect_garbage(self, directory: Store) -> list[str]:
+        return [directory.where(name) for name in collect(directory)]
+
+    def pending(self, directory: Store) -> list[Pending]:
+        found = []
+        for entry in leftover_names(directory):
+            match = LEFTOVER.match(entry)
+            target = match["name"] if match else entry
+            staging = directory.child(entry)
+            live = ".staging-" in entry and owner_alive(staging)
+            try:  # when the save started, else when the directory last changed
+                started: float | None = float(json.loads(staging.read(OWNER_FILE))["started"])
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                try:
+                    started = time.time() - directory.age(entry)
+                except OSError:
+                    started = None
+            size = sum(n for _, n, _ in staging.walk())
+            found.append(Pending(entry, target, live, started, size))
+        return found
+
+    def leftovers(self, directory: Store) -> list[str]:
+        return [directory.where(name) for name in leftover_names(directory)]
+
+
+#: The commit by rename (see the module): ``commit_strategy = RENAME``.
+RENAME = RenameStrategy()

@@ -189,10 +189,14 @@ def _copy_tasks(
 
 
 def _whole(root: Store, piece: StoredPiece) -> bool:
-    """Whether to read a shard whole, in one request, header and all: on an object store,
+    """Whether to read a shard whole, in one request, header and all: over a network,
     where a request costs more than the bytes of a small shard (one task's at most), a
-    shard that small is fetched at once rather than its header first, then its chunks."""
-    return not root.renames and piece.inner is not None and piece.size <= TASK_BYTES
+    shard that small is fetched at once rather than its header first, then its chunks;
+    and any shard of a store without ranged reads (each read would fetch it all)."""
+    if piece.inner is None:
+        return False
+    caps = root.capabilities
+    return not caps.ranged_reads or (not caps.local_files and piece.size <= TASK_BYTES)
 
 
 def _read_plain(

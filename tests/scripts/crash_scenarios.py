@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 from crash_states import each_state, recording  # noqa: E402
 
 import distckpt  # noqa: E402
-from distckpt.storage import staging  # noqa: E402
+from distckpt.storage import posix  # noqa: E402
 from distckpt.storage.transaction import collect_garbage  # noqa: E402
 from distckpt.training.lock import LOCK_FILE  # noqa: E402
 
@@ -200,15 +200,15 @@ def manager(root: Path) -> tuple[Violations, int]:
 def overwrite(root: Path, *, fallback: bool = False) -> tuple[Violations, int]:
     target = root / "d" / "ck"
     distckpt.save(nest(values(1)), target)
-    real_exchange = staging.exchange
+    real_exchange = posix.exchange
     if fallback:
-        staging.exchange = lambda a, b: False  # type: ignore[assignment]
+        posix.exchange = lambda a, b: False  # type: ignore[assignment]
     try:
         with recording(root / "d") as rec:
             distckpt.save(nest(values(2)), target, overwrite=True, io_workers=1)
             rec.mark("saved-2")
     finally:
-        staging.exchange = real_exchange
+        posix.exchange = real_exchange
     found = Violations()
     count = 0
     for state, where in each_state(rec, root / "states"):
