@@ -764,6 +764,7 @@ def test_a_malformed_regular_entry_is_refused_before_any_read(
     assert entry["layout"] == "regular" and entry["chunks"] == [4096]
     entry["chunks"] = [1024]  # described as four shards of the one there is, then broken
     entry["crc"], entry["size"] = entry["crc"] * 4, entry["size"] * 4
+    entry["digest"] = entry["digest"] * 4
     edit(entry)
     (ck / "zarr.json").write_text(json.dumps(doc))
     before = torch.full((3,), -1.0)

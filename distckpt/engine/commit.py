@@ -10,37 +10,64 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from distckpt.errors import CheckpointError
 from distckpt.planning.pieces import SavePlan, VarSpec
+from distckpt.storage import digests as digests_mod
 from distckpt.storage import index as index_mod
 from distckpt.storage import zarr_meta
+from distckpt.storage.shard_io import Stored
 from distckpt.storage.transaction import Transaction
 from distckpt.version import VERSION
 
 
 @dataclass
 class Report:
-    """What one rank wrote: the ids of its pieces, and each one's stored bytes and crc."""
+    """What one rank stored: the ids of its pieces, each one's stored bytes and crc, its
+    content digest (rows of 16 bytes; None when the save computed none) and, for a piece
+    taken from an earlier checkpoint instead of written, where from (``reused``: an index
+    into ``origins``, -1 for a piece written)."""
 
     ids: np.ndarray
     sizes: np.ndarray
     crcs: np.ndarray
+    digests: np.ndarray | None = None
+    reused: np.ndarray | None = None
+    origins: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, written: dict[int, tuple[int, int]]) -> Report:
-        ids = np.fromiter(written, dtype=np.int64, count=len(written))
-        sizes = np.fromiter((s for s, _ in written.values()), dtype=np.int64, count=len(written))
-        crcs = np.fromiter((c for _, c in written.values()), dtype=np.int64, count=len(written))
-        return cls(ids, sizes, crcs)
+    def of(cls, written: dict[int, Stored]) -> Report:
+        n = len(written)
+        stored = list(written.values())
+        ids = np.fromiter(written, dtype=np.int64, count=n)
+        sizes = np.fromiter((s.size for s in stored), dtype=np.int64, count=n)
+        crcs = np.fromiter((s.crc for s in stored), dtype=np.int64, count=n)
+        digests = None
+        if n and all(s.digest is not None for s in stored):
+            raw = b"".join(s.digest for s in stored)  # type: ignore[misc]
+            digests = np.frombuffer(raw, dtype=np.uint8).reshape(n, digests_mod.PIECE_BYTES)
+        origins = sorted({s.reused for s in stored if s.reused is not None})
+        reused = None
+        if origins:
+            at = {o: k for k, o in enumerate(origins)}
+            reused = np.fromiter(
+                (-1 if s.reused is None else at[s.reused] for s in stored), np.int16, count=n
+            )
+        return cls(ids, sizes, crcs, digests, reused, origins)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every piece, written or reused."""
         return int(self.sizes.sum())
+
+    @property
+    def reused_bytes(self) -> int:
+        """Bytes of the pieces taken from an earlier checkpoint."""
+        return 0 if self.reused is None else int(self.sizes[self.reused >= 0].sum())
 
 
 def _tensor_entry(
@@ -63,9 +90,22 @@ def build_index(
     per-rank variable's by rank)."""
     sizes = np.full(plan.pieces, -1, dtype=np.int64)
     crcs = np.zeros(plan.pieces, dtype=np.int64)
+    # Digests only when every rank computed them (an incremental save's).
+    digests: np.ndarray | None = np.zeros((plan.pieces, digests_mod.PIECE_BYTES), np.uint8)
+    origins: list[str] = []  # of the pieces reused, across the ranks
+    reused = np.full(plan.pieces, -1, dtype=np.int16)
     for report in reports:
         sizes[report.ids] = report.sizes
         crcs[report.ids] = report.crcs
+        if report.digests is None or digests is None:
+            digests = None if len(report.ids) else digests
+        else:
+            digests[report.ids] = report.digests
+        if report.reused is not None:
+            for k, origin in enumerate(report.origins):
+                if origin not in origins:
+                    origins.append(origin)
+                reused[report.ids[report.reused == k]] = origins.index(origin)
     if plan.pieces and sizes.min() < 0:
         missing = int(np.flatnonzero(sizes < 0)[0])
         raise CheckpointError(f"internal error: no rank reported piece {missing} as written")
@@ -81,6 +121,8 @@ def build_index(
                 int(crcs[piece.id]),
                 int(sizes[piece.id]),
                 piece.codec,
+                None if digests is None else digests[piece.id].tobytes(),
+                origins[reused[piece.id]] if reused[piece.id] >= 0 else None,
             )
             out.append(stored.to_json())
         return out
@@ -115,6 +157,8 @@ def build_index(
                 spec.codec,
                 crcs[part],
                 sizes[part],
+                None if digests is None else digests[part],
+                index_mod.reuse_column(reused[part], origins),
             )
             newest = index_mod.FORMAT_VERSION
         else:
@@ -143,14 +187,17 @@ def index_bytes(index: dict[str, Any]) -> bytes:
 
 def commit(
     plan: SavePlan, reports: Sequence[Report], values: dict[str, Any], txn: Transaction
-) -> None:
+) -> bytes:
     """Coordinator, step 5 of the save protocol: with every rank's report in, write the
     group metadata and then the index through the save's transaction
-    (:mod:`distckpt.storage.transaction`), which makes it the checkpoint."""
+    (:mod:`distckpt.storage.transaction`), which makes it the checkpoint; return the
+    index document's bytes."""
     index = build_index(plan, reports, values)
     files = {
         f"{group}/{zarr_meta.ZARR_JSON}": zarr_meta.dumps(zarr_meta.group_meta())
         for group in plan.groups
         if group != ""
     }
-    txn.commit(files, index_bytes(index))
+    raw = index_bytes(index)
+    txn.commit(files, raw)
+    return raw

@@ -27,7 +27,7 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto, raise_if_any_failed
 from distckpt.comm.outcome import announce
-from distckpt.engine import background
+from distckpt.engine import background, reuse
 from distckpt.engine.matching import Prepared, agree_names, assign, prepare
 from distckpt.engine.options import (
     LOAD,
@@ -106,6 +106,7 @@ def load_indexed(
     try:
         if index is None:
             index = read_shared_index(store, comm)
+            reuse.remember_index(store, index)  # the base of a later save
         if refused is not None:
             raise refused
         prepared = prepare(state, index, result, comm.rank, comm.size, opts)
@@ -124,7 +125,7 @@ def load_indexed(
     return settle(comm, result, error, t0)
 
 
-def read_shared_index(store: Store, comm: Communicator) -> dict[str, Any]:
+def read_shared_index(store: Store, comm: Communicator) -> index_mod.Index:
     """Collective: the index of the checkpoint at ``store``, read by rank 0 alone and
     broadcast, so that a job of thousands of ranks reads it once from shared storage. A
     failure to read it is raised on every rank."""

@@ -47,6 +47,10 @@ class CheckpointOptions:
     * ``inner_bytes``: the size of the inner chunks of a shard: the unit of checksums and
       of the reads of a resharded load.
     * ``overwrite``: replace a checkpoint committed at the path (:func:`distckpt.save`).
+    * ``incremental``: hash what is written, so a later save can build on it, and build on
+      the checkpoint a save names as its ``base`` (:class:`~distckpt.Checkpoint` and the
+      manager: the last one this process saved or restored), taking the pieces whose
+      bytes did not change from there (:mod:`distckpt.engine.reuse`).
 
     Saving and loading:
 
@@ -65,6 +69,7 @@ class CheckpointOptions:
     small_bytes: int = DEFAULT_SMALL_BYTES
     inner_bytes: int = DEFAULT_INNER_BYTES
     overwrite: bool = False
+    incremental: bool = True
     allow_pickle: bool = False
     io_workers: int | None = None
     strict: bool = True
@@ -99,6 +104,7 @@ class SaveKeywords(TypedDict, total=False):
     small_bytes: int
     inner_bytes: int
     overwrite: bool
+    incremental: bool
     allow_pickle: bool
     io_workers: int | None
 
@@ -110,6 +116,7 @@ class WriteKeywords(TypedDict, total=False):
     compression: Compression
     small_bytes: int
     inner_bytes: int
+    incremental: bool
     allow_pickle: bool
     io_workers: int | None
 
@@ -135,6 +142,7 @@ class ManagerKeywords(TypedDict, total=False):
     compression: Compression
     small_bytes: int
     inner_bytes: int
+    incremental: bool
     allow_pickle: bool
     io_workers: int | None
 

@@ -8,13 +8,17 @@ from pathlib import Path
 
 @dataclass
 class SaveResult:
-    """What one rank did in a save: where it went, bytes written, seconds per phase."""
+    """What one rank did in a save: where it went, the bytes and files it wrote, the
+    bytes and pieces it took from the checkpoint the save built on instead (an
+    incremental save: see :mod:`distckpt.engine.reuse`), seconds per phase."""
 
     path: Path | str  # a path, or the URL of an object store prefix
     bytes_written: int = 0
     files_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     plan_reused: bool = False  # the ranks reused the plan of an earlier save
+    bytes_reused: int = 0  # stored bytes of the pieces taken from the base
+    pieces_reused: int = 0
 
 
 @dataclass

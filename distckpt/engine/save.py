@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import Failure, coordinate
-from distckpt.engine import background
+from distckpt.engine import background, reuse
 from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave, Snapped, save_in_background
 from distckpt.engine.commit import Report, commit
@@ -53,11 +53,14 @@ from distckpt.engine.options import (
 from distckpt.engine.results import SaveResult
 from distckpt.items import Leaf, gather_leaves
 from distckpt.planning.describe import Desc
-from distckpt.planning.pieces import RankWork
+from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
 from distckpt.progress import progress
+from distckpt.storage import index as index_mod
 from distckpt.storage import zarr_meta
 from distckpt.storage.backend import Store, location
+from distckpt.storage.backend import resolve as resolve_store
+from distckpt.storage.shard_io import Stored
 from distckpt.storage.transaction import Transaction, begin, save_root
 from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.workers import TaskGroup
@@ -131,6 +134,7 @@ class _Job:
     after_commit: Callable[[], None] | None = None
     show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
     error: BaseException | None = None  # the options were refused on this rank
+    base: Store | None = None  # the checkpoint it builds on (an incremental save)
 
     @classmethod
     def of(
@@ -145,6 +149,11 @@ class _Job:
         """The job of a save to ``path``. Options refused on this rank (a bad compression,
         say) do not raise here: the save reports them on every rank (see ``error``)."""
         merged, error = merge_or_refuse(options, keywords, SAVE, where)
+        base = job.pop("base", None)
+        try:
+            job["base"] = None if base is None or not merged.incremental else resolve_store(base)
+        except (TypeError, ValueError) as exc:
+            error = error or exc
         return cls(resolve(merged, path, comm), error=error, **job)
 
     @property
@@ -163,6 +172,7 @@ def save(
     comm: Communicator | None = ...,
     *,
     options: CheckpointOptions | None = ...,
+    base: str | os.PathLike[str] | Store | None = ...,
     async_save: Literal[False] = ...,
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
@@ -177,6 +187,7 @@ def save(
     comm: Communicator | None = ...,
     *,
     options: CheckpointOptions | None = ...,
+    base: str | os.PathLike[str] | Store | None = ...,
     async_save: Literal[True],
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
@@ -191,6 +202,7 @@ def save(
     comm: Communicator | None = ...,
     *,
     options: CheckpointOptions | None = ...,
+    base: str | os.PathLike[str] | Store | None = ...,
     async_save: bool,
     lazy: bool | Callable[[str], bool] = ...,
     after_commit: Callable[[], None] | None = ...,
@@ -204,6 +216,7 @@ def save(
     comm: Communicator | None = None,
     *,
     options: CheckpointOptions | None = None,
+    base: str | os.PathLike[str] | Store | None = None,
     async_save: bool = False,
     lazy: bool | Callable[[str], bool] = False,
     after_commit: Callable[[], None] | None = None,
@@ -223,6 +236,14 @@ def save(
     ``options`` (a :class:`~distckpt.CheckpointOptions`) holds the settings; each of its
     save fields (``compression``, ``small_bytes``, ``inner_bytes``, ``overwrite``,
     ``allow_pickle``, ``io_workers``) may also be given as a keyword argument, which wins.
+
+    ``base`` (a committed checkpoint, typically the previous one of the run) makes the save
+    incremental: every piece whose bytes are those ``base`` stores is taken from there (a
+    hard link on a file system, a server-side copy on an object store) instead of
+    written; only the bytes decide, by a strong hash (see :mod:`distckpt.engine.reuse`).
+    The new checkpoint is whole on its own: deleting ``base`` later leaves it intact.
+    ``SaveResult.bytes_reused`` says what was taken. With ``incremental=False`` (an
+    option) ``base`` is ignored and nothing is hashed.
 
     ``async_save=True`` copies the tensors into reusable host buffers (pinned for GPU
     tensors) and returns an :class:`~distckpt.engine.background.AsyncSave` at once; the
@@ -265,6 +286,7 @@ def save(
         "save",
         after_commit=after_commit,
         show_progress=not async_save,
+        base=base,
     )
     if not async_save:
         return _save_blocking(state, comm, job, source_for)
@@ -371,6 +393,8 @@ def _protocol(
             error,
         )
         staging = agreed.begun
+        known_base = None if job.base is None else reuse.check_base(comm, job.base)
+        stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
         work = agreed.work
         local_error: BaseException | None = error
         assert isinstance(local, _Local)
@@ -382,17 +406,20 @@ def _protocol(
         t_exchange = time.perf_counter()
         if not isinstance(report, Failure):
             try:
-                report = _write(work, local, received, comm.rank, job, result)
+                report = _write(work, local, received, comm.rank, job, result, known_base, stored)
             except Exception as exc:
                 local_error, report = exc, Failure.capture(exc, comm.rank)
         t_write = time.perf_counter()
 
         # 5. Commit (the coordinator, once every rank's report is in).
+        index_version: str | None = None
+
         def commit_all(reports: list[Report]) -> None:
-            nonlocal staging, stored_bytes
+            nonlocal staging, stored_bytes, index_version
             assert staging is not None and agreed.plan is not None
             stored_bytes = sum(report.nbytes for report in reports)
-            commit(agreed.plan, reports, agreed.values or {}, staging)
+            raw = commit(agreed.plan, reports, agreed.values or {}, staging)
+            index_version = index_mod.version_of(raw)
             staging = None  # committed: nothing left to abort
             if job.after_commit is not None:
                 job.after_commit()  # its error is every rank's, the checkpoint committed
@@ -404,6 +431,8 @@ def _protocol(
                 staging = None
 
         coordinate(comm, report, commit_all, error=local_error, settle=abort_unless_committed)
+        if job.options.incremental:
+            reuse.remember_saved(final, index_version, stored)
     except BaseException:
         # A collective that failed (a dead rank, a time-out) skips the normal abort: never
         # leave a staging directory whose heartbeat would keep it looking alive.
@@ -441,9 +470,11 @@ def _write(
     rank: int,
     job: _Job,
     result: SaveResult,
+    known_base: reuse.Known | None,
+    stored: dict[str, tuple[Piece, Stored]],
 ) -> Report:
-    """Write this rank's pieces into the staging directory with its I/O workers; return
-    the size and crc of each.
+    """Write this rank's pieces into the staging directory with its I/O workers (or take
+    them from the base, when unchanged); return what each stores.
 
     On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
     when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
@@ -454,14 +485,32 @@ def _write(
         if piece.meta_file is not None and piece.meta is not None:
             files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
         data = assemble(piece, local.sources, received.get(piece.id, {}), rank)
-        jobs.append(PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec))
+        taken = (
+            None if job.base is None else reuse.reuse_for(job.base, known_base, job.final, piece)
+        )
+        jobs.append(
+            PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec, taken)
+        )
     keys = [job.key for job in jobs] + [key for key, _ in files]
     root.prepare(keys)
     total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
     label = f"saving {job.final.name} (rank 0's share)"
     with progress(label, total if job.show_progress else 0, rank=rank) as bar:
-        written = write_pieces(root, jobs, files, workers=job.run.io_workers, on_bytes=bar.update)
-    result.bytes_written += sum(size for size, _ in written.values())
-    result.files_written += len(files) + sum(1 for size, _ in written.values() if size)
+        written = write_pieces(
+            root,
+            jobs,
+            files,
+            workers=job.run.io_workers,
+            on_bytes=bar.update,
+            digests=job.options.incremental,
+        )
+    reused = [s for s in written.values() if s.reused is not None]
+    result.bytes_reused += sum(s.size for s in reused)
+    result.pieces_reused += len(reused)
+    result.bytes_written += sum(s.size for s in written.values()) - result.bytes_reused
+    result.files_written += len(files) + sum(
+        1 for s in written.values() if s.size and s.reused is None
+    )
     root.persist(keys)
+    stored.update((piece.file, (piece, written[piece.id])) for piece in work.writes)
     return Report.of(written)

@@ -103,7 +103,10 @@ class Capabilities:
     #: be mapped into memory. A store without it is reached over a network (distckpt
     #: gives its transfers more workers).
     local_files: bool = False
-    #: A server-side copy or hard link of an object exists (not used yet).
+    #: :class:`CopyingStore`'s ``copy`` takes an object of another store of the same kind
+    #: without moving its bytes through this process (a hard link or reflink on a file
+    #: system, a server-side copy on an object store): what an incremental save needs to
+    #: reuse a piece of the checkpoint it builds on.
     copies: bool = False
 
     def names(self) -> list[str]:
@@ -251,6 +254,18 @@ class RenamingStore(Store, Protocol):
 
     def touch(self, key: str) -> None:
         """Make ``key`` look just written to :meth:`Store.age` (a heartbeat)."""
+
+
+@runtime_checkable
+class CopyingStore(Store, Protocol):
+    """A store that copies objects without moving their bytes (``capabilities.copies``)."""
+
+    def copy(self, source: Store, source_key: str, key: str) -> None:
+        """Make ``key`` (new) hold what ``source_key`` of ``source`` (a store of the same
+        kind, e.g. a sibling checkpoint) holds, durably once :meth:`Store.persist` made
+        ``key`` so, and independent of it from then on: deleting either leaves the other
+        whole. :class:`FileNotFoundError` when the source is gone; :class:`TypeError`
+        when ``source`` is not a store this one can copy from."""
 
 
 #: The entry-point group through which installed packages add stores: an entry named

@@ -8,6 +8,7 @@ and distckpt carries on rather than failing every save.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -78,13 +79,32 @@ def read_regular(path: str | os.PathLike[str]) -> bytes:
         return f.read()
 
 
+def create_new(path: str | os.PathLike[str]) -> int:
+    """A write-only descriptor of a new file at ``path``, replacing the entry there: a
+    new inode, never the old one truncated. A file may be a hard link shared with
+    another checkpoint (an incremental save's, :mod:`distckpt.engine.reuse`): writing it
+    in place would change both. A symbolic link at ``path`` is refused
+    (:class:`~distckpt.errors.UnsafePathError`), never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(3):
+        try:
+            return os.open(path, flags, 0o644)
+        except FileExistsError:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                raise UnsafePathError(
+                    f"{os.fspath(path)} is a symbolic link; distckpt never follows one"
+                ) from None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        except OSError as exc:
+            raise _not_followed(exc, path) from None
+    raise FileExistsError(f"{os.fspath(path)} keeps being created by another process")
+
+
 def write_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    """Create or truncate ``path`` with ``data``; fsync it when asked. A link at ``path``
-    is refused (:class:`~distckpt.errors.UnsafePathError`), never written through."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise _not_followed(exc, path) from None
+    """Create or replace ``path`` with ``data`` (a new file, :func:`create_new`); fsync it
+    when asked."""
+    fd = create_new(path)
     try:
         view = memoryview(data)
         while view:

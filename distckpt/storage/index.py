@@ -39,6 +39,16 @@ the crc32c of a shard's checksum table, or of a plain chunk's bytes
 ``codec``, on a compressed regular entry or piece, is the zarr v3 JSON of the codec that
 compressed each of its inner chunks (:mod:`distckpt.storage.codecs`); the checksum table
 and the crc32c after each inner chunk are then of the compressed bytes, as stored.
+
+``digest`` (an incremental save's, optional) is each piece's content digest
+(:mod:`distckpt.storage.digests`, 16 bytes: 32 hex digits, a regular entry's as a
+column like ``crc``), which the next save compares to decide that a piece is unchanged.
+``reused`` names the checkpoint a piece was taken from instead of written (its name
+when it lies beside this one, else its location): on a listed piece the name, on a
+regular entry ``{"from": [names], "pieces": column}`` where the column holds, per
+shard, 0 for a shard written and ``k`` for one taken from ``from[k - 1]``. Both are
+information for readers that want them: a reader that does not know them reads the
+checkpoint as before.
 Format versions: 1 lists every piece, uncompressed; 2 adds compressed pieces; 3 adds the
 compact regular entries. A checkpoint records the lowest version that reads it, so a
 distckpt that predates a feature it uses refuses it clearly instead of misreading it.
@@ -55,6 +65,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c as _crc32c
 import numpy as np
 
 from distckpt import dtypes, values
@@ -66,7 +77,7 @@ from distckpt.errors import (
     UnsupportedValueError,
 )
 from distckpt.slices import Box
-from distckpt.storage import codecs, wellformed, zarr_meta
+from distckpt.storage import codecs, digests, wellformed, zarr_meta
 from distckpt.storage.backend import Store, resolve
 
 FORMAT = "distckpt"
@@ -90,6 +101,8 @@ class StoredPiece:
     crc: int
     size: int
     codec: codecs.Codec | None = None
+    digest: bytes | None = None
+    reused: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -102,6 +115,10 @@ class StoredPiece:
         }
         if self.codec is not None:
             doc["codec"] = self.codec.to_json()
+        if self.digest is not None:
+            doc["digest"] = self.digest.hex()
+        if self.reused is not None:
+            doc["reused"] = self.reused
         return doc
 
     @classmethod
@@ -127,6 +144,8 @@ class StoredPiece:
             crc=crc,
             size=size,
             codec=None if codec is None else codecs.from_json(codec, variable),
+            digest=_digest(data.get("digest"), variable),
+            reused=_origin(data.get("reused"), variable),
         )
 
     def check(self, variable: str, shape: tuple[int, ...], itemsize: int) -> StoredPiece:
@@ -146,6 +165,27 @@ class StoredPiece:
         return self
 
 
+def _digest(value: Any, variable: str) -> bytes | None:
+    """A listed piece's ``digest``: absent, or 32 hex digits."""
+    if value is None:
+        return None
+    if isinstance(value, str) and len(value) == 2 * digests.PIECE_BYTES:
+        try:
+            return bytes.fromhex(value)
+        except ValueError:
+            pass
+    raise wellformed.corrupt(variable, f"a piece digest that is not 32 hex digits: {value!r:.60}")
+
+
+def _origin(value: Any, variable: str) -> str | None:
+    """Where a piece was reused from (shown, never opened): a short printable string."""
+    if value is None:
+        return None
+    if isinstance(value, str) and 0 < len(value) <= 4096 and value.isprintable():
+        return value
+    raise wellformed.corrupt(variable, f"a piece's origin that is not a name: {value!r:.60}")
+
+
 def stored_dtype(entry: dict[str, Any], variable: str) -> np.dtype:
     """The NumPy dtype of a tensor entry (an unknown or malformed one is corrupt)."""
     name = entry.get("dtype")
@@ -157,11 +197,28 @@ def stored_dtype(entry: dict[str, Any], variable: str) -> np.dtype:
         raise wellformed.corrupt(variable, str(exc)) from None
 
 
-def column(values: np.ndarray) -> list[int] | str:
-    """A regular entry's ``crc`` or ``size`` column: a list of ints, or base64 when long."""
+def column(values: np.ndarray) -> list[int] | list[str] | str:
+    """A regular entry's column: a list of ints (of hex strings for digests, rows of
+    bytes), or base64 when long."""
     if len(values) <= INLINE_PIECES:
+        if values.ndim == 2:
+            return [row.tobytes().hex() for row in values]
         return [int(v) for v in values.tolist()]
+    if values.ndim == 2:
+        return base64.b64encode(values.tobytes()).decode()
     return base64.b64encode(values.astype(values.dtype.newbyteorder("<")).tobytes()).decode()
+
+
+def reuse_column(which: np.ndarray, origins: list[str]) -> dict[str, Any] | None:
+    """A regular entry's ``reused``, from each shard's index into ``origins`` (-1: written),
+    or None when every shard was written."""
+    if not len(which) or which.max() < 0:
+        return None
+    used = sorted({int(k) for k in which.tolist() if k >= 0})
+    names = [origins[k] for k in used]
+    at = {k: j + 1 for j, k in enumerate(used)}
+    pieces = np.fromiter((at.get(int(k), 0) for k in which.tolist()), np.uint16, len(which))
+    return {"from": names, "pieces": column(pieces)}
 
 
 class Column:
@@ -227,8 +284,11 @@ def regular_entry(
     codec: codecs.Codec | None,
     crc: np.ndarray,
     size: np.ndarray,
+    digest: np.ndarray | None = None,
+    reused: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The index entry of a regular array (``crc``, ``size``: by shard, C order)."""
+    """The index entry of a regular array (``crc``, ``size``, ``digest``: by shard, C
+    order; ``reused``: from :func:`reuse_column`)."""
     entry: dict[str, Any] = {
         "kind": "tensor",
         "dtype": dtype,
@@ -242,6 +302,10 @@ def regular_entry(
         entry["codec"] = codec.to_json()
     entry["crc"] = column(crc.astype(np.uint32))
     entry["size"] = column(size.astype(np.uint64))
+    if digest is not None:
+        entry["digest"] = column(digest)
+    if reused is not None:
+        entry["reused"] = reused
     return entry
 
 
@@ -287,9 +351,80 @@ class Pieces:
         count = math.prod(self.grid)
         self.crc = Column(entry.get("crc"), "<u4", count, variable, "crc")
         self.size = Column(entry.get("size"), "<u8", count, variable, "size")
+        self._digest = entry.get("digest")
+        self._digest_cache: np.ndarray | None = None
+        self._reused = entry.get("reused")
+        if self._digest is not None:
+            self._digest_rows(count)  # malformed: corrupt now, not when first asked
+        if self._reused is not None:
+            self._reuse_rows(count)
 
     def __len__(self) -> int:
         return len(self._listed) if self._listed is not None else self.crc.count
+
+    def _digest_rows(self, count: int) -> np.ndarray:
+        if self._digest_cache is not None:
+            return self._digest_cache
+        data, width = self._digest, digests.PIECE_BYTES
+        try:
+            if isinstance(data, list) and len(data) == count:
+                raw = b"".join(bytes.fromhex(d) for d in data if isinstance(d, str))
+            elif isinstance(data, str):
+                raw = base64.b64decode(data, validate=True)
+            else:
+                raw = b""
+        except ValueError:
+            raw = b""
+        if len(raw) != count * width:
+            raise wellformed.corrupt(self.variable, "the index's digest column is malformed")
+        self._digest_cache = np.frombuffer(raw, np.uint8).reshape(count, width)
+        return self._digest_cache
+
+    def _reuse_rows(self, count: int) -> tuple[list[str | None], np.ndarray]:
+        doc = self._reused
+        names = doc.get("from") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict) or not isinstance(names, list) or not 0 < len(names) < 65535:
+            raise wellformed.corrupt(self.variable, "the index's reused entry is malformed")
+        origins = [None, *(_origin(n, self.variable) for n in names)]
+        which = Column(doc.get("pieces"), "<u2", count, self.variable, "reused").values()
+        if len(which) and int(which.max()) >= len(origins):
+            raise wellformed.corrupt(self.variable, "the index's reused column is out of range")
+        return origins, which
+
+    def position(self, piece: StoredPiece) -> int:
+        """The place of ``piece`` (one of these) in iteration order."""
+        if self._listed is not None:
+            return self._listed.index(piece)
+        return self._linear(tuple(o // c for o, c in zip(piece.box.offsets, self.chunks)))
+
+    def provenance(self, k: int) -> tuple[bytes | None, str | None]:
+        """Piece ``k``'s content digest and where it was reused from (None, None: the
+        index records neither)."""
+        if self._listed is not None:
+            return self._listed[k].digest, self._listed[k].reused
+        digest = None if self._digest is None else self._digest_rows(len(self))[k].tobytes()
+        origin = None
+        if self._reused is not None:
+            names, which = self._reuse_rows(len(self))
+            origin = names[int(which[k])]
+        return digest, origin
+
+    def digests(self) -> list[bytes | None]:
+        """Each piece's content digest, in iteration order (None where the index has none)."""
+        if self._listed is not None:
+            return [p.digest for p in self._listed]
+        if self._digest is None:
+            return [None] * len(self)
+        return [row.tobytes() for row in self._digest_rows(len(self))]
+
+    def origins(self) -> list[str | None]:
+        """Where each piece was reused from, in iteration order (None: written)."""
+        if self._listed is not None:
+            return [p.reused for p in self._listed]
+        if self._reused is None:
+            return [None] * len(self)
+        names, which = self._reuse_rows(len(self))
+        return [names[int(k)] for k in which.tolist()]
 
     def __iter__(self) -> Iterator[StoredPiece]:
         if self._listed is not None:
@@ -380,7 +515,7 @@ def read_index_bytes(store: Store) -> bytes:
         raise CheckpointNotFoundError(f"no checkpoint at {store.url}") from None
 
 
-def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
+def parse_index(raw: bytes, store: Store) -> Index:
     """The index in ``raw`` (the root ``zarr.json`` of ``store``), checked for format and
     version."""
     path = store.where(zarr_meta.ZARR_JSON)
@@ -410,7 +545,7 @@ def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
     created = index.get("created", 0)
     if type(created) not in (int, float) or not 0 <= created < 2**33:  # (until 2242)
         raise CorruptCheckpointError(f"{path}: index has a creation time of {created!r:.60}")
-    checked = Index(index)
+    checked = Index(index, version_of(raw))
     for name, entry in index["variables"].items():
         try:
             check_entry(entry, name, made=checked.pieces)
@@ -422,11 +557,18 @@ def parse_index(raw: bytes, store: Store) -> dict[str, Any]:
 class Index(dict[str, Any]):
     """A parsed and checked index document; ``pieces`` holds the :class:`Pieces` made
     while checking its tensor entries (by ``id`` of the entry, which the document keeps
-    alive), so that a reader does not parse them again (:func:`pieces_of`)."""
+    alive), so that a reader does not parse them again (:func:`pieces_of`); ``version``
+    names the bytes it was read from (:func:`version_of`)."""
 
-    def __init__(self, doc: dict[str, Any]) -> None:
+    def __init__(self, doc: dict[str, Any], version: str | None = None) -> None:
         super().__init__(doc)
         self.pieces: dict[int, Pieces] = {}
+        self.version = version
+
+
+def version_of(raw: bytes) -> str:
+    """A name of an index document's bytes: equal bytes, equal names."""
+    return f"{_crc32c.crc32c(raw):08x}-{len(raw)}"
 
 
 def pieces_of(index: dict[str, Any], entry: dict[str, Any], variable: str) -> Pieces:

@@ -15,6 +15,7 @@ the file system has it), so a save commits by renaming its staging directory
 from __future__ import annotations
 
 import builtins
+import errno
 import fcntl
 import mmap
 import os
@@ -32,9 +33,17 @@ import crc32c as _crc
 import numpy as np
 
 from distckpt.errors import UnsafePathError
-from distckpt.storage.backend import Buffer, Capabilities, ConditionFailed, byte_view, check_key
+from distckpt.storage.backend import (
+    Buffer,
+    Capabilities,
+    ConditionFailed,
+    Store,
+    byte_view,
+    check_key,
+)
 from distckpt.storage.fsutil import (
     atomic_write,
+    create_new,
     exchange,
     fsync_dir,
     open_regular,
@@ -44,6 +53,9 @@ from distckpt.storage.fsutil import (
 from distckpt.storage.staging import RENAME
 
 _IOV_MAX = 1024
+#: Why a hard link cannot be made where a copy can: another file system, no links there,
+#: too many links to the file.
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
@@ -128,8 +140,7 @@ class PosixWriter:
                 if self._closed:
                     raise ValueError(f"{self.path} is closed")
                 if self._fd < 0:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                    self._fd = os.open(self.path, flags, 0o644)
+                    self._fd = create_new(self.path)
                     self._opened = True
         return self._fd
 
@@ -172,6 +183,7 @@ class PosixStore:
         ranged_reads=True,
         parallel_writes=True,
         local_files=True,
+        copies=True,
     )
     commit_strategy = RENAME
 
@@ -321,6 +333,38 @@ class PosixStore:
         except (FileNotFoundError, NotADirectoryError):
             return False
         return stat.S_ISDIR(mode)
+
+    def copy(self, source: Store, source_key: str, key: str) -> None:
+        """A hard link to ``source_key`` of ``source`` (another directory of this file
+        system); a copy of its bytes where a link cannot be made (another file system, a
+        file system without links), through ``copy_file_range``, which reflinks where the
+        file system can."""
+        if not isinstance(source, PosixStore):
+            raise TypeError(f"{self.url} copies from a directory, not from {source.url}")
+        src, dst = source._entry(source_key), self._p(key)
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            raise UnsafePathError(f"{src} is not a regular file; not copied")
+        try:
+            os.link(src, dst, follow_symlinks=False)
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+        fd_in = open_regular(src)
+        try:
+            fd_out = create_new(dst)
+            try:
+                left = os.fstat(fd_in).st_size
+                while left:
+                    done = os.copy_file_range(fd_in, fd_out, left)
+                    if not done:
+                        raise OSError(f"{src} ended before its size was copied")
+                    left -= done
+                os.fsync(fd_out)
+            finally:
+                os.close(fd_out)
+        finally:
+            os.close(fd_in)
 
     def delete(self, key: str) -> None:
         self._p(key).unlink(missing_ok=True)

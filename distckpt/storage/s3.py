@@ -32,6 +32,7 @@ distckpt never logs them nor puts them in a message or the index.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import logging
 import math
@@ -46,6 +47,7 @@ from distckpt.storage.backend import (
     Buffer,
     Capabilities,
     ConditionFailed,
+    Store,
     byte_view,
     check_key,
     join,
@@ -72,6 +74,9 @@ log = logging.getLogger(__name__)
 #: Bytes per part of a multipart upload (S3 needs at least 5 MiB but for the last).
 PART_BYTES = int(os.environ.get("DISTCKPT_S3_PART_BYTES", 8 << 20))
 _MIN_PART = 5 << 20
+#: The largest object one CopyObject request copies (S3's limit); larger ones are copied
+#: in parts of this size.
+COPY_PART_BYTES = 5 << 30
 _MAX_PARTS = 9_000  # S3 allows 10,000
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _CONDITION = {"PreconditionFailed", "412"}
@@ -97,6 +102,7 @@ class S3Store:
         conditional_update=True,
         ranged_reads=True,
         parallel_writes=True,
+        copies=True,
     )
     commit_strategy = CLAIM
 
@@ -321,6 +327,43 @@ class S3Store:
             lambda: client().list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
         )
         return bool(response.get("KeyCount", 0))
+
+    def copy(self, source: Store, source_key: str, key: str) -> None:
+        """A server-side copy of ``source_key`` of ``source`` (a prefix of this service):
+        one request up to 5 GiB, else a multipart copy of :data:`COPY_PART_BYTES` parts."""
+        if not isinstance(source, S3Store):
+            raise TypeError(f"{self.url} copies from s3://, not from {source.url}")
+        origin = {"Bucket": source.bucket, "Key": source._key(source_key)}
+        size = int(source.head(source_key)["ContentLength"])
+        if size <= COPY_PART_BYTES:
+            self.request("copy", key, "copy_object", CopySource=origin)
+            return
+        upload = self.request("copy", key, "create_multipart_upload")["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, COPY_PART_BYTES), 1):
+                end = min(size, start + COPY_PART_BYTES) - 1
+                got = self.request(
+                    "copy",
+                    key,
+                    "upload_part_copy",
+                    UploadId=upload,
+                    PartNumber=number,
+                    CopySource=origin,
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+                parts.append({"PartNumber": number, "ETag": got["CopyPartResult"]["ETag"]})
+            self.request(
+                "copy",
+                key,
+                "complete_multipart_upload",
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.request("abort", key, "abort_multipart_upload", UploadId=upload)
+            raise
 
     def delete(self, key: str) -> None:
         self.request("delete", key, "delete_object")

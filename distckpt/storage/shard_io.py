@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import crc32c as _crc
 import numpy as np
 
+from distckpt.storage import digests
 from distckpt.storage.backend import Store, WriteHandle
 from distckpt.storage.codecs import Codec
 
@@ -63,6 +64,20 @@ def crc32c(data: np.ndarray | bytes | bytearray | memoryview, value: int = 0) ->
 def as_bytes(array: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array (any dtype, ml_dtypes included)."""
     return array.reshape(-1).view(np.uint8)
+
+
+class Stored(NamedTuple):
+    """What writing one piece stored: the file's bytes, its crc (of the checksum table
+    for a shard, of the data for a plain chunk) and, when asked, the content digest of
+    its data (:mod:`distckpt.storage.digests`)."""
+
+    size: int
+    crc: int
+    digest: bytes | None = None
+    #: Where the file was taken from instead of written (an incremental save's base).
+    reused: str | None = None
+    #: Each inner chunk's digest, in shard-index order (kept in memory, not in the index).
+    chunks: tuple[bytes, ...] | None = None
 
 
 def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:
@@ -188,9 +203,13 @@ class ShardFile:
         parts: Sequence[ChunkPart],
         itemsize: int,
         codec: Codec | None = None,
+        *,
+        digests: bool = False,
     ) -> None:
         self.handle = handle
         self.codec = codec
+        # Each chunk's content digest (by linear index), when asked: the piece's digest.
+        self.digests: dict[int, bytes] | None = {} if digests else None
         self.inner = tuple(inner)
         self.chunk_bytes = math.prod(inner) * itemsize
         nchunks = math.prod(inner_grid(block, inner))
@@ -203,6 +222,8 @@ class ShardFile:
 
     def write(self, linear: int, raw: np.ndarray) -> int:
         """Write inner chunk ``linear`` (its raw bytes, flat uint8); return bytes stored."""
+        if self.digests is not None:
+            self.digests[linear] = digests.chunk_digest(raw)
         if self.codec is None:
             crc = crc32c(raw)
             stored: np.ndarray | bytes = raw
@@ -217,9 +238,9 @@ class ShardFile:
         self.index[linear] = (offset, length)
         return length
 
-    def finish(self, durable: bool = True) -> tuple[int, int]:
+    def finish(self, durable: bool = True) -> Stored:
         """Write the shard index and the checksum table and finish the file (durably);
-        return (size, table crc)."""
+        return its size, the table's crc and (when asked) the piece's digest."""
         try:
             index_bytes = self.index.tobytes()
             tail = [index_bytes, struct.pack("<I", crc32c(index_bytes))]
@@ -229,7 +250,10 @@ class ShardFile:
             self._finished = True
         finally:
             self.close()
-        return size, crc32c(self.table)
+        if self.digests is None:
+            return Stored(size, crc32c(self.table))
+        chunks = tuple(self.digests[k] for k in sorted(self.digests))
+        return Stored(size, crc32c(self.table), digests.piece_digest(chunks), chunks=chunks)
 
     def close(self) -> None:
         """Give up the file unless it was finished (after a failure elsewhere)."""
@@ -246,7 +270,7 @@ def write_sharded(
     *,
     codec: Codec | None = None,
     fsync: bool = True,
-) -> tuple[int, int]:
+) -> Stored:
     """Write ``data`` (the piece's box, origin at the block's origin) as one shard file,
     each inner chunk compressed by ``codec`` if given, on the calling thread (a save
     writes with several: :mod:`distckpt.transfer.writer`).
@@ -267,8 +291,11 @@ def write_sharded(
         shard.close()
 
 
-def write_plain(store: Store, key: str, data: np.ndarray, *, fsync: bool = True) -> tuple[int, int]:
-    """Write ``data`` as one plain chunk (bytes, then crc32c). Returns (size, crc)."""
+def write_plain(
+    store: Store, key: str, data: np.ndarray, *, fsync: bool = True, digest: bool = False
+) -> Stored:
+    """Write ``data`` as one plain chunk (bytes, then crc32c). Returns its size, crc and
+    (with ``digest``) content digest."""
     raw = as_bytes(np.ascontiguousarray(data))
     crc = crc32c(raw)
     handle = store.create(key, raw.nbytes + 4)
@@ -278,4 +305,4 @@ def write_plain(store: Store, key: str, data: np.ndarray, *, fsync: bool = True)
     except BaseException:
         handle.abort()
         raise
-    return size, crc
+    return Stored(size, crc, digests.plain_digest(raw) if digest else None)

@@ -84,6 +84,7 @@ class Checkpoint(Node):
     _save_counter: int
     _session: RestoreSession | None
     _finalizer: weakref.finalize | None
+    _base: str | None
 
     def __init__(self, **objects: Any) -> None:
         object.__setattr__(self, "_tracked", {})
@@ -91,6 +92,8 @@ class Checkpoint(Node):
         object.__setattr__(self, "_save_counter", 0)
         object.__setattr__(self, "_session", None)
         object.__setattr__(self, "_finalizer", None)
+        # The last checkpoint saved or restored: the base of the next incremental save.
+        object.__setattr__(self, "_base", None)
         for name, obj in objects.items():
             setattr(self, name, obj)
 
@@ -171,18 +174,33 @@ class Checkpoint(Node):
         async_save: bool,
         lazy: bool,
         after_commit: Callable[[], None] | None,
+        base: str | None = None,
     ) -> Any:
+        """Save the graph at ``path``, incrementally on ``base`` (default: the last
+        checkpoint this graph saved or restored) when ``options.incremental``."""
         comm = comm or auto()
         state, lazy_names = self._to_save(options.allow_pickle, lazy)
-        return engine_save(
+        handle = engine_save(
             state,
             path,
             comm,
             options=options,
+            base=base or self._base,
             async_save=async_save or lazy,
             lazy=lazy_names,
             after_commit=after_commit,
         )
+        done = os.fspath(path)
+
+        def saved(error: BaseException | None) -> None:
+            if error is None:
+                self._base = done
+
+        if isinstance(handle, AsyncSave):
+            handle.add_done_callback(saved)
+        else:
+            saved(None)
+        return handle
 
     def _to_save(self, allow_pickle: bool, lazy: bool) -> tuple[dict[str, Any], Any]:
         """The state a save writes, and (``lazy``) the predicate naming the tensors that
@@ -305,7 +323,9 @@ class Checkpoint(Node):
         comm = comm or auto()
         background.finish_pending()
         source = StoredCheckpoint(path, comm)
-        return self._restore_from(source, comm, opts)
+        status = self._restore_from(source, comm, opts)
+        self._base = os.fspath(path)
+        return status
 
     def _restore_from(
         self, source: Source, comm: Communicator, options: CheckpointOptions

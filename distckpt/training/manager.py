@@ -322,6 +322,7 @@ class CheckpointManager:
             return handle if isinstance(handle, AsyncSave) else os.fspath(handle.path)
         name = decision["name"]
         path = self._kept.path(name)
+        base = self.latest_checkpoint  # an incremental save builds on it
 
         def after_commit() -> None:  # rank 0, once the checkpoint is committed
             self._kept.write_pointer(decision["state"])
@@ -334,7 +335,9 @@ class CheckpointManager:
 
         handle = self._run_save(
             decision,
-            lambda: checkpoint._write(path, comm, self._options, async_save, lazy, after_commit),
+            lambda: checkpoint._write(
+                path, comm, self._options, async_save, lazy, after_commit, base
+            ),
             committed,
         )
         return handle if isinstance(handle, AsyncSave) else path

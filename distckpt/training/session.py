@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, first_failure
+from distckpt.engine import reuse
 from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.engine.matching import gather_left
 from distckpt.engine.options import CheckpointOptions
@@ -57,7 +59,9 @@ class Source(Protocol):
     a nested state from it, collective, as :func:`distckpt.load`."""
 
     path: Any
-    index: dict[str, Any]
+
+    @property
+    def index(self) -> Mapping[str, Any]: ...
 
     def load(self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions) -> Any:
         """Collective: fill ``state`` as :func:`distckpt.load` with ``options`` does."""
@@ -71,6 +75,7 @@ class StoredCheckpoint:
         self.store = resolve(path)
         self.path = location(self.store)
         self.index = read_shared_index(self.store, comm)
+        reuse.remember_index(self.store, self.index)  # the base of the next save
 
     def load(self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions) -> Any:
         return load_indexed(state, resolve_options(options, self.store, comm), self.index, comm)

@@ -15,34 +15,62 @@ oldest to be written. Host memory stays within the slab pool whatever the state'
 Small files (plain chunks, ``zarr.json`` of arrays) are tasks of their own. On a failure
 the remaining tasks are skipped, the running ones awaited and every file closed before
 the error is raised; the staging directory is then removed by the save.
+
+**Reuse** (an incremental save, :mod:`distckpt.engine.reuse`): a piece whose job names a
+:class:`Reuse` (the same piece of the checkpoint the save builds on) is first hashed, a
+task per piece, chunk by chunk; at the first chunk whose digest differs from the one
+remembered it is known changed and written as usual. A piece whose digest equals the
+stored one is copied from there by the store (a hard link on a file system, a
+server-side copy on an object store), its size checked; if that fails (the base was
+removed meanwhile) it is written. Written pieces are hashed as they are written, so the
+next save can decide in turn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from distckpt.errors import CheckpointError
+from distckpt.storage import digests as digests_mod
 from distckpt.storage import shard_io
-from distckpt.storage.backend import Store
+from distckpt.storage.backend import CopyingStore, Store
 from distckpt.storage.codecs import Codec
 from distckpt.storage.piece_reader import scratch
-from distckpt.storage.shard_io import ChunkPart, ShardFile, stored_chunk
+from distckpt.storage.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import HostData, Source
 from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
+
+log = logging.getLogger("distckpt")
 
 #: Bytes of inner chunks one task writes (and one staging copy moves).
 TASK_BYTES = 8 << 20
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """The piece of an earlier checkpoint (``store``, file ``key``) that a job's piece may
+    be: what it stored, its chunks' digests when this process wrote it (else None), and
+    ``origin``, what the new index records as where the piece came from."""
+
+    store: Store
+    key: str
+    stored: Stored
+    chunks: tuple[bytes, ...] | None
+    origin: str
+
+
 @dataclass
 class PieceJob:
     """One piece file to write (``key``, in the save's store): ``data`` holds the piece's
-    box (origin at its block's)."""
+    box (origin at its block's); ``reuse``, the earlier piece it may be."""
 
     id: int
     key: str
@@ -50,6 +78,7 @@ class PieceJob:
     block: tuple[int, ...]
     inner: tuple[int, ...] | None  # None: one plain chunk
     codec: Codec | None = None
+    reuse: Reuse | None = None
 
 
 def write_pieces(
@@ -59,32 +88,39 @@ def write_pieces(
     *,
     workers: int,
     on_bytes: Callable[[int], None] | None = None,
-) -> dict[int, tuple[int, int]]:
+    digests: bool = False,
+) -> dict[int, Stored]:
     """Write every piece of ``jobs`` and the small ``files`` (key, bytes) into ``store``,
-    each durably.
+    each durably, or take a job's piece from its :class:`Reuse` when its bytes are the same.
 
-    Returns {piece id: (file size, crc)} (see :mod:`distckpt.storage.shard_io`);
-    ``on_bytes(n)`` counts the pieces' data bytes as they are written (from the workers,
-    one call at a time).
+    Returns {piece id: :class:`~distckpt.storage.shard_io.Stored`}, with each piece's
+    content digest when ``digests`` (or a job may be reused); ``on_bytes(n)`` counts the
+    pieces' data bytes as they are written (from the workers, one call at a time).
     """
     group = TaskGroup(workers, on_bytes)
-    results: dict[int, tuple[int, int]] = {}
+    results: dict[int, Stored] = {}
     shards: list[ShardFile] = []
+    digests = digests or any(job.reuse is not None for job in jobs)
+    decided = _reuse(store, [job for job in jobs if job.reuse is not None], workers)
 
     def feed() -> None:
         for key, data in files:
             group.submit(_write_small_file, store, key, data)
         sharded: list[PieceJob] = []
         for job in jobs:
-            if any(n == 0 for n in job.data.shape):
-                results[job.id] = (0, 0)
+            if job.id in decided:
+                results[job.id] = decided[job.id]
+            elif any(n == 0 for n in job.data.shape):
+                results[job.id] = Stored(0, 0, digests_mod.plain_digest(b"") if digests else None)
             elif job.inner is None:  # small: a device tensor comes over whole, from here
-                group.submit(_write_plain, store, job.id, job.key, job.data.host(), results)
+                group.submit(
+                    _write_plain, store, job.id, job.key, job.data.host(), results, digests
+                )
             else:
                 sharded.append(job)
         # Everything read in place first: it never waits for a slab.
         sharded.sort(key=lambda j: j.data.staged)
-        plans = (_plan(store, job, results, shards) for job in sharded)
+        plans = (_plan(store, job, results, shards, digests) for job in sharded)
         runs = ([(plan, run) for run in plan.runs] for plan in plans)
         for plan, run in interleaved(runs, workers):
             group.check()
@@ -98,15 +134,138 @@ def write_pieces(
     return results
 
 
+def _reuse(store: Store, jobs: Sequence[PieceJob], workers: int) -> dict[int, Stored]:
+    """The jobs whose piece holds the same bytes as their :class:`Reuse`, taken from there
+    into ``store``: {piece id: what it stores}. Data read in place is hashed by the workers,
+    a task per piece; staged data through the slabs on this thread."""
+    taken: dict[int, Stored] = {}
+    if not jobs:
+        return taken
+    group = TaskGroup(workers)
+
+    def decide(job: PieceJob, same: bool | None = None) -> int:
+        if same if same is not None else _unchanged(job):
+            got = _take(store, job)
+            if got is not None:
+                taken[job.id] = got
+        return 0
+
+    def feed() -> None:
+        for job in jobs:
+            if job.data.staged:
+                group.submit(decide, job, _unchanged(job))
+            else:
+                group.submit(decide, job)
+
+    group.drive(feed)
+    return taken
+
+
+def _unchanged(job: PieceJob) -> bool:
+    """Whether the job's data has the digest its :class:`Reuse` stored: chunk by chunk,
+    stopping at the first chunk known to differ."""
+    reuse = job.reuse
+    assert reuse is not None and reuse.stored.digest is not None
+    data = job.data
+    if any(n == 0 for n in data.shape):
+        return False  # nothing stored: nothing to take
+    if job.inner is None:
+        raw = shard_io.as_bytes(np.ascontiguousarray(data.host()))
+        return digests_mod.plain_digest(raw) == reuse.stored.digest
+    parts = shard_io.chunk_parts(data.shape, job.block, job.inner, data.dtype.itemsize)
+    known = reuse.chunks
+    if known is not None and len(known) != len(parts):
+        return False
+    found: list[bytes] = []
+    for raw in _raw_chunks(job, parts):
+        digest = digests_mod.chunk_digest(raw)
+        if known is not None and known[len(found)] != digest:
+            return False
+        found.append(digest)
+    return digests_mod.piece_digest(found) == reuse.stored.digest
+
+
+def _raw_chunks(job: PieceJob, parts: Sequence[ChunkPart]) -> Iterator[np.ndarray]:
+    """Each inner chunk's raw bytes, as a shard would store them, in order."""
+    assert job.inner is not None
+    data = job.data
+    buf = scratch(math.prod(job.inner) * data.dtype.itemsize, 0)
+    if isinstance(data, HostData):
+        for part in parts:
+            yield stored_chunk(data.array[part.slices], part, job.inner, buf)
+        return
+    pool = slabs.pool(pinned=data.device.type == "cuda")
+    for run in _runs(parts, min(TASK_BYTES, pool.slab_bytes)):
+        region = pool.take(sum(p.nbytes for p in run))
+        event = None
+        try:
+            event = data.fill(region, run)
+            if event is not None:
+                event.synchronize()
+            offset = 0
+            for part in run:
+                values = region.array[offset : offset + part.nbytes].view(data.dtype)
+                yield stored_chunk(values.reshape(part.lengths), part, job.inner, buf)
+                offset += part.nbytes
+        finally:
+            region.release(event)
+
+
+def _take(store: Store, job: PieceJob) -> Stored | None:
+    """The job's piece copied from its :class:`Reuse` (a hard link, a server-side copy),
+    or None when that failed (the earlier piece is gone or not what it was): the piece
+    is then written."""
+    reuse = job.reuse
+    assert reuse is not None
+    try:
+        if not isinstance(store, CopyingStore) or not store.capabilities.copies:
+            raise TypeError(f"{store.url} does not copy")
+        store.copy(reuse.store, reuse.key, job.key)
+        problem = _differs(store, job)
+    except (OSError, TypeError, CheckpointError) as exc:
+        problem = f"it could not be taken from {reuse.origin} ({exc})"
+    if problem is None:
+        return reuse.stored._replace(reused=reuse.origin)
+    log.warning("writing %s: %s", job.key, problem)
+    with contextlib.suppress(OSError, CheckpointError):
+        store.delete(job.key)  # a copy that is not the piece (never written through)
+    return None
+
+
+def _differs(store: Store, job: PieceJob) -> str | None:
+    """Why the copy at ``job.key`` is not the piece its base's index describes (its size,
+    and the crc of its checksum table, or of a plain chunk's bytes), or None."""
+    reuse = job.reuse
+    assert reuse is not None
+    want = reuse.stored
+    with store.open(job.key) as handle:  # its own size, not the one expected
+        size = handle.size
+        if size != want.size:
+            return f"{reuse.store.where(reuse.key)} holds {size} bytes, not {want.size}"
+        if job.inner is None:
+            head = handle.read(0, size - 4)
+        else:
+            chunks = math.prod(shard_io.inner_grid(job.block, job.inner))
+            head = handle.read(0, 4 * chunks)
+    if shard_io.crc32c(head) != want.crc:
+        return f"{reuse.store.where(reuse.key)} is not the piece its index describes"
+    return None
+
+
 def _write_small_file(store: Store, key: str, data: bytes) -> int:
     store.write(key, data)
     return 0
 
 
 def _write_plain(
-    store: Store, piece: int, key: str, data: np.ndarray, results: dict[int, tuple[int, int]]
+    store: Store,
+    piece: int,
+    key: str,
+    data: np.ndarray,
+    results: dict[int, Stored],
+    digests: bool,
 ) -> int:
-    results[piece] = shard_io.write_plain(store, key, data)
+    results[piece] = shard_io.write_plain(store, key, data, digest=digests)
     return int(data.nbytes)
 
 
@@ -135,14 +294,18 @@ class _Plan:
 
 
 def _plan(
-    store: Store, job: PieceJob, results: dict[int, tuple[int, int]], shards: list[ShardFile]
+    store: Store,
+    job: PieceJob,
+    results: dict[int, Stored],
+    shards: list[ShardFile],
+    digests: bool,
 ) -> _Plan:
     assert job.inner is not None
     data = job.data
     itemsize = data.dtype.itemsize
     parts = shard_io.chunk_parts(data.shape, job.block, job.inner, itemsize)
     handle = store.create(job.key, math.prod(job.block) * itemsize)
-    shard = ShardFile(handle, job.block, job.inner, parts, itemsize, job.codec)
+    shard = ShardFile(handle, job.block, job.inner, parts, itemsize, job.codec, digests=digests)
     shards.append(shard)
 
     def finish() -> None:

@@ -1,0 +1,202 @@
+"""Incremental saves: a save built on an earlier checkpoint (its *base*) takes the pieces
+whose bytes did not change from there instead of writing them again.
+
+**What each rank knows of a base.** A process remembers, per checkpoint, what it knows
+of its pieces (at most :data:`KEEP` checkpoints, the newest):
+
+* after a save it committed, each rank the pieces it stored itself (written or reused):
+  their size, crc, content digest and each inner chunk's digest;
+* after a load or restore, every rank the whole index (which every rank then holds);
+* for a base it neither saved nor loaded, the coordinator reads the index and every rank
+  receives it, at the save.
+
+**Is the base still that checkpoint?** At every incremental save the coordinator reads
+the base's index and compares its bytes with those remembered (one read, one broadcast:
+:func:`check_base`). If the base is gone, damaged or another checkpoint now (another run
+saved one of the same name), the save writes every piece, and says so in the log.
+
+**Is a piece unchanged?** Only its bytes decide: the rank hashes the data it would
+store and compares the digest with the base's (:mod:`distckpt.storage.digests`;
+:mod:`distckpt.transfer.writer` does it, stopping at the first chunk that differs when
+it knows the base's chunk digests). The dtype, box, block, inner chunks and codec must
+be those of the base's piece too. An unchanged piece is copied from the base by the
+store (a hard link, a server-side copy), and the copy is checked against the base's
+index (its size, and the crc of its checksum table, or of a plain chunk's bytes) before
+it counts: a base replaced between the check and the copy is caught there, and the
+piece written.
+
+Every checkpoint stays whole on its own: deleting the base (or any other checkpoint)
+never touches the pieces another one took from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from distckpt.comm.outcome import announce
+from distckpt.errors import CheckpointError
+from distckpt.planning.pieces import Piece
+from distckpt.storage import index as index_mod
+from distckpt.storage.backend import Store
+from distckpt.storage.index import Index, Pieces
+from distckpt.storage.shard_io import Stored
+from distckpt.transfer.writer import Reuse
+
+log = logging.getLogger("distckpt")
+
+#: Checkpoints a process remembers the pieces of (a base is the newest, or the one before).
+KEEP = 2
+
+
+def _layout(dtype: str, piece: Any) -> tuple[Any, ...]:
+    """What must be equal for a stored piece to be taken for a planned one."""
+    codec = None if piece.codec is None else repr(piece.codec.to_json())
+    return (dtype, piece.box, tuple(piece.block), piece.inner and tuple(piece.inner), codec)
+
+
+@dataclass
+class Known:
+    """What this process knows of one committed checkpoint's pieces (see the module)."""
+
+    version: str | None  # its index's bytes, as read or written (the coordinator's)
+    stored: dict[str, tuple[tuple[Any, ...], Stored]] = field(default_factory=dict)
+    index: Index | None = None  # the whole index, after a load or restore
+
+    def lookup(self, piece: Piece) -> Stored | None:
+        """What the checkpoint stores for ``piece`` if it is the same piece (file, dtype,
+        box, block, inner chunks, codec) with a digest, else None."""
+        layout = _layout(piece.dtype, piece)
+        found = self.stored.get(piece.file)
+        if found is not None:
+            return found[1] if found[0] == layout and found[1].digest is not None else None
+        if self.index is None:
+            return None
+        entry = self.index["variables"].get(piece.var)
+        if isinstance(entry, dict) and entry.get("kind") == "per_rank":
+            entry = entry.get("ranks", {}).get(str(piece.rank))
+        if not isinstance(entry, dict) or entry.get("kind") != "tensor":
+            return None
+        if entry.get("dtype") != piece.dtype:
+            return None
+        try:
+            pieces = index_mod.pieces_of(self.index, entry, piece.var)
+            hit = _matching(pieces, piece)
+        except CheckpointError:
+            return None
+        if hit is None:
+            return None
+        stored, digest, origin = hit
+        if digest is None or _layout(piece.dtype, stored) != layout:
+            return None
+        return Stored(stored.size, stored.crc, digest, reused=origin)
+
+
+def _matching(pieces: Pieces, piece: Piece) -> tuple[Any, bytes | None, str | None] | None:
+    """The stored piece of ``pieces`` in ``piece``'s file, its digest and origin."""
+    for stored in pieces.covering(piece.box):
+        if stored.file == piece.file and stored.box == piece.box:
+            return (stored, *pieces.provenance(pieces.position(stored)))
+    return None
+
+
+_lock = threading.Lock()
+_known: OrderedDict[str, Known] = OrderedDict()
+
+
+def _remember(url: str, known: Known) -> None:
+    with _lock:
+        _known.pop(url, None)
+        _known[url] = known
+        while len(_known) > KEEP:
+            _known.popitem(last=False)
+
+
+def known(url: str) -> Known | None:
+    with _lock:
+        return _known.get(url)
+
+
+def remember_saved(
+    store: Store, version: str | None, stored: dict[str, tuple[Piece, Stored]]
+) -> None:
+    """After a committed save: what this rank stored in it (by file key), and (the
+    coordinator) the version of its index."""
+    pieces = {key: (_layout(p.dtype, p), s) for key, (p, s) in stored.items()}
+    _remember(store.url, Known(version, pieces))
+
+
+def remember_index(store: Store, index: Index) -> None:
+    """After a load or restore: the checkpoint's whole index (on every rank)."""
+    _remember(store.url, Known(index.version, index=index))
+
+
+def forget(url: str) -> None:
+    with _lock:
+        _known.pop(url, None)
+
+
+def origin_name(base: Store, final: Store) -> str:
+    """How the new index names where a piece came from: the base's name when it lies
+    beside the new checkpoint, else its location."""
+    return base.name if base.parent.url == final.parent.url else base.url
+
+
+def check_base(comm: Any, base: Store) -> Known | None:
+    """Collective: what every rank may take from ``base`` for this save, or None when
+    nothing (the coordinator found it gone, damaged or replaced). The coordinator reads
+    the base's index; when it knows the base, it compares the bytes with those it
+    remembered, else every rank receives the index and remembers it."""
+
+    def read() -> tuple[str, bytes | None]:
+        try:
+            raw = index_mod.read_index_bytes(base)
+        except (OSError, CheckpointError) as exc:
+            return f"its index cannot be read ({exc})", None
+        mine = known(base.url)
+        version = index_mod.version_of(raw)
+        if mine is not None and mine.version is not None:
+            if mine.version == version:
+                return "", None
+            return "its index is not the one this job wrote or read", None
+        return "", raw
+
+    try:
+        reason, raw = announce(comm, read)
+    except CheckpointError as exc:
+        reason, raw = str(exc), None
+    if reason:
+        forget(base.url)
+        if comm.rank == 0:
+            log.warning("saving in full: the base %s is not usable: %s", base.url, reason)
+        return None
+    if raw is not None:
+        try:
+            remember_index(base, index_mod.parse_index(raw, base))
+        except CheckpointError as exc:
+            if comm.rank == 0:
+                log.warning("saving in full: the base %s is not usable: %s", base.url, exc)
+            return None
+    return known(base.url)
+
+
+def reuse_for(base: Store, known_base: Known | None, final: Store, piece: Piece) -> Reuse | None:
+    """The :class:`~distckpt.transfer.writer.Reuse` of ``piece`` from ``base``, if the base
+    has the same piece with a digest."""
+    if known_base is None:
+        return None
+    stored = known_base.lookup(piece)
+    if stored is None:
+        return None
+    return Reuse(base, piece.file, stored, stored.chunks, origin_name(base, final))
+
+
+def location_key(path: str | os.PathLike[str] | Store) -> str:
+    """The key memory uses for a checkpoint location (a store's URL)."""
+    from distckpt.storage.backend import resolve
+
+    return resolve(path).url
