@@ -260,12 +260,19 @@ class RenamingStore(Store, Protocol):
 class CopyingStore(Store, Protocol):
     """A store that copies objects without moving their bytes (``capabilities.copies``)."""
 
-    def copy(self, source: Store, source_key: str, key: str) -> None:
+    def copy(self, source: Store, source_key: str, key: str, *, expect: str | None = None) -> None:
         """Make ``key`` (new) hold what ``source_key`` of ``source`` (a store of the same
         kind, e.g. a sibling checkpoint) holds, durably once :meth:`Store.persist` made
         ``key`` so, and independent of it from then on: deleting either leaves the other
         whole. :class:`FileNotFoundError` when the source is gone; :class:`TypeError`
-        when ``source`` is not a store this one can copy from."""
+        when ``source`` is not a store this one can copy from; with ``expect`` (a
+        :meth:`stamp` of the source taken earlier), :class:`ConditionFailed` when the
+        source is no longer what it was then, and nothing is left at ``key``."""
+
+    def stamp(self, key: str) -> str | None:
+        """A token that changes whenever ``key`` is written again (on a file system its
+        inode, size and modification time; an object's version), or None where the store
+        has none."""
 
 
 #: The entry-point group through which installed packages add stores: an entry named

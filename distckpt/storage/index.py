@@ -57,6 +57,7 @@ distckpt that predates a feature it uses refuses it clearly instead of misreadin
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import json
 import math
@@ -391,6 +392,10 @@ class Pieces:
             raise wellformed.corrupt(self.variable, "the index's reused column is out of range")
         return origins, which
 
+    def _provenanced(self, piece: StoredPiece, k: int) -> StoredPiece:
+        digest, reused = self.provenance(k)
+        return dataclasses.replace(piece, digest=digest, reused=reused)
+
     def position(self, piece: StoredPiece) -> int:
         """The place of ``piece`` (one of these) in iteration order."""
         if self._listed is not None:
@@ -427,9 +432,14 @@ class Pieces:
         return [names[int(k)] for k in which.tolist()]
 
     def __iter__(self) -> Iterator[StoredPiece]:
+        """Every piece, with its digest and origin (a read plan's :meth:`covering` leaves
+        those out: it has no use for them)."""
         if self._listed is not None:
             return iter(self._listed)
-        return (self._piece(coord) for coord in itertools.product(*map(range, self.grid)))
+        coords = itertools.product(*map(range, self.grid))
+        if self._digest is None and self._reused is None:
+            return (self._piece(coord) for coord in coords)
+        return (self._provenanced(self._piece(coord), k) for k, coord in enumerate(coords))
 
     def check_backed(self) -> None:
         """Raise unless the stored pieces can hold the declared shape: checked before a

@@ -334,11 +334,17 @@ class PosixStore:
             return False
         return stat.S_ISDIR(mode)
 
-    def copy(self, source: Store, source_key: str, key: str) -> None:
+    def stamp(self, key: str) -> str | None:
+        """The file's inode, size and modification time: any write to it changes them."""
+        st = os.lstat(self._p(key))
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+    def copy(self, source: Store, source_key: str, key: str, *, expect: str | None = None) -> None:
         """A hard link to ``source_key`` of ``source`` (another directory of this file
-        system); a copy of its bytes where a link cannot be made (another file system, a
-        file system without links), through ``copy_file_range``, which reflinks where the
-        file system can."""
+        system), checked against ``expect`` once made (the link is the same file); a copy
+        of its bytes where a link cannot be made (another file system, a file system
+        without links), through ``copy_file_range``, which reflinks where the file system
+        can."""
         if not isinstance(source, PosixStore):
             raise TypeError(f"{self.url} copies from a directory, not from {source.url}")
         src, dst = source._entry(source_key), self._p(key)
@@ -346,10 +352,16 @@ class PosixStore:
             raise UnsafePathError(f"{src} is not a regular file; not copied")
         try:
             os.link(src, dst, follow_symlinks=False)
-            return
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise
+        else:
+            if expect is not None and self.stamp(key) != expect:
+                os.unlink(dst)
+                raise ConditionFailed(f"{src} was written again since it was stamped")
+            return
+        if expect is not None and source.stamp(source_key) != expect:
+            raise ConditionFailed(f"{src} was written again since it was stamped")
         fd_in = open_regular(src)
         try:
             fd_out = create_new(dst)

@@ -328,15 +328,24 @@ class S3Store:
         )
         return bool(response.get("KeyCount", 0))
 
-    def copy(self, source: Store, source_key: str, key: str) -> None:
-        """A server-side copy of ``source_key`` of ``source`` (a prefix of this service):
-        one request up to 5 GiB, else a multipart copy of :data:`COPY_PART_BYTES` parts."""
+    def stamp(self, key: str) -> str | None:
+        """The object's ETag."""
+        return str(self.head(key)["ETag"])
+
+    def copy(self, source: Store, source_key: str, key: str, *, expect: str | None = None) -> None:
+        """A server-side copy of ``source_key`` of ``source`` (a prefix of this service),
+        only of the version ``expect`` names when given: one request up to 5 GiB, else a
+        multipart copy of :data:`COPY_PART_BYTES` parts."""
         if not isinstance(source, S3Store):
             raise TypeError(f"{self.url} copies from s3://, not from {source.url}")
         origin = {"Bucket": source.bucket, "Key": source._key(source_key)}
-        size = int(source.head(source_key)["ContentLength"])
+        head = source.head(source_key)
+        if expect is not None and str(head["ETag"]) != expect:
+            raise ConditionFailed(f"{source.where(source_key)} was written again since")
+        size = int(head["ContentLength"])
+        condition = {} if expect is None else {"CopySourceIfMatch": expect}
         if size <= COPY_PART_BYTES:
-            self.request("copy", key, "copy_object", CopySource=origin)
+            self.request("copy", key, "copy_object", CopySource=origin, **condition)
             return
         upload = self.request("copy", key, "create_multipart_upload")["UploadId"]
         try:
@@ -351,6 +360,7 @@ class S3Store:
                     PartNumber=number,
                     CopySource=origin,
                     CopySourceRange=f"bytes={start}-{end}",
+                    **condition,
                 )
                 parts.append({"PartNumber": number, "ETag": got["CopyPartResult"]["ETag"]})
             self.request(

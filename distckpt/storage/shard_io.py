@@ -78,6 +78,9 @@ class Stored(NamedTuple):
     reused: str | None = None
     #: Each inner chunk's digest, in shard-index order (kept in memory, not in the index).
     chunks: tuple[bytes, ...] | None = None
+    #: What the store says of the file once written (:meth:`CopyingStore.stamp`): a later
+    #: copy of it checks that it was not rewritten since (kept in memory).
+    stamp: str | None = None
 
 
 def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:

@@ -15,8 +15,10 @@ from distckpt.storage.index import Pieces
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``{"world_size", "created", "bytes", "variables": [row, ...]}``: a row per stored
     name, tensors with dtype, shape, layout, bytes and their stored boxes (``slices``),
-    compressed ones also with ``codecs`` and ``stored_bytes``; ``bytes`` totals the
-    tensors (per-rank ones not included)."""
+    compressed ones also with ``codecs`` and ``stored_bytes``, those with pieces taken
+    from an earlier checkpoint (an incremental save) with ``reused``: {where from: the
+    pieces' stored bytes}; ``bytes`` totals the tensors (per-rank ones not included),
+    ``reused_bytes`` the pieces taken by every variable."""
     index = index_mod.read_index(path)
     rows: list[dict[str, Any]] = []
     for name, entry in sorted(index["variables"].items()):
@@ -28,6 +30,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         "world_size": index.get("world_size"),
         "created": index.get("created"),
         "bytes": sum(row.get("bytes", 0) for row in rows),
+        "reused_bytes": sum(sum(row.get("reused", {}).values()) for row in rows),
         "variables": rows,
     }
 
@@ -43,8 +46,15 @@ def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
         "layout": entry["layout"],
         "bytes": math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"]),
     }
-    pieces = list(Pieces(entry, name))
+    stored = Pieces(entry, name)
+    pieces = list(stored)
     row["slices"] = [p.box.to_json() for p in pieces]
+    reused: dict[str, int] = {}
+    for piece, origin in zip(pieces, stored.origins(), strict=True):
+        if origin is not None:
+            reused[origin] = reused.get(origin, 0) + piece.size
+    if reused:
+        row["reused"] = reused
     compressed = sorted({p.codec.name for p in pieces if p.codec is not None})
     if compressed:  # as stored: the codecs and the bytes of the files
         row["codecs"] = compressed
@@ -58,6 +68,11 @@ def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> lis
     lines = [
         f"{path}: {len(rows)} variables, saved on {summary['world_size']} ranks, "
         f"{summary['bytes']} bytes of tensors"
+        + (
+            f", {summary['reused_bytes']} stored bytes reused from earlier checkpoints"
+            if summary.get("reused_bytes")
+            else ""
+        )
     ]
     for row in rows:
         if row["kind"] == "tensor":
@@ -66,9 +81,12 @@ def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> lis
                 if "codecs" in row
                 else ""
             )
+            reused = "".join(
+                f"; {n} bytes reused from {where}" for where, n in row.get("reused", {}).items()
+            )
             lines.append(
                 f"  {row['name']}  {row['dtype']}{row['shape']}  {row['layout']}, "
-                f"{len(row['slices'])} slice(s), {row['bytes']} bytes{stored}"
+                f"{len(row['slices'])} slice(s), {row['bytes']} bytes{stored}{reused}"
             )
         else:
             lines.append(f"  {row['name']}  ({row['kind']})")

@@ -42,7 +42,7 @@ from distckpt.storage import digests as digests_mod
 from distckpt.storage import shard_io
 from distckpt.storage.backend import CopyingStore, Store
 from distckpt.storage.codecs import Codec
-from distckpt.storage.piece_reader import scratch
+from distckpt.storage.piece_reader import PieceReader, scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import HostData, Source
@@ -220,35 +220,59 @@ def _take(store: Store, job: PieceJob) -> Stored | None:
     try:
         if not isinstance(store, CopyingStore) or not store.capabilities.copies:
             raise TypeError(f"{store.url} does not copy")
-        store.copy(reuse.store, reuse.key, job.key)
+        store.copy(reuse.store, reuse.key, job.key, expect=reuse.stored.stamp)
         problem = _differs(store, job)
     except (OSError, TypeError, CheckpointError) as exc:
         problem = f"it could not be taken from {reuse.origin} ({exc})"
     if problem is None:
-        return reuse.stored._replace(reused=reuse.origin)
+        return reuse.stored._replace(reused=reuse.origin, stamp=_stamp(store, job.key))
     log.warning("writing %s: %s", job.key, problem)
     with contextlib.suppress(OSError, CheckpointError):
         store.delete(job.key)  # a copy that is not the piece (never written through)
     return None
 
 
+def _stamp(store: Store, key: str) -> str | None:
+    """What a file system says of a piece just stored (its inode, size and time), for a
+    later save to check that it was not written in place since. An object is never
+    written in place: replaced, its checksum table tells (:func:`_differs`)."""
+    caps = store.capabilities
+    if not (caps.copies and caps.local_files) or not isinstance(store, CopyingStore):
+        return None
+    try:
+        return store.stamp(key)
+    except (OSError, CheckpointError):
+        return None
+
+
 def _differs(store: Store, job: PieceJob) -> str | None:
-    """Why the copy at ``job.key`` is not the piece its base's index describes (its size,
-    and the crc of its checksum table, or of a plain chunk's bytes), or None."""
+    """Why the copy at ``job.key`` is not the piece its base's index describes, or None.
+
+    Its size, and the crc of its checksum table (of a plain chunk's bytes) are checked
+    always: an object is only ever replaced whole, so a replaced one is caught. A file
+    can also be written in place: without a stamp of it (:func:`_stamp`, taken when this
+    process stored it) every chunk of a file is read back and checked."""
     reuse = job.reuse
     assert reuse is not None
     want = reuse.stored
+    where = reuse.store.where(reuse.key)
     with store.open(job.key) as handle:  # its own size, not the one expected
         size = handle.size
         if size != want.size:
-            return f"{reuse.store.where(reuse.key)} holds {size} bytes, not {want.size}"
+            return f"{where} holds {size} bytes, not {want.size}"
         if job.inner is None:
             head = handle.read(0, size - 4)
         else:
             chunks = math.prod(shard_io.inner_grid(job.block, job.inner))
             head = handle.read(0, 4 * chunks)
     if shard_io.crc32c(head) != want.crc:
-        return f"{reuse.store.where(reuse.key)} is not the piece its index describes"
+        return f"{where} is not the piece its index describes"
+    if job.inner is not None and want.stamp is None and store.capabilities.local_files:
+        reader = PieceReader(job.key, store, job.key, job.data.dtype, want.crc, job.codec, size)
+        try:
+            reader.verify_sharded(job.block, job.inner, job.data.shape)
+        except CheckpointError as exc:
+            return f"{where} is damaged: {exc}"
     return None
 
 
@@ -265,7 +289,8 @@ def _write_plain(
     results: dict[int, Stored],
     digests: bool,
 ) -> int:
-    results[piece] = shard_io.write_plain(store, key, data, digest=digests)
+    stored = shard_io.write_plain(store, key, data, digest=digests)
+    results[piece] = stored._replace(stamp=_stamp(store, key)) if digests else stored
     return int(data.nbytes)
 
 
@@ -309,7 +334,8 @@ def _plan(
     shards.append(shard)
 
     def finish() -> None:
-        results[job.id] = shard.finish()
+        stored = shard.finish()
+        results[job.id] = stored._replace(stamp=_stamp(store, job.key)) if digests else stored
 
     pool = None if isinstance(data, HostData) else slabs.pool(pinned=data.device.type == "cuda")
     runs = _runs(parts, TASK_BYTES if pool is None else min(TASK_BYTES, pool.slab_bytes))

@@ -9,6 +9,10 @@ could leave, and returns the violations of distckpt's promises found in them:
   (its arrays' own metadata survive too); a save that returned is never lost;
   a manager opened on the state (its recovery, then ``restore_or_initialize``) restores
   one of the saves bit-exact, the newest that returned or a newer one.
+* ``incremental``: the same, where save 2 changes one variable only: it takes the others
+  from ckpt-1 (hard links), then retention retires ckpt-1. The same promises hold in
+  every state; ckpt-2 must have taken them (its index says), or the scenario tests
+  nothing.
 * ``overwrite``: ``save(..., overwrite=True)`` replaces a committed checkpoint: in every
   state the name holds the old or the new checkpoint, bit-exact, with distckpt and with
   zarr-python (the new one once the
@@ -46,15 +50,21 @@ from distckpt.training.lock import LOCK_FILE  # noqa: E402
 
 distckpt.register_zarr_dtypes()
 
-SCENARIOS = ("manager", "overwrite", "overwrite-fallback")
+SCENARIOS = ("manager", "incremental", "overwrite", "overwrite-fallback")
 
 #: Stop at the first state that breaks a promise (``first`` on the command line).
 FIRST = False
 
 
+#: In the ``incremental`` scenario save 2 changes ``w`` alone (see :func:`values`).
+INCREMENTAL = False
+
+
 def values(version: int) -> dict[str, torch.Tensor]:
     """The variables of save ``version`` by name: distinct bits in every element,
-    several dtypes, a nested group."""
+    several dtypes, a nested group (:data:`INCREMENTAL`: save 2 changes ``w`` alone)."""
+    if INCREMENTAL and version == 2:
+        return {**values(1), "w": torch.randn(6, 5, generator=torch.Generator().manual_seed(2))}
     g = torch.Generator().manual_seed(version)
     return {
         "w": torch.randn(6, 5, generator=g),
@@ -144,9 +154,12 @@ def manager(root: Path) -> tuple[Violations, int]:
         rec.mark("saved-1")
         for k, v in values(2).items():
             tensors[k].copy_(v)
-        mgr.save()
+        second = mgr.save()
         rec.mark("saved-2")
     found = Violations()
+    taken = "reused" in (Path(second) / "zarr.json").read_text()
+    if taken != INCREMENTAL:
+        found.append({"prefix": 0, "marks": [], "violation": f"save 2 took pieces: {taken}"})
     count = 0
     for state, where in each_state(rec, root / "states"):
         if FIRST and found:
@@ -236,7 +249,9 @@ def overwrite(root: Path, *, fallback: bool = False) -> tuple[Violations, int]:
 
 
 def run(scenario: str, root: Path) -> tuple[Violations, int]:
-    if scenario == "manager":
+    global INCREMENTAL
+    INCREMENTAL = scenario == "incremental"
+    if scenario in ("manager", "incremental"):
         return manager(root)
     return overwrite(root, fallback=scenario == "overwrite-fallback")
 
