@@ -169,7 +169,7 @@ def build_index(
             variables[spec.name] = _tensor_entry(
                 spec.dtype, spec.shape, spec.path, spec.layout, pieces
             )
-    return {
+    index = {
         "format": index_mod.FORMAT,
         "format_version": newest,
         "library_version": VERSION,
@@ -177,6 +177,9 @@ def build_index(
         "world_size": plan.world_size,
         "variables": variables,
     }
+    if digests is not None:
+        index["digests"] = digests_mod.ALGORITHM
+    return index
 
 
 def index_bytes(index: dict[str, Any]) -> bytes:

@@ -41,6 +41,7 @@ from typing import Any
 from distckpt.comm.outcome import announce
 from distckpt.errors import CheckpointError
 from distckpt.planning.pieces import Piece
+from distckpt.storage import digests
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store
 from distckpt.storage.index import Index, Pieces
@@ -74,8 +75,8 @@ class Known:
         found = self.stored.get(piece.file)
         if found is not None:
             return found[1] if found[0] == layout and found[1].digest is not None else None
-        if self.index is None:
-            return None
+        if self.index is None or self.index.get("digests") != digests.ALGORITHM:
+            return None  # no digests, or made by another algorithm
         entry = self.index["variables"].get(piece.var)
         if isinstance(entry, dict) and entry.get("kind") == "per_rank":
             entry = entry.get("ranks", {}).get(str(piece.rank))

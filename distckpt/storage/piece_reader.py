@@ -159,8 +159,10 @@ class PieceReader:
         inner: Sequence[int],
         lengths: Sequence[int],
         on_bytes: Callable[[int], None] | None = None,
+        on_chunk: Callable[[int, np.ndarray], None] | None = None,
     ) -> int:
-        """Read a whole shard and check all of it, keeping one inner chunk in memory.
+        """Read a whole shard and check all of it, keeping one inner chunk in memory;
+        ``on_chunk(linear, raw)`` sees each chunk's raw bytes once checked (decompressed).
 
         Checks the checksum table against the checkpoint index, the shard index against
         its crc32c, that every inner chunk holding data (those meeting the first
@@ -197,6 +199,8 @@ class PieceReader:
                     self._read_verified(fd, offset, [buf], table[linear], coord)
                 else:
                     self._read_compressed(fd, offset, length, table[linear], coord, buf)
+                if on_chunk is not None:
+                    on_chunk(linear, buf)
                 end = max(end, offset + length)
                 total += length
                 if on_bytes is not None:

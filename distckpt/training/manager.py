@@ -50,6 +50,7 @@ from distckpt.comm.outcome import announce
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.options import MANAGER, CheckpointOptions, ManagerKeywords, merge
+from distckpt.engine.results import SaveResult
 from distckpt.errors import DirectoryLockedError
 from distckpt.local import LocalTier
 from distckpt.storage.backend import is_remote, resolve
@@ -146,6 +147,9 @@ class CheckpointManager:
         self._pending: AsyncSave | None = None
         self._local: LocalSaves | None = None
         self.restored: Restored | None = None
+        #: This rank's :class:`~distckpt.SaveResult` of the last save that succeeded
+        #: (bytes written, and reused by an incremental save; seconds per phase).
+        self.last_result: SaveResult | None = None
 
         comm = self._comm
         if directory is None:
@@ -354,6 +358,9 @@ class CheckpointManager:
 
         def settle(failure: BaseException | None) -> None:
             if failure is None:
+                result = handle._result if isinstance(handle, AsyncSave) else handle
+                if isinstance(result, SaveResult):
+                    self.last_result = result
                 done()
             elif checkpoint._save_counter == decision["counter"]:
                 checkpoint._save_counter = previous

@@ -251,7 +251,8 @@ def _differs(store: Store, job: PieceJob) -> str | None:
     Its size, and the crc of its checksum table (of a plain chunk's bytes) are checked
     always: an object is only ever replaced whole, so a replaced one is caught. A file
     can also be written in place: without a stamp of it (:func:`_stamp`, taken when this
-    process stored it) every chunk of a file is read back and checked."""
+    process stored it) every chunk of a file is read back, checked, and hashed: its
+    content must have the digest of the data (a plain chunk's always is)."""
     reuse = job.reuse
     assert reuse is not None
     want = reuse.stored
@@ -267,12 +268,25 @@ def _differs(store: Store, job: PieceJob) -> str | None:
             head = handle.read(0, 4 * chunks)
     if shard_io.crc32c(head) != want.crc:
         return f"{where} is not the piece its index describes"
-    if job.inner is not None and want.stamp is None and store.capabilities.local_files:
+    if job.inner is None:
+        if digests_mod.plain_digest(head) != want.digest:
+            return f"{where} holds other bytes than its index's digest says"
+    elif want.stamp is None and store.capabilities.local_files:
         reader = PieceReader(job.key, store, job.key, job.data.dtype, want.crc, job.codec, size)
+        found: dict[int, bytes] = {}
         try:
-            reader.verify_sharded(job.block, job.inner, job.data.shape)
+            reader.verify_sharded(
+                job.block,
+                job.inner,
+                job.data.shape,
+                on_chunk=lambda linear, raw: found.__setitem__(
+                    linear, digests_mod.chunk_digest(raw)
+                ),
+            )
         except CheckpointError as exc:
             return f"{where} is damaged: {exc}"
+        if digests_mod.piece_digest(found[k] for k in sorted(found)) != want.digest:
+            return f"{where} holds other bytes than its index's digest says"
     return None
 
 
