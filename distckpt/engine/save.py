@@ -481,6 +481,8 @@ def _write(
     root = save_root(job.final, work.token)
     jobs: list[PieceJob] = []
     files: list[tuple[str, bytes]] = []
+    like: dict[str, tuple[Store, str]] = {}  # metadata an incremental save may link
+    caps = job.final.capabilities
     for piece in work.writes:
         if piece.meta_file is not None and piece.meta is not None:
             files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
@@ -491,6 +493,8 @@ def _write(
         jobs.append(
             PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec, taken)
         )
+        if taken is not None and piece.meta_file is not None and caps.local_files:
+            like[piece.meta_file] = (taken.store, piece.meta_file)
     keys = [job.key for job in jobs] + [key for key, _ in files]
     root.prepare(keys)
     total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
@@ -500,6 +504,7 @@ def _write(
             root,
             jobs,
             files,
+            like,
             workers=job.run.io_workers,
             on_bytes=bar.update,
             digests=job.options.incremental,

@@ -85,6 +85,7 @@ def write_pieces(
     store: Store,
     jobs: Sequence[PieceJob],
     files: Sequence[tuple[str, bytes]] = (),
+    like: dict[str, tuple[Store, str]] | None = None,
     *,
     workers: int,
     on_bytes: Callable[[int], None] | None = None,
@@ -92,6 +93,9 @@ def write_pieces(
 ) -> dict[int, Stored]:
     """Write every piece of ``jobs`` and the small ``files`` (key, bytes) into ``store``,
     each durably, or take a job's piece from its :class:`Reuse` when its bytes are the same.
+
+    ``like`` names, for a small file, a file of an earlier checkpoint that may hold the
+    same bytes (taken instead of written when it does).
 
     Returns {piece id: :class:`~distckpt.storage.shard_io.Stored`}, with each piece's
     content digest when ``digests`` (or a job may be reused); ``on_bytes(n)`` counts the
@@ -105,7 +109,7 @@ def write_pieces(
 
     def feed() -> None:
         for key, data in files:
-            group.submit(_write_small_file, store, key, data)
+            group.submit(_write_small_file, store, key, data, (like or {}).get(key))
         sharded: list[PieceJob] = []
         for job in jobs:
             if job.id in decided:
@@ -290,7 +294,20 @@ def _differs(store: Store, job: PieceJob) -> str | None:
     return None
 
 
-def _write_small_file(store: Store, key: str, data: bytes) -> int:
+def _write_small_file(
+    store: Store, key: str, data: bytes, like: tuple[Store, str] | None = None
+) -> int:
+    """Write a small file, or link the same bytes from ``like`` (a base's file: on a file
+    system a link costs no fsync of its own, where a small file's write does)."""
+    if like is not None and isinstance(store, CopyingStore):
+        source, source_key = like
+        try:
+            if source.read(source_key) == data:
+                store.copy(source, source_key, key)
+                return 0
+        except (OSError, TypeError, CheckpointError):
+            with contextlib.suppress(OSError, CheckpointError):
+                store.delete(key)
     store.write(key, data)
     return 0
 
