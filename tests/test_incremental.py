@@ -336,3 +336,34 @@ def test_on_an_object_store_a_server_side_copy(s3: Any, caplog: Any) -> None:
     distckpt.load(got, f"{s3.url}/c2", COMM)
     for name, tensor in flat(s).items():
         assert_same_bits(flat(got)[name], tensor, name)
+
+
+RANKS = Path(__file__).resolve().parent / "scripts" / "incremental_ranks.py"
+
+
+def _took(proc: Any) -> dict[int, tuple[int, int]]:
+    """What each rank said it reused and wrote (``TOOK rank reused written``)."""
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("TOOK "):
+            _, rank, reused, written = line.split()
+            found[int(rank)] = (int(reused), int(written))
+    return found
+
+
+@pytest.mark.timeout(400)
+def test_ranks_take_their_own_pieces_and_a_resumed_job_writes_nothing_new(tmp_path: Path) -> None:
+    """torchrun: 2 ranks save twice (the second save takes each rank's frozen rows);
+    a new 2-rank job restores and saves at once: every piece is taken, nothing written;
+    a 3-rank job restores resharded (its boxes are new pieces: written) bit for bit."""
+    from launch_util import assert_all_ok, run_torchrun
+
+    run = tmp_path / "run"
+    saved = run_torchrun(2, RANKS, "save", str(run), timeout=150)
+    assert_all_ok(saved, 2)
+    assert all(reused > 0 for reused, _ in _took(saved).values())
+    resumed = run_torchrun(2, RANKS, "resume", str(run), timeout=150)
+    assert_all_ok(resumed, 2)
+    assert _took(resumed) and all(written == 0 for _, written in _took(resumed).values())
+    resharded = run_torchrun(3, RANKS, "resume", str(run), timeout=150)
+    assert_all_ok(resharded, 3)
