@@ -183,3 +183,31 @@ def test_cuda_dtensors_of_ranks_sharing_a_gpu(
         check(proc)
         for rank in range(world):
             assert f"OK dtensor-restore {rank}" in proc.stdout, output(proc)
+
+
+def test_incremental_save_sees_a_change_made_on_another_stream(tmp_path: Path) -> None:
+    """A frozen GPU tensor changed in place by a kernel queued late on another stream (no
+    version counter moves), that stream then joined to the current one as CUDA asks,
+    right before an incremental save: the save hashes the new bytes (its copies wait for
+    the work queued on the current stream) and writes the piece, never the stale one."""
+    layout = {"small_bytes": 1024, "inner_bytes": 8192}
+    frozen = on_device(random_tensor(torch.float32, (256, 512), 3))
+    trained = on_device(random_tensor(torch.float32, (64, 8), 4))
+    state = {"frozen": frozen, "trained": trained}
+    save1(state, tmp_path / "c1", **layout)
+    unchanged = save1(state, tmp_path / "c2", base=tmp_path / "c1", **layout)
+    assert unchanged.pieces_reused == 2
+    if HAVE_CUDA:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # the change lands late on that stream
+            frozen.data[-1, -1].add_(1.0)
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        frozen.data[-1, -1].add_(1.0)
+    changed = save1(state, tmp_path / "c3", base=tmp_path / "c2", **layout)
+    assert changed.pieces_reused == 1  # trained only: frozen was written
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    load1(back, tmp_path / "c3")
+    for k, v in state.items():
+        same_bits(back[k], v, k)
