@@ -28,7 +28,7 @@ from distckpt.planning.pieces import Piece, SavePlan
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
-from distckpt.storage.index import Pieces
+from distckpt.storage.stored import Pieces
 
 #: Shapes of the sharded weights, cycled (a transformer's projections).
 SHAPES = ((16384, 4096), (4096, 16384), (4096, 4096), (1024, 4096))

@@ -41,6 +41,7 @@ from distckpt.comm import SingleComm
 from distckpt.errors import CorruptCheckpointError
 from distckpt.storage import claim as claim_mod
 from distckpt.storage import index as index_mod
+from distckpt.storage import stored as stored_mod
 from distckpt.storage import transaction
 from distckpt.storage.backend import resolve
 from distckpt.storage.s3 import S3Store
@@ -111,9 +112,9 @@ def test_layout_and_single_process_restore(saved_on_4: str, in_env: S3Server) ->
     path = f"{saved_on_4}/n4"
     variables = index_mod.read_index(path)["variables"]
     assert variables["model/rows"]["layout"] == "regular"
-    assert len(index_mod.Pieces(variables["model/rows"], "model/rows")) == 4
+    assert len(stored_mod.Pieces(variables["model/rows"], "model/rows")) == 4
     codecs = {
-        name: {p.codec.name if p.codec else None for p in index_mod.Pieces(variables[name], name)}
+        name: {p.codec.name if p.codec else None for p in stored_mod.Pieces(variables[name], name)}
         for name in sr.GLOBAL
     }
     assert codecs["opt/m"] == {"zstd"}, codecs  # opt/v: boxes too small to compress

@@ -28,7 +28,7 @@ from distckpt.engine.commit import build_index, index_bytes
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
-from distckpt.storage.index import Pieces
+from distckpt.storage.stored import Pieces
 
 
 @pytest.fixture(scope="module")

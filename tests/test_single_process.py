@@ -40,8 +40,8 @@ from distckpt.errors import (
     UnsupportedValueError,
 )
 from distckpt.storage import shard_io
-from distckpt.storage.index import Pieces
 from distckpt.storage.staging import OWNER_FILE, Staging, collect_garbage, leftovers
+from distckpt.storage.stored import Pieces
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,6 +19,7 @@ from distckpt.errors import CheckpointError
 from distckpt.planning.pieces import SavePlan, VarSpec
 from distckpt.storage import digests as digests_mod
 from distckpt.storage import index as index_mod
+from distckpt.storage import stored as stored_mod
 from distckpt.storage import zarr_meta
 from distckpt.storage.shard_io import Stored
 from distckpt.storage.transaction import Transaction
@@ -113,7 +114,7 @@ def build_index(
     def listed(spec: VarSpec) -> list[dict[str, Any]]:
         out = []
         for piece in plan.pieces_of(spec, sources=False):
-            stored = index_mod.StoredPiece(
+            stored = stored_mod.StoredPiece(
                 piece.file,
                 piece.box,
                 piece.block,
@@ -148,7 +149,7 @@ def build_index(
         elif spec.layout == "regular":
             assert spec.dtype is not None and spec.shape is not None and spec.chunks is not None
             part = slice(spec.first, spec.first + spec.count)
-            variables[spec.name] = index_mod.regular_entry(
+            variables[spec.name] = stored_mod.regular_entry(
                 spec.dtype,
                 spec.shape,
                 spec.path,
@@ -158,7 +159,7 @@ def build_index(
                 crcs[part],
                 sizes[part],
                 None if digests is None else digests[part],
-                index_mod.reuse_column(reused[part], origins),
+                stored_mod.reuse_column(reused[part], origins),
             )
             newest = index_mod.FORMAT_VERSION
         else:

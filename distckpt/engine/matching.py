@@ -31,7 +31,7 @@ from distckpt.errors import (
 from distckpt.items import Leaf, flatten
 from distckpt.slices import Box
 from distckpt.storage import index as index_mod
-from distckpt.storage.index import Pieces
+from distckpt.storage.stored import Pieces
 from distckpt.transfer.reader import ReadTarget
 from distckpt.values import decode
 
@@ -60,7 +60,7 @@ def prepare(
 ) -> Prepared | None:
     """Match the state's leaves to the index and check every one; restore the values.
     ``located=False``: the index describes the variables but not where their pieces are
-    (the node-local tier's), so no :class:`~distckpt.storage.index.Pieces` are made.
+    (the node-local tier's), so no :class:`~distckpt.storage.stored.Pieces` are made.
 
     ``options.strict`` and ``options.allow_pickle`` apply.
 

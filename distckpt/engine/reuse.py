@@ -44,8 +44,9 @@ from distckpt.planning.pieces import Piece
 from distckpt.storage import digests
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store
-from distckpt.storage.index import Index, Pieces
+from distckpt.storage.index import Index
 from distckpt.storage.shard_io import Stored
+from distckpt.storage.stored import Pieces
 from distckpt.transfer.writer import Reuse
 
 log = logging.getLogger("distckpt")

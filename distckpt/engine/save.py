@@ -42,6 +42,7 @@ from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave, Snapped, save_in_background
 from distckpt.engine.commit import Report, commit
 from distckpt.engine.gather_small import assemble, send_small
+from distckpt.engine.local_state import LocalState, describe_state, replica_checksums
 from distckpt.engine.options import (
     SAVE,
     CheckpointOptions,
@@ -51,7 +52,7 @@ from distckpt.engine.options import (
     resolve,
 )
 from distckpt.engine.results import SaveResult
-from distckpt.items import Leaf, gather_leaves
+from distckpt.items import gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
@@ -63,7 +64,6 @@ from distckpt.storage.backend import resolve as resolve_store
 from distckpt.storage.shard_io import Stored
 from distckpt.storage.transaction import Transaction, begin, save_root
 from distckpt.transfer.sources import HostData, Source, source_for
-from distckpt.transfer.workers import TaskGroup
 from distckpt.transfer.writer import PieceJob, write_pieces
 
 if TYPE_CHECKING:
@@ -72,57 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("distckpt")
 
 COORDINATOR = 0
-
-
-@dataclass
-class _Local:
-    """This rank's leaves, where to read each tensor (by name), and its encoded values."""
-
-    leaves: list[Leaf]
-    sources: dict[str, Source]
-    values: dict[str, Any]
-
-
-def _describe(local: _Local) -> list[Desc]:
-    """This rank's descriptions, without checksums (see :func:`_checksums`)."""
-    descs: list[Desc] = []
-    for leaf in local.leaves:
-        if leaf.tensor is None:
-            kind = "value" if leaf.kind == "value" else "per_rank"
-            descs.append(Desc(leaf.name, kind, value=local.values[leaf.name]))
-            continue
-        descs.append(
-            Desc(
-                leaf.name,
-                leaf.kind,
-                dtype=leaf.dtype,
-                shape=leaf.shape,
-                box=leaf.box,
-                replicated=leaf.replicated,
-            )
-        )
-    return descs
-
-
-def _checksums(local: _Local, names: list[str], workers: int) -> dict[str, int]:
-    """The crc32c of the replicated tensors ``names``, for the coordinator to check that
-    every rank holds the same bytes; those in host memory are checksummed by the I/O
-    workers, those staged through the slabs on this thread."""
-    checksums: dict[str, int] = {}
-    pending: dict[str, Any] = {}
-    group = TaskGroup(workers)
-
-    def feed() -> None:
-        for name in names:
-            source = local.sources[name]
-            if source.staged:
-                checksums[name] = source.crc()
-            else:
-                pending[name] = group.submit(source.crc)
-
-    group.drive(feed)
-    checksums.update((name, future.result()) for name, future in pending.items())
-    return checksums
 
 
 @dataclass
@@ -306,12 +255,12 @@ def save(
     )
 
 
-def _hosted(snapped: Snapped | Failure) -> _Local | Failure:
+def _hosted(snapped: Snapped | Failure) -> LocalState | Failure:
     """A snapshot's leaves, read in place from its host copies."""
     if isinstance(snapped, Failure):
         return snapped
     leaves, arrays, values = snapped
-    return _Local(leaves, {name: HostData(array) for name, array in arrays.items()}, values)
+    return LocalState(leaves, {name: HostData(array) for name, array in arrays.items()}, values)
 
 
 def _save_blocking(
@@ -320,7 +269,7 @@ def _save_blocking(
     job: _Job,
     source_of: Callable[[Any, str], Source],
 ) -> SaveResult:
-    local: _Local | Failure
+    local: LocalState | Failure
     error: BaseException | None = None
     try:
         if job.error is not None:
@@ -331,7 +280,7 @@ def _save_blocking(
             for leaf in leaves
             if leaf.tensor is not None
         }
-        local = _Local(leaves, sources, values)
+        local = LocalState(leaves, sources, values)
     except Exception as exc:
         local, error = Failure.capture(exc, comm.rank), exc
     return _protocol(comm, local, job, error=error)
@@ -356,7 +305,7 @@ def save_from(
 
 
 def _protocol(
-    comm: Communicator, local: _Local | Failure, job: _Job, error: BaseException | None
+    comm: Communicator, local: LocalState | Failure, job: _Job, error: BaseException | None
 ) -> SaveResult:
     """Steps 1 to 5 of the protocol, from this rank's leaves or the failure that replaced
     them (``error``, the local exception, is re-raised as itself on this rank)."""
@@ -368,9 +317,9 @@ def _protocol(
 
     # 1-2. Describe, and agree on a plan (the last one, while nothing changed).
     descs: list[Desc] | Failure = local if isinstance(local, Failure) else []
-    if isinstance(local, _Local):
+    if isinstance(local, LocalState):
         try:
-            descs = _describe(local)
+            descs = describe_state(local)
         except Exception as exc:
             error, descs = exc, Failure.capture(exc, comm.rank)
     # What a cached plan must have been made with (a mapping of compression choices is
@@ -381,7 +330,7 @@ def _protocol(
         agreed = agree(
             comm,
             descs,
-            lambda names: _checksums(local, names, job.run.io_workers),  # type: ignore[arg-type]
+            lambda names: replica_checksums(local, names, job.run.io_workers),  # type: ignore[arg-type]
             made_with,
             lambda ranks: plan_save(
                 ranks,
@@ -397,7 +346,7 @@ def _protocol(
         stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
         work = agreed.work
         local_error: BaseException | None = error
-        assert isinstance(local, _Local)
+        assert isinstance(local, LocalState)
         t_plan = time.perf_counter()
 
         # 3-4. Exchange small tensors, write.
@@ -465,7 +414,7 @@ def _protocol(
 
 def _write(
     work: RankWork,
-    local: _Local,
+    local: LocalState,
     received: dict[int, dict[int, bytes]],
     rank: int,
     job: _Job,

@@ -44,9 +44,9 @@ from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage import wellformed
 from distckpt.storage.backend import Store
-from distckpt.storage.index import stored_dtype
 from distckpt.storage.posix import PosixReader
 from distckpt.storage.shard_io import crc32c
+from distckpt.storage.stored import stored_dtype
 from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget

@@ -14,7 +14,7 @@ that none matches is stored raw.
 
 A compressed array's inner codecs are ``[bytes, zstd | blosc, crc32c]``, configured the
 way zarr-python 3 writes them, so zarr-python and tensorstore decode it; the index records
-the same codec JSON on each piece (:class:`~distckpt.storage.index.StoredPiece`), and a
+the same codec JSON on each piece (:class:`~distckpt.storage.stored.StoredPiece`), and a
 reader refuses a codec it does not know with :class:`~distckpt.errors.UnsupportedFormatError`.
 """
 

@@ -19,7 +19,7 @@ from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.index import StoredPiece
+from distckpt.storage.stored import StoredPiece
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
 from distckpt.storage import index as index_mod
-from distckpt.storage.index import Pieces
+from distckpt.storage.stored import Pieces
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:

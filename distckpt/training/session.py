@@ -41,7 +41,7 @@ from distckpt.engine.options import resolve as resolve_options
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.storage.backend import location, resolve
-from distckpt.storage.index import Pieces
+from distckpt.storage.stored import Pieces
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
 from distckpt.training.plan import Plan, Slot

@@ -31,9 +31,9 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.planning.read_plan import Copy, plan_reads
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
-from distckpt.storage.index import Pieces, StoredPiece
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.storage.shard_io import EMPTY
+from distckpt.storage.stored import Pieces, StoredPiece
 from distckpt.transfer import slabs
 from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.sources import copy_context, follow_current, record_event
