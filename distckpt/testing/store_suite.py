@@ -40,6 +40,8 @@ import pytest
 from distckpt.errors import UnsafePathError
 from distckpt.storage.backend import (
     Capabilities,
+    ConditionFailed,
+    CopyingStore,
     ReadHandle,
     RenamingStore,
     Store,
@@ -386,6 +388,33 @@ class StoreTests(ConditionalWriteCases):
         assert -2.0 < store.age("beat") < 60.0
         with pytest.raises(FileNotFoundError):
             store.touch("nope")
+
+    @needs("copies")
+    def test_copy(self, store: Store) -> None:
+        """A copy from another store of the same kind (a sibling checkpoint) holds the same
+        bytes and outlives its source; a source gone, or not the version stamped, is
+        refused and leaves nothing behind; a write makes a new stamp."""
+        assert isinstance(store, CopyingStore)
+        source, target = store.child("base"), store.child("new")
+        data = payload(3 * MiB + 5, seed=7)
+        source.write("piece", data)
+        stamp = source.stamp("piece")
+        target.prepare(["piece", "again", "stale"])
+        target.copy(source, "piece", "piece", expect=stamp)
+        target.persist(["piece"])
+        assert target.read("piece") == data
+        target.copy(source, "piece", "again")
+        source.delete("piece")  # the copies stand alone
+        assert target.read("piece") == data and target.read("again") == data
+        with pytest.raises(FileNotFoundError):
+            target.copy(source, "piece", "gone")
+        assert not target.exists("gone")
+        source.write("piece", payload(3 * MiB + 5, seed=8))  # written again
+        if stamp is not None:
+            assert source.stamp("piece") != stamp
+            with pytest.raises(ConditionFailed):
+                target.copy(source, "piece", "stale", expect=stamp)
+            assert not target.exists("stale")
 
     @needs("local_files")
     def test_local_files(self, store: Store) -> None:
