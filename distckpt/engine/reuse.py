@@ -32,7 +32,6 @@ never touches the pieces another one took from it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -167,10 +166,7 @@ def check_base(comm: Any, base: Store) -> Known | None:
             return "its index is not the one this job wrote or read", None
         return "", raw
 
-    try:
-        reason, raw = announce(comm, read)
-    except CheckpointError as exc:
-        reason, raw = str(exc), None
+    reason, raw = announce(comm, read)  # a failure of the job (a dead rank) is raised
     if reason:
         forget(base.url)
         if comm.rank == 0:
@@ -195,10 +191,3 @@ def reuse_for(base: Store, known_base: Known | None, final: Store, piece: Piece)
     if stored is None:
         return None
     return Reuse(base, piece.file, stored, stored.chunks, origin_name(base, final))
-
-
-def location_key(path: str | os.PathLike[str] | Store) -> str:
-    """The key memory uses for a checkpoint location (a store's URL)."""
-    from distckpt.storage.backend import resolve
-
-    return resolve(path).url

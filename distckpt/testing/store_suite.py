@@ -394,8 +394,8 @@ class StoreTests(ConditionalWriteCases):
         """A copy from another store of the same kind (a sibling checkpoint) holds the same
         bytes and outlives its source; a source gone, or not the version stamped, is
         refused and leaves nothing behind; a write makes a new stamp."""
-        assert isinstance(store, CopyingStore)
         source, target = store.child("base"), store.child("new")
+        assert isinstance(source, CopyingStore) and isinstance(target, CopyingStore)
         data = payload(3 * MiB + 5, seed=7)
         source.write("piece", data)
         stamp = source.stamp("piece")
