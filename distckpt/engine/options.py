@@ -97,61 +97,44 @@ class CheckpointOptions:
         return tuple(choices.items())
 
 
-class SaveKeywords(TypedDict, total=False):
-    """The fields of :class:`CheckpointOptions` a save takes as keyword arguments."""
-
-    compression: Compression
-    small_bytes: int
-    inner_bytes: int
-    overwrite: bool
-    incremental: bool
-    allow_pickle: bool
-    io_workers: int | None
-
-
-class WriteKeywords(TypedDict, total=False):
-    """The fields a save that never replaces a checkpoint takes (a manager's, a
-    :class:`~distckpt.Checkpoint`'s): :class:`SaveKeywords` but ``overwrite``."""
-
-    compression: Compression
-    small_bytes: int
-    inner_bytes: int
-    incremental: bool
-    allow_pickle: bool
-    io_workers: int | None
-
-
-class LoadKeywords(TypedDict, total=False):
-    """The fields of :class:`CheckpointOptions` a load takes as keyword arguments."""
+class RestoreKeywords(TypedDict, total=False):
+    """The fields of :class:`CheckpointOptions` a restore of an object graph takes as
+    keyword arguments (its status replaces ``strict``)."""
 
     allow_pickle: bool
     io_workers: int | None
+
+
+class LoadKeywords(RestoreKeywords, total=False):
+    """The fields a load takes: a restore's, and ``strict``."""
+
     strict: bool
 
 
-class RestoreKeywords(TypedDict, total=False):
-    """The fields a restore of an object graph takes (its status replaces ``strict``)."""
-
-    allow_pickle: bool
-    io_workers: int | None
-
-
-class ManagerKeywords(TypedDict, total=False):
-    """The fields a :class:`~distckpt.CheckpointManager` takes for its saves and restores."""
+class WriteKeywords(RestoreKeywords, total=False):
+    """The fields a save that never replaces a checkpoint takes (a manager's, a
+    :class:`~distckpt.Checkpoint`'s)."""
 
     compression: Compression
     small_bytes: int
     inner_bytes: int
     incremental: bool
-    allow_pickle: bool
-    io_workers: int | None
 
 
-SAVE = frozenset(SaveKeywords.__annotations__)
-WRITE = frozenset(WriteKeywords.__annotations__)
-LOAD = frozenset(LoadKeywords.__annotations__)
-RESTORE = frozenset(RestoreKeywords.__annotations__)
-MANAGER = frozenset(ManagerKeywords.__annotations__)
+class SaveKeywords(WriteKeywords, total=False):
+    """The fields :func:`distckpt.save` takes: a write's, and ``overwrite``."""
+
+    overwrite: bool
+
+
+#: A :class:`~distckpt.CheckpointManager` takes the fields of its saves and restores.
+ManagerKeywords = WriteKeywords
+
+SAVE = frozenset(SaveKeywords.__optional_keys__)
+WRITE = frozenset(WriteKeywords.__optional_keys__)
+LOAD = frozenset(LoadKeywords.__optional_keys__)
+RESTORE = frozenset(RestoreKeywords.__optional_keys__)
+MANAGER = WRITE
 
 
 def merge(
