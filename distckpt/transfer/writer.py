@@ -40,7 +40,7 @@ import numpy as np
 from distckpt.errors import CheckpointError
 from distckpt.storage import digests as digests_mod
 from distckpt.storage import shard_io
-from distckpt.storage.backend import CopyingStore, Store
+from distckpt.storage.backend import Store, copying
 from distckpt.storage.codecs import Codec
 from distckpt.storage.piece_reader import PieceReader, scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
@@ -222,9 +222,10 @@ def _take(store: Store, job: PieceJob) -> Stored | None:
     reuse = job.reuse
     assert reuse is not None
     try:
-        if not isinstance(store, CopyingStore) or not store.capabilities.copies:
+        target = copying(store)
+        if target is None:
             raise TypeError(f"{store.url} does not copy")
-        store.copy(reuse.store, reuse.key, job.key, expect=reuse.stored.stamp)
+        target.copy(reuse.store, reuse.key, job.key, expect=reuse.stored.stamp)
         problem = _differs(store, job)
     except (OSError, TypeError, CheckpointError) as exc:
         problem = f"it could not be taken from {reuse.origin} ({exc})"
@@ -240,11 +241,11 @@ def _stamp(store: Store, key: str) -> str | None:
     """What a file system says of a piece just stored (its inode, size and time), for a
     later save to check that it was not written in place since. An object is never
     written in place: replaced, its checksum table tells (:func:`_differs`)."""
-    caps = store.capabilities
-    if not (caps.copies and caps.local_files) or not isinstance(store, CopyingStore):
+    target = copying(store)
+    if target is None or not store.capabilities.local_files:
         return None
     try:
-        return store.stamp(key)
+        return target.stamp(key)
     except (OSError, CheckpointError):
         return None
 
@@ -299,11 +300,12 @@ def _write_small_file(
 ) -> int:
     """Write a small file, or link the same bytes from ``like`` (a base's file: on a file
     system a link costs no fsync of its own, where a small file's write does)."""
-    if like is not None and isinstance(store, CopyingStore):
+    target = None if like is None else copying(store)
+    if like is not None and target is not None:
         source, source_key = like
         try:
             if source.read(source_key) == data:
-                store.copy(source, source_key, key)
+                target.copy(source, source_key, key)
                 return 0
         except (OSError, TypeError, CheckpointError):
             with contextlib.suppress(OSError, CheckpointError):
