@@ -88,3 +88,23 @@ def s3(s3_server: S3Server, request: pytest.FixtureRequest) -> Iterator[S3Server
     s3_server.url = f"s3://distckpt/{name}"  # type: ignore[attr-defined]
     with use(s3_server.env):
         yield s3_server
+
+
+@pytest.fixture(scope="session")
+def azure_server() -> Iterator[Any]:
+    """One Azurite blob service for the session, with container ``distckpt``; its
+    environment is in ``os.environ`` only inside tests that use :func:`azure`."""
+    from azure_server import AzureServer
+
+    with AzureServer(containers=["distckpt", "other"]) as server:
+        yield server
+
+
+@pytest.fixture
+def azure(azure_server: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The Azurite service, its environment set, and a fresh prefix: ``azure.url`` is
+    ``az://distckpt/<test name>``."""
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
+    azure_server.url = f"az://distckpt/{name}"
+    with use(azure_server.env):
+        yield azure_server

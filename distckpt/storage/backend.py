@@ -295,7 +295,17 @@ def _open_s3(url: str) -> Store:
     return S3Store.from_url(url)
 
 
-_BUILT_IN: dict[str, Callable[[str], Store]] = {"s3": _open_s3}
+def _open_cloud(url: str) -> Store:
+    from distckpt.storage.cloud import CloudStore
+
+    return CloudStore.from_url(url)
+
+
+_BUILT_IN: dict[str, Callable[[str], Store]] = {
+    "s3": _open_s3,
+    "az": _open_cloud,
+    "gs": _open_cloud,
+}
 
 
 def register_store(scheme: str, opener: Callable[[str], Store]) -> None:
