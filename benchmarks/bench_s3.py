@@ -16,6 +16,8 @@ Contenders, all on identical data (case A of bench_engine.py: float32 DTensors S
   ``FsspecReader`` on ``s3://bench/...`` (s3fs; it finds the endpoint in
   ``AWS_ENDPOINT_URL`` through botocore); one file per rank, ``thread_count`` = distckpt's
   I/O worker count;
+* ``obstore``: distckpt with obstore's S3 client (:class:`distckpt.storage.cloud.CloudStore`,
+  the store of ``az://`` and ``gs://``) in place of boto3, to compare the two clients;
 * ``raw``: the limit of this server. Save: every rank uploads its local shards back to
   back as ONE object with a multipart upload of 8 MiB parts (``--part-mib``) sent by as
   many threads as distckpt uses (its default against an object store, or --io-workers), no
@@ -45,7 +47,9 @@ from typing import Any
 import bench_engine as be
 import harness as h
 
-CONTENDERS = be.CONTENDERS  # ("distckpt", "dcp", "raw")
+# distckpt through boto3 (its s3:// store), DCP, raw; and distckpt through obstore's S3
+# client (the client of its az:// and gs:// store), to choose the client by measurement.
+CONTENDERS = (*be.CONTENDERS, "obstore")
 BUCKET = "bench"
 
 # --------------------------------------------------------------------------- raw S3
@@ -185,9 +189,18 @@ class Worker(h.RankWorker):
     def run(self) -> None:
         {"save": self.run_save, "load": self.run_load}[self.spec["mode"]]()
 
+    @staticmethod
+    def location(who: str, url: str) -> Any:
+        if who != "obstore":
+            return url
+        from distckpt.storage.cloud import CloudStore
+
+        bucket, key = split_url(url)
+        return CloudStore("s3", bucket, key)
+
     def save(self, who: str, state: dict[str, Any], url: str) -> Any:
-        if who == "distckpt":
-            res = self.distckpt.save(state, url, comm=self.comm)
+        if who in ("distckpt", "obstore"):
+            res = self.distckpt.save(state, self.location(who, url), comm=self.comm)
             return {"timings": res.timings, "bytes": res.bytes_written, "files": res.files_written}
         if who == "dcp":
             writer = self.FsspecWriter(url, thread_count=self.workers)
@@ -197,8 +210,8 @@ class Worker(h.RankWorker):
         return None
 
     def load(self, who: str, state: dict[str, Any], url: str, buf, writers: int) -> Any:
-        if who == "distckpt":
-            res = self.distckpt.load(state, url, comm=self.comm)
+        if who in ("distckpt", "obstore"):
+            res = self.distckpt.load(state, self.location(who, url), comm=self.comm)
             return {"timings": res.timings, "bytes": res.bytes_read}
         if who == "dcp":
             self.dcp.load(state, storage_reader=self.FsspecReader(url))
@@ -312,7 +325,9 @@ class Driver(h.Driver):
 
     def launch(self, nproc: int, spec: dict[str, Any], label: str) -> list[dict[str, Any]]:
         busy = self.wait_idle()
-        env = {**h.TORCHRUN_ENV, **self.server.env}
+        # obstore's S3 client: plain http to the local server, conditional puts by ETag.
+        env = {**h.TORCHRUN_ENV, **self.server.env, "AWS_CONDITIONAL_PUT": "etag"}
+        env["DISTCKPT_CLOUD_ALLOW_HTTP"] = "1"
         if self.args.io_workers:
             env["DISTCKPT_IO_WORKERS"] = str(self.args.io_workers)
         out, wall, m = self.launch_worker(h.torchrun(nproc), __file__, spec, label, env)
@@ -396,6 +411,8 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         specs.append((f"A {op} thr distckpt/raw", op, m, "raw", None))
     for op, m in ops:
         specs.append((f"A {op} thr dcp/raw", op, m, "raw", None, "dcp"))
+    for op, m in ops:
+        specs.append((f"A {op} thr obstore/boto3", op, m, "distckpt", None, "obstore"))
     ratios = []
     for label, op, world, den, goal, *num in specs:
         per_round = [

@@ -245,8 +245,8 @@ def test_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             S3Store.from_url(bad)
         with pytest.raises(ValueError, match="no bucket"):
             resolve(bad)
-    with pytest.raises(ValueError, match="unsupported storage scheme 'gs'"):
-        resolve("gs://bucket/x")
+    with pytest.raises(ValueError, match=r"unsupported storage scheme 'hdfs' \(known: .*gs://"):
+        resolve("hdfs://bucket/x")
     local = resolve(tmp_path / "d")
     assert isinstance(local, PosixStore) and local.path == tmp_path / "d"
     assert resolve(str(tmp_path / "d")) == local

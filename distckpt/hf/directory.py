@@ -35,13 +35,22 @@ from pathlib import Path
 
 from distckpt import dtypes
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
-from distckpt.hf.safetensors import StoredTensor, TensorHeader, read_header
+from distckpt.hf.safetensors import (
+    StoredTensor,
+    TensorHeader,
+    header_length,
+    parse_header,
+    read_header,
+)
+from distckpt.storage.backend import Store, resolve
 from distckpt.storage.fsutil import read_regular
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
 SUFFIX = ".safetensors"
+#: The largest weights index read from a store (a 70B model's is about 100 kB).
+MAX_INDEX_BYTES = 64 << 20
 #: ``save_pretrained``'s default file size.
 DEFAULT_MAX_BYTES = 5 * 10**9
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -51,21 +60,32 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 @dataclass(frozen=True)
 class Weights:
-    """Every tensor of a weights directory, by name, and its metadata (first file's)."""
+    """Every tensor of a weights directory, by name, and its metadata (first file's).
+    In a store (``store`` set), a tensor's ``path`` is its file's key there."""
 
-    root: Path
+    root: Path | str
     tensors: dict[str, StoredTensor]
     metadata: dict[str, str]
+    store: Store | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def open_weights(path: str | os.PathLike[str]) -> Weights:
-    """The tensors of the Hugging Face weights at ``path`` (see the module doc); reads
-    the index and every file's header, nothing else."""
-    root = Path(path)
+def is_stored(path: str | os.PathLike[str] | Store) -> bool:
+    """Whether ``path`` is a store or names one by URL (``s3://``, ``az://``, ...)."""
+    if isinstance(path, Store):
+        return True
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def open_weights(path: str | os.PathLike[str] | Store) -> Weights:
+    """The tensors of the Hugging Face weights at ``path`` (see the module doc), a path
+    or a location in a store; reads the index and every file's header, nothing else."""
+    if is_stored(path):
+        return _open_in_store(resolve(path))  # type: ignore[arg-type]
+    root = Path(path)  # type: ignore[arg-type]
     if root.is_file():
         return _from_files(root.parent, [root], None)
     if not root.is_dir():
@@ -98,13 +118,59 @@ def _inside(root: Path, file: Path) -> Path:
     return file
 
 
-def _read_index(root: Path, path: Path) -> dict[str, str]:
+def _open_in_store(store: Store) -> Weights:
+    """:func:`open_weights` of a prefix of a store, or of one ``.safetensors`` object."""
+    if store.name.endswith(SUFFIX):
+        return _from_objects(store.parent, [store.name], None)
+    names = store.list("")
+    indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise CorruptCheckpointError(
+            f"{store.url}: several weight indexes ({', '.join(indexes)}); name the one to read"
+        )
+    if indexes:
+        with store.open(indexes[0]) as reader:
+            if reader.size > MAX_INDEX_BYTES:
+                raise CorruptCheckpointError(
+                    f"{store.where(indexes[0])}: a weights index of {reader.size} bytes "
+                    f"(at most {MAX_INDEX_BYTES} are read)"
+                )
+            raw = reader.read(0, reader.size)
+        weight_map = _parse_index(store.where(indexes[0]), raw)
+        files = sorted(set(weight_map.values()))
+        return _from_objects(store, files, (store.where(indexes[0]), weight_map))
+    files = sorted(n for n in names if n.endswith(SUFFIX))
+    if not files:
+        raise CheckpointNotFoundError(f"{store.url}: no *.safetensors objects and no {INDEX}")
+    return _from_objects(store, files, None)
+
+
+def _from_objects(
+    store: Store, files: Sequence[str], index: tuple[str, dict[str, str]] | None
+) -> Weights:
+    """:func:`_from_files` for the objects ``files`` of ``store``: each header is read
+    with two ranged reads, its declared length checked first."""
+    headers = []
+    for key in files:
+        try:
+            with store.open(key) as reader:
+                size = reader.size
+                length = header_length(store.where(key), reader.read(0, 8), size)
+                raw = reader.read(8, length)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{store.url}: the index names {key}, which is missing"
+            ) from None
+        found, meta = parse_header(key, raw, size)
+        headers.append((key, found, meta))
+    return _gather(store.url, headers, index, store)
+
+
+def _parse_index(path: Path | str, raw: bytes) -> dict[str, str]:
     try:
-        doc = json.loads(read_regular(os.path.realpath(_inside(root, path))))
+        doc = json.loads(raw)
         weight_map = doc["weight_map"]
-    except (CorruptCheckpointError, FileNotFoundError):
-        raise
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: not a weights index ({exc})") from None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -117,25 +183,50 @@ def _read_index(root: Path, path: Path) -> dict[str, str]:
     return dict(weight_map)
 
 
+def _read_index(root: Path, path: Path) -> dict[str, str]:
+    try:
+        raw = read_regular(os.path.realpath(_inside(root, path)))
+    except (CorruptCheckpointError, FileNotFoundError):
+        raise
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: not a weights index ({exc})") from None
+    return _parse_index(path, raw)
+
+
 def _from_files(
     root: Path, files: Sequence[Path], index: tuple[Path, dict[str, str]] | None
 ) -> Weights:
-    tensors: dict[str, StoredTensor] = {}
-    metadata: dict[str, str] = {}
+    headers = []
     for file in files:
         if not file.exists():  # (a FIFO or device exists, and is refused when opened)
             raise CorruptCheckpointError(f"{root}: the index names {file.name}, which is missing")
         found, meta = read_header(_inside(root, file))
+        headers.append((file.name, found, meta))
+    return _gather(root, headers, None if index is None else (str(index[0]), index[1]))
+
+
+def _gather(
+    root: Path | str,
+    headers: Sequence[tuple[str, list[StoredTensor], dict[str, str]]],
+    index: tuple[str, dict[str, str]] | None,
+    store: Store | None = None,
+) -> Weights:
+    """The weights of files ``(name, tensors, metadata)``: those the index places in each
+    (every one without an index), each tensor in one file only."""
+    tensors: dict[str, StoredTensor] = {}
+    files: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+    for name, found, meta in headers:
         metadata = metadata or meta
         for t in found:
-            if index is not None and index[1].get(t.name) != file.name:
+            if index is not None and index[1].get(t.name) != name:
                 continue  # the index says it lives elsewhere (or nowhere)
             if t.name in tensors:
                 raise CorruptCheckpointError(
-                    f"{root}: {t.name!r} is in both {Path(tensors[t.name].path).name} and "
-                    f"{file.name}"
+                    f"{root}: {t.name!r} is in both {files[t.name]} and {name}"
                 )
             tensors[t.name] = t
+            files[t.name] = name
     if index is not None:
         absent = sorted(n for n in index[1] if n not in tensors)
         if absent:
@@ -143,7 +234,7 @@ def _from_files(
                 f"{index[0]}: {len(absent)} tensors are not in the files it names: "
                 + ", ".join(absent[:8])
             )
-    return Weights(root, tensors, metadata)
+    return Weights(root, tensors, metadata, store)
 
 
 def parse_size(size: int | str) -> int:

@@ -17,6 +17,7 @@ makes every rank raise if any rank failed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -36,7 +37,7 @@ from distckpt.engine.matching import agree_names, assign, check_leaf, target_box
 from distckpt.engine.results import LoadResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
-from distckpt.hf.directory import Weights, open_weights
+from distckpt.hf.directory import Weights, is_stored, open_weights
 from distckpt.hf.safetensors import StoredTensor
 from distckpt.items import Leaf, flatten
 from distckpt.progress import progress
@@ -86,7 +87,7 @@ def load_hf(
     background.finish_pending()
     comm = comm or auto()
     names_mod.for_loading(prefix, rename)  # checks the pair before any communication
-    result = LoadResult(Path(path).absolute())
+    result = LoadResult(path if is_stored(path) else Path(path).absolute())  # type: ignore[arg-type]
     t0 = time.perf_counter()
     weights: Weights | Failure | None = None
     if comm.rank == 0:
@@ -112,7 +113,7 @@ def load_hf(
         payload = None if matched is None else True  # None: this rank cannot read
         ready = agree_names(comm, payload, stored, result, strict, "weights")
         if matched is not None and None not in ready:
-            _read_local(matched, result, workers, comm.rank)
+            _read_local(matched, result, workers, comm.rank, _reader(weights))
     except Exception as exc:
         error = error or exc
     return settle(comm, result, error, t0)
@@ -203,8 +204,16 @@ def _match(
     return _Matched(jobs, aliases, t0)
 
 
-def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int) -> None:
-    """Read this rank's boxes with its I/O workers; put new tensors in place."""
+def _reader(weights: Any) -> Any:
+    """What reads runs of a tensor's file: ``(path, runs, out, what)``."""
+    if isinstance(weights, Weights) and weights.store is not None:
+        return functools.partial(ranges.read_store_runs, weights.store)
+    return ranges.read_runs
+
+
+def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int, read: Any) -> None:
+    """Read this rank's boxes with its I/O workers (``read``: see :func:`_reader`); put
+    new tensors in place."""
     jobs, aliases = matched.jobs, matched.aliases
     total = sum(box.numel * dtypes.itemsize(e.dtype) for _, e, box in jobs)
     t_plan = time.perf_counter()
@@ -227,9 +236,9 @@ def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int) 
                 flat = out.reshape(-1).view(np.uint8)
                 runs = byte_runs(entry.shape, box, dtypes.itemsize(entry.dtype))
                 for task in ranges.split(runs, entry.offset):
-                    group.submit(ranges.read_runs, entry.path, task, flat, repr(entry.name))
+                    group.submit(read, entry.path, task, flat, repr(entry.name))
             for entry, box, tensor in staged:
-                _submit_staged(group, entry, box, tensor, used)
+                _submit_staged(group, entry, box, tensor, used, read)
 
         try:
             group.drive(feed)
@@ -245,7 +254,12 @@ def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int) 
 
 
 def _submit_staged(
-    group: TaskGroup, entry: StoredTensor, box: Box, tensor: torch.Tensor, used: set[slabs.SlabPool]
+    group: TaskGroup,
+    entry: StoredTensor,
+    box: Box,
+    tensor: torch.Tensor,
+    used: set[slabs.SlabPool],
+    read: Any,
 ) -> None:
     """Read ``box`` of ``entry`` a band at a time into a slab, then into ``tensor``."""
     itemsize = dtypes.itemsize(entry.dtype)
@@ -261,9 +275,7 @@ def _submit_staged(
             where = band.shifted(box.offsets)
             flat = landing.region.array[:nbytes]
             for task in ranges.split(byte_runs(entry.shape, where, itemsize), entry.offset):
-                group.submit(
-                    ranges.read_runs, entry.path, task, flat, repr(entry.name), release=landing.done
-                )
+                group.submit(read, entry.path, task, flat, repr(entry.name), release=landing.done)
                 count += 1
         except BaseException:
             landing.abandon()

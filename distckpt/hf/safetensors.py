@@ -117,20 +117,29 @@ def read_header(path: str | os.PathLike[str]) -> tuple[list[StoredTensor], dict[
     try:
         with os.fdopen(open_regular(os.path.realpath(path)), "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CorruptCheckpointError(
-                    f"{path}: not a safetensors file (shorter than 8 bytes)"
-                )
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CorruptCheckpointError(
-                    f"{path}: not a safetensors file (header length {length} for a file of "
-                    f"{size} bytes)"
-                )
+            length = header_length(path, f.read(8), size)
             raw = f.read(length)
     except FileNotFoundError:
         raise ConversionError(f"{path}: no such file") from None
+    return parse_header(path, raw, size)
+
+
+def header_length(path: str, prefix: bytes, size: int) -> int:
+    """The header's length, from the file's first 8 bytes, checked against its ``size``."""
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise CorruptCheckpointError(
+            f"{path}: not a safetensors file (header length {length} for a file of {size} bytes)"
+        )
+    return int(length)
+
+
+def parse_header(path: str, raw: bytes, size: int) -> tuple[list[StoredTensor], dict[str, str]]:
+    """The tensors and metadata of the header ``raw`` of the file ``path`` of ``size``
+    bytes (see :func:`read_header`)."""
+    length = len(raw)
     try:
         doc = json.loads(raw, object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

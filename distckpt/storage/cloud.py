@@ -73,10 +73,16 @@ _MAX_PARTS = 9_000  # GCS allows 10,000 parts, Azure 50,000 blocks
 #: Set to 1 to let a service be reached over plain ``http://`` (an emulator on loopback).
 ALLOW_HTTP_ENV = "DISTCKPT_CLOUD_ALLOW_HTTP"
 #: The services, by URL scheme: obstore's store class and what the URL names.
-SERVICES = {"az": ("AzureStore", "container"), "gs": ("GCSStore", "bucket")}
+#: (``s3`` is obstore's S3 client, which benchmarks/bench_s3.py compares with boto3's;
+#: ``s3://`` locations open :class:`~distckpt.storage.s3.S3Store`.)
+SERVICES = {
+    "az": ("AzureStore", "container"),
+    "gs": ("GCSStore", "bucket"),
+    "s3": ("S3Store", "bucket"),
+}
 
 #: The environment variables a client is made from (a change makes a new client).
-_SETTINGS = ("AZURE_", "AZURITE_", "GOOGLE_", "DISTCKPT_")
+_SETTINGS = ("AZURE_", "AZURITE_", "GOOGLE_", "AWS_", "DISTCKPT_")
 _clients: dict[tuple[Any, ...], Any] = {}
 _first_pid: int | None = None
 _clients_lock = threading.Lock()

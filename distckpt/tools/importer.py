@@ -45,7 +45,7 @@ from distckpt.comm import SingleComm
 from distckpt.engine.results import SaveResult
 from distckpt.engine.save import save_from
 from distckpt.errors import CheckpointError, ConversionError
-from distckpt.hf.directory import open_weights
+from distckpt.hf.directory import is_stored, open_weights
 from distckpt.transfer.sources import FileData, Source, source_for
 from distckpt.values import decode
 
@@ -68,9 +68,11 @@ def import_checkpoint(
     import_checkpoint("model.safetensors", "run/ckpt-0")
     import_checkpoint("Llama-3.2-1B/", "run/ckpt-0", prefix="net/")
     """
-    source = Path(src)
     files: dict[int, FileData] = {}
-    state = read_source(source, allow_pickle=allow_pickle, files=files)
+    if is_stored(src):  # Hugging Face weights in a store (s3://, az://, gs://, ...)
+        state = _read_safetensors(str(src), files, metadata=str(src).endswith(".safetensors"))
+    else:
+        state = read_source(Path(src), allow_pickle=allow_pickle, files=files)
     for key in reversed([k for k in prefix.split("/") if k]):
         state = {key: state}
 
@@ -186,14 +188,14 @@ def _read_torch(source: Path, allow_pickle: bool) -> dict[str, Any]:
 
 
 def _read_safetensors(
-    source: Path, files: dict[int, FileData] | None, *, metadata: bool
+    source: Path | str, files: dict[int, FileData] | None, *, metadata: bool
 ) -> dict[str, Any]:
     """The tensors of a safetensors file or weights directory: meta tensors noted in
     ``files`` (streamed when saved), or read whole when ``files`` is None."""
     weights = open_weights(source)
     flat: dict[str, Any] = {}
     for name, stored in weights.tensors.items():
-        data = FileData(stored.path, stored.offset, stored.shape, stored.dtype, name)
+        data = FileData(stored.path, stored.offset, stored.shape, stored.dtype, name, weights.store)
         dtype = dtypes.torch_dtype(stored.dtype)
         if files is None:
             raw = torch.from_numpy(data.host().reshape(-1).view(np.uint8))
@@ -216,7 +218,7 @@ def _metadata_value(text: str) -> Any:
         return text
 
 
-def _nest(flat: dict[str, Any], source: Path) -> dict[str, Any]:
+def _nest(flat: dict[str, Any], source: Path | str) -> dict[str, Any]:
     """``{"a/b": x}`` as ``{"a": {"b": x}}``, each component unescaped (see
     :mod:`distckpt.naming`), so the saved names are the given ones."""
     root: dict[str, Any] = {}

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from distckpt.errors import CorruptCheckpointError
+from distckpt.storage.backend import Store
 from distckpt.storage.fsutil import open_regular
 
 #: Bytes one task moves.
@@ -68,6 +69,21 @@ def read_runs(path: str, runs: list[Run], out: np.ndarray, what: str) -> int:
                 done += n
     finally:
         os.close(fd)
+    return sum(length for _, length, _ in runs)
+
+
+def read_store_runs(store: Store, key: str, runs: list[Run], out: np.ndarray, what: str) -> int:
+    """:func:`read_runs` of the object ``key`` of ``store`` (ranged reads, the runs
+    announced first so that a remote store fetches them together)."""
+    with store.open(key) as reader:
+        reader.will_need([(offset, length) for offset, length, _ in runs])
+        for offset, length, pos in runs:
+            got = reader.readinto([out[pos : pos + length].data], offset)
+            if got < length:
+                raise CorruptCheckpointError(
+                    f"{store.where(key)}: ends at byte {offset + got}, inside {what} "
+                    f"(bytes {offset}..{offset + length})"
+                )
     return sum(length for _, length, _ in runs)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.slices import Box, byte_runs, c_order_bands
+from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer.arrays import numpy_view
@@ -178,21 +179,33 @@ class StagedData:
 
 class FileData:
     """A tensor stored whole, C order, at ``offset`` of the file ``path`` (a safetensors
-    file being imported): read as the writer asks for it, a run of inner chunks at a time
-    into a staging slab, so it is never whole in memory."""
+    file being imported; with ``store``, the key of one of its objects): read as the
+    writer asks for it, a run of inner chunks at a time into a staging slab, so it is
+    never whole in memory."""
 
     staged = True
     device = torch.device("cpu")
 
-    def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: str, name: str):
-        self.path, self.offset, self.name = path, offset, name
+    def __init__(
+        self,
+        path: str,
+        offset: int,
+        shape: tuple[int, ...],
+        dtype: str,
+        name: str,
+        store: Store | None = None,
+    ):
+        self.path, self.offset, self.name, self.store = path, offset, name, store
         self.shape = tuple(shape)
         self.dtype = dtypes.numpy_dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
     def _read(self, runs: Iterator[tuple[int, int]], out: np.ndarray, nbytes: int) -> None:
         for task in ranges.split(runs, self.offset, max(1, nbytes)):
-            ranges.read_runs(self.path, task, out, repr(self.name))
+            if self.store is None:
+                ranges.read_runs(self.path, task, out, repr(self.name))
+            else:
+                ranges.read_store_runs(self.store, self.path, task, out, repr(self.name))
 
     def host(self) -> np.ndarray:
         """A whole copy (small tensors only: those stored as one plain chunk)."""

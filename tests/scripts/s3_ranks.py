@@ -414,7 +414,7 @@ def kill_mode(url: str, markers: Path) -> int:
     """Save ``URL/prev`` (version 1), then ``URL/target`` (version 3) while the last rank
     SIGKILLs itself in the middle of its multipart upload of ``w`` (after one part went
     up), once every other rank has finished its own shard of ``w``."""
-    from distckpt.storage.s3 import S3Writer
+    from distckpt.storage.s3_io import S3Writer
 
     comm = setup()
     rank, world = comm.rank, comm.size
