@@ -15,6 +15,7 @@ import json
 import random
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -328,6 +329,18 @@ def test_load_hf_from_store(service: str, request: pytest.FixtureRequest, tmp_pa
     box = distckpt.Shard(torch.zeros(64, 100), global_shape=(64, 640), offsets=(0, 300))
     distckpt.load_hf({"layers.1.w": box}, f"{server.url}/hf", COMM, strict=False)
     assert torch.equal(box.tensor, want["layers.1.w"][:, 300:400])
+    # `distckpt import` from the bucket: a checkpoint of the same tensors.
+    proc = subprocess.run(
+        [sys.executable, "-m", "distckpt", "import", f"{server.url}/hf", str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    back: dict[str, Any] = {k: torch.zeros_like(v) for k, v in want.items()}
+    distckpt.load(back, tmp_path / "ck", COMM)
+    for k, v in want.items():
+        assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
     # One object named directly.
     single = resolve(f"{server.url}/one")
     distckpt.save_hf({"x": want["norm.bias"]}, tmp_path / "one", COMM)
