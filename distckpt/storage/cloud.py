@@ -20,9 +20,9 @@ What each operation is, and what it guarantees (the same as ``s3://``):
 * **Writes** at any offset, from several threads: an object is gathered in memory in
   parts and uploaded when it is finished (a shard's checksum table, at its start, is its
   last write), as one put or, above one part, a multipart upload of
-  :data:`UPLOAD_CONCURRENCY` parts at a time. An unfinished upload leaves uncommitted
-  blocks (Azure) or parts (GCS) that the service drops after a week or that a lifecycle
-  rule removes; ``gc`` cannot list them through this client.
+  :data:`~distckpt.storage.cloud_io.UPLOAD_CONCURRENCY` parts at a time. An unfinished
+  upload leaves uncommitted blocks (Azure) or parts (GCS) that the service drops after
+  a week or that a lifecycle rule removes; ``gc`` cannot list them through this client.
 * **Reads** are ranged; :meth:`CloudReader.will_need` fetches a task's runs concurrently
   in one call.
 * **Copies** (incremental saves) are server-side copies within a bucket; the source's
@@ -42,11 +42,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -61,15 +60,13 @@ from distckpt.storage.backend import (
     join,
 )
 from distckpt.storage.claim import CLAIM
+from distckpt.storage.cloud_io import CloudReader, CloudWriter
 from distckpt.storage.s3_service import MAX_ATTEMPTS, deadline
 
 T = TypeVar("T")
 
 #: Bytes per part of a multipart upload (Azure blocks and GCS parts; 5 MiB at least).
 PART_BYTES = int(os.environ.get("DISTCKPT_CLOUD_PART_BYTES", 8 << 20))
-#: Parts of one object uploaded at once.
-UPLOAD_CONCURRENCY = 8
-_MAX_PARTS = 9_000  # GCS allows 10,000 parts, Azure 50,000 blocks
 #: Set to 1 to let a service be reached over plain ``http://`` (an emulator on loopback).
 ALLOW_HTTP_ENV = "DISTCKPT_CLOUD_ALLOW_HTTP"
 #: The services, by URL scheme: obstore's store class and what the URL names.
@@ -269,7 +266,7 @@ class CloudStore:
         self.call("write", key, lambda o, c: o.put(c, self._key(key), body))
 
     def create(self, key: str, size_hint: int | None = None) -> CloudWriter:
-        return CloudWriter(self, key, size_hint)
+        return CloudWriter(self, key, size_hint, PART_BYTES)
 
     def put_new(self, key: str, data: Buffer) -> str:
         return self._conditional(key, bytes(data), "create", "create")
@@ -381,147 +378,3 @@ class CloudStore:
     def persist(self, keys: Iterable[str]) -> None:
         for key in keys:
             check_key(key)  # a finished upload is durable: only the keys to check
-
-
-class CloudReader:
-    """Ranged reads of one object; runs announced by :meth:`will_need` are fetched
-    together, concurrently, and the reads that fall inside them served from memory."""
-
-    def __init__(self, store: CloudStore, key: str, size: int | None) -> None:
-        self._store = store
-        self._key = key
-        self._size = size
-        self._runs: list[tuple[int, memoryview]] = []
-
-    @property
-    def size(self) -> int:
-        if self._size is None:
-            self._size = int(self._store.head(self._key)["size"])
-        return self._size
-
-    def _ranges(self, runs: Sequence[tuple[int, int]]) -> builtins.list[memoryview]:
-        """The bytes of each ``(offset, length)`` run, cut short at the object's end."""
-        clipped = [(offset, max(0, min(length, self.size - offset))) for offset, length in runs]
-        wanted = [(o, n) for o, n in clipped if n]
-        path = self._store._key(self._key)
-        got = iter(
-            self._store.call(
-                "read",
-                self._key,
-                lambda o, c: o.get_ranges(
-                    c, path, starts=[o for o, _ in wanted], lengths=[n for _, n in wanted]
-                ),
-            )
-            if wanted
-            else ()
-        )
-        return [memoryview(next(got)) if n else memoryview(b"") for _, n in clipped]
-
-    def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
-        views = [byte_view(b) for b in buffers]
-        want = sum(v.nbytes for v in views)
-        if want == 0:
-            return 0
-        for start, data in self._runs:
-            if start <= offset and offset + want <= start + len(data):
-                data = data[offset - start : offset - start + want]
-                break
-        else:
-            data = self._ranges([(offset, want)])[0]
-        at = 0
-        for v in views:
-            take = min(v.nbytes, len(data) - at)
-            v[:take] = data[at : at + take]
-            at += take
-        return at
-
-    def read(self, offset: int, length: int) -> bytes:
-        buf = bytearray(length)
-        got = self.readinto([buf], offset)
-        return bytes(buf[:got])
-
-    def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
-        self._runs = list(zip((offset for offset, _ in runs), self._ranges(runs), strict=True))
-
-    def close(self) -> None:
-        self._runs = []
-
-    def __enter__(self) -> CloudReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class CloudWriter:
-    """One object written at offsets from several threads, each byte once, gathered in
-    parts of :data:`PART_BYTES` and uploaded by :meth:`finish`."""
-
-    def __init__(self, store: CloudStore, key: str, size_hint: int | None = None) -> None:
-        self._store = store
-        self._key = key
-        part = max(PART_BYTES, 5 << 20)
-        if size_hint:
-            part = max(part, math.ceil(size_hint / _MAX_PARTS / (1 << 20)) << 20)
-        self.part_bytes = part
-        self._lock = threading.Lock()
-        self._parts: dict[int, bytearray] = {}
-        self._end = 0
-        self._done = False
-
-    def write(self, buffers: Sequence[Buffer], offset: int) -> int:
-        total = 0
-        for b in buffers:
-            view = byte_view(b)
-            n = view.nbytes
-            at = 0
-            while at < n:
-                part, within = divmod(offset + at, self.part_bytes)
-                take = min(n - at, self.part_bytes - within)
-                with self._lock:
-                    if self._done:
-                        raise ValueError(f"{self._store.where(self._key)} is closed")
-                    buf = self._parts.get(part)
-                    if buf is None:
-                        buf = self._parts[part] = bytearray(self.part_bytes)
-                    self._end = max(self._end, offset + at + take)
-                buf[within : within + take] = view[at : at + take]
-                at += take
-            offset += n
-            total += n
-        return total
-
-    def finish(self, durable: bool = True) -> None:
-        with self._lock:
-            if self._done:
-                raise ValueError(f"{self._store.where(self._key)} is closed")
-            self._done = True
-            end, parts = self._end, self._parts
-            self._parts = {}
-        count = max(1, math.ceil(end / self.part_bytes))
-        bodies = []
-        for number in range(count):
-            # A part never written is a gap: zeros. The last is cut in place to the end.
-            body = parts.get(number) or bytearray(self.part_bytes)
-            del body[min(self.part_bytes, end - number * self.part_bytes) :]
-            bodies.append(body)
-        path = self._store._key(self._key)
-        if count == 1:
-            self._store.call("write", self._key, lambda o, c: o.put(c, path, bodies[0]))
-            return
-        self._store.call(
-            "upload",
-            self._key,
-            lambda o, c: o.put(
-                c,
-                path,
-                bodies,
-                chunk_size=self.part_bytes,
-                max_concurrency=UPLOAD_CONCURRENCY,
-            ),
-        )
-
-    def abort(self) -> None:
-        with self._lock:
-            self._done = True
-            self._parts = {}
