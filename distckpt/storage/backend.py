@@ -275,6 +275,19 @@ class CopyingStore(Store, Protocol):
         has none."""
 
 
+def own_write(store: Store, key: str, body: bytes, error: ConditionFailed) -> str:
+    """After a conditional write of ``body`` to ``key`` failed its condition on a retry:
+    the version of ``key`` if it holds exactly ``body`` (the first try landed and its
+    answer was lost), else ``error`` is raised."""
+    try:
+        current, version = store.read_versioned(key)
+    except FileNotFoundError:
+        raise error from None
+    if current == body:
+        return version
+    raise error
+
+
 def copying(store: Store) -> CopyingStore | None:
     """``store`` as a :class:`CopyingStore` when it declares ``copies``, else None (asked
     of the flag: an ``isinstance`` of a protocol costs tens of microseconds a call)."""

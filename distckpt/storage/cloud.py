@@ -58,6 +58,7 @@ from distckpt.storage.backend import (
     byte_view,
     check_key,
     join,
+    own_write,
 )
 from distckpt.storage.claim import CLAIM
 from distckpt.storage.cloud_io import CloudReader, CloudWriter
@@ -284,14 +285,7 @@ class CloudStore:
                 op, key, lambda o, c: _version(o.put(c, self._key(key), body, mode=mode))
             )
         except ConditionFailed as error:
-            # Our own earlier try may have landed with its answer lost.
-            try:
-                current, version = self.read_versioned(key)
-            except FileNotFoundError:
-                raise error from None
-            if current == body:
-                return version
-            raise
+            return own_write(self, key, body, error)  # our earlier try may have landed
 
     def exists(self, key: str) -> bool:
         try:

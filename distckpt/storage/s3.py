@@ -47,6 +47,7 @@ from distckpt.storage.backend import (
     Store,
     check_key,
     join,
+    own_write,
 )
 from distckpt.storage.claim import CLAIM
 from distckpt.storage.s3_io import S3Reader, S3Writer, multipart_etag  # noqa: F401
@@ -268,14 +269,7 @@ class S3Store:
                 # (as on a file system), whatever the service's answer (404 or 412).
                 raise ConditionFailed(f"{self.where(key)}: {op}: it is gone") from None
             except ConditionFailed as error:
-                # Our own earlier try may have landed with its answer lost.
-                try:
-                    current, version = self.read_versioned(key)
-                except FileNotFoundError:
-                    raise error from None
-                if current == body:
-                    return version
-                raise
+                return own_write(self, key, body, error)  # our earlier try may have landed
 
     def exists(self, key: str) -> bool:
         try:
