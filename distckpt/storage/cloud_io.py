@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from distckpt.storage.backend import Buffer, byte_view
+from distckpt.storage.parts import cut, part_size
 
 if TYPE_CHECKING:
     from distckpt.storage.cloud import CloudStore
 
 #: Parts of one object uploaded at once.
 UPLOAD_CONCURRENCY = 8
-_MAX_PARTS = 9_000  # GCS allows 10,000 parts, Azure 50,000 blocks
 
 
 class CloudReader:
@@ -92,15 +92,12 @@ class CloudReader:
 
 class CloudWriter:
     """One object written at offsets from several threads, each byte once, gathered in
-    parts of ``part_bytes`` (at least 5 MiB) and uploaded by :meth:`finish`."""
+    parts (:func:`~distckpt.storage.parts.part_size`) and uploaded by :meth:`finish`."""
 
     def __init__(self, store: CloudStore, key: str, size_hint: int | None, part_bytes: int) -> None:
         self._store = store
         self._key = key
-        part = max(part_bytes, 5 << 20)
-        if size_hint:
-            part = max(part, math.ceil(size_hint / _MAX_PARTS / (1 << 20)) << 20)
-        self.part_bytes = part
+        self.part_bytes = part_size(part_bytes, size_hint)
         self._lock = threading.Lock()
         self._parts: dict[int, bytearray] = {}
         self._end = 0
@@ -108,24 +105,16 @@ class CloudWriter:
 
     def write(self, buffers: Sequence[Buffer], offset: int) -> int:
         total = 0
-        for b in buffers:
-            view = byte_view(b)
-            n = view.nbytes
-            at = 0
-            while at < n:
-                part, within = divmod(offset + at, self.part_bytes)
-                take = min(n - at, self.part_bytes - within)
-                with self._lock:
-                    if self._done:
-                        raise ValueError(f"{self._store.where(self._key)} is closed")
-                    buf = self._parts.get(part)
-                    if buf is None:
-                        buf = self._parts[part] = bytearray(self.part_bytes)
-                    self._end = max(self._end, offset + at + take)
-                buf[within : within + take] = view[at : at + take]
-                at += take
-            offset += n
-            total += n
+        for part, within, data in cut(buffers, offset, self.part_bytes):
+            with self._lock:
+                if self._done:
+                    raise ValueError(f"{self._store.where(self._key)} is closed")
+                buf = self._parts.get(part)
+                if buf is None:
+                    buf = self._parts[part] = bytearray(self.part_bytes)
+                self._end = max(self._end, part * self.part_bytes + within + data.nbytes)
+            buf[within : within + data.nbytes] = data
+            total += data.nbytes
         return total
 
     def finish(self, durable: bool = True) -> None:

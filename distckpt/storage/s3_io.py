@@ -6,22 +6,18 @@ from __future__ import annotations
 import builtins
 import hashlib
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from distckpt.storage.backend import Buffer, byte_view
+from distckpt.storage.parts import cut, part_size
 from distckpt.storage.s3_service import body_retry, client, error_code
 
 if TYPE_CHECKING:
     from distckpt.storage.s3 import S3Store
 
 log = logging.getLogger("distckpt.storage.s3")
-
-#: S3's smallest part (but for the last).
-MIN_PART = 5 << 20
-_MAX_PARTS = 9_000  # S3 allows 10,000
 
 
 def multipart_etag(etags: Sequence[str]) -> str:
@@ -124,10 +120,7 @@ class S3Writer:
     def __init__(self, store: S3Store, key: str, size_hint: int | None, part_bytes: int) -> None:
         self._store = store
         self._key = key
-        part = max(part_bytes, MIN_PART)
-        if size_hint:
-            part = max(part, math.ceil(size_hint / _MAX_PARTS / (1 << 20)) << 20)
-        self.part_bytes = part
+        self.part_bytes = part_size(part_bytes, size_hint)
         self._lock = threading.Lock()
         self._buffers: dict[int, bytearray] = {}
         self._filled: dict[int, int] = {}
@@ -139,31 +132,23 @@ class S3Writer:
     def write(self, buffers: Sequence[Buffer], offset: int) -> int:
         total = 0
         complete: list[int] = []
-        for b in buffers:
-            view = byte_view(b)
-            n = view.nbytes
-            at = 0
-            while at < n:
-                part, within = divmod(offset + at, self.part_bytes)
-                take = min(n - at, self.part_bytes - within)
-                with self._lock:
-                    if self._done:
-                        raise ValueError(f"{self._store.where(self._key)} is closed")
-                    buf = self._buffers.get(part)
-                    if buf is None:
-                        if part in self._etags:
-                            raise ValueError(f"part {part} of {self._key} written twice")
-                        buf = self._buffers[part] = bytearray(self.part_bytes)
-                        self._filled[part] = 0
-                buf[within : within + take] = view[at : at + take]
-                with self._lock:
-                    self._filled[part] += take
-                    self._end = max(self._end, offset + at + take)
-                    if self._filled[part] == self.part_bytes:
-                        complete.append(part)
-                at += take
-            offset += n
-            total += n
+        for part, within, data in cut(buffers, offset, self.part_bytes):
+            with self._lock:
+                if self._done:
+                    raise ValueError(f"{self._store.where(self._key)} is closed")
+                buf = self._buffers.get(part)
+                if buf is None:
+                    if part in self._etags:
+                        raise ValueError(f"part {part} of {self._key} written twice")
+                    buf = self._buffers[part] = bytearray(self.part_bytes)
+                    self._filled[part] = 0
+            buf[within : within + data.nbytes] = data
+            with self._lock:
+                self._filled[part] += data.nbytes
+                self._end = max(self._end, part * self.part_bytes + within + data.nbytes)
+                if self._filled[part] == self.part_bytes:
+                    complete.append(part)
+            total += data.nbytes
         for part in complete:
             self._upload_part(part, self.part_bytes)
         return total
