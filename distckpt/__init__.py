@@ -39,10 +39,11 @@ from distckpt.errors import (  # noqa: E402
     UnsupportedValueError,
     ValidationError,
 )
-from distckpt.hf import export_hf, load_hf, save_hf  # noqa: E402
+from distckpt.hf import load_hf, save_hf  # noqa: E402
 from distckpt.items import PerRank, Shard  # noqa: E402
 from distckpt.local import LocalTier  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
+from distckpt.tools.export_hf import export_hf  # noqa: E402
 from distckpt.training import (  # noqa: E402
     Checkpoint,
     CheckpointManager,

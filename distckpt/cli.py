@@ -124,8 +124,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_hf(args: argparse.Namespace) -> int:
     from distckpt.comm import SingleComm
-    from distckpt.hf import export_hf
     from distckpt.hf.directory import DEFAULT_MAX_BYTES
+    from distckpt.tools.export_hf import export_hf
 
     try:
         result = export_hf(

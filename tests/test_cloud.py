@@ -307,9 +307,11 @@ def _hf_state() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("service", ["s3", "azure"])
 def test_load_hf_from_store(service: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """Hugging Face weights uploaded to a bucket (an index and three files) load from
-    its URL bit for bit, resharded boxes included; a hostile index or header in the
-    bucket is refused with a message naming it."""
+    """Hugging Face weights written to a bucket by save_hf (an index and three files)
+    are the files it writes to a directory, byte for byte; they load from its URL bit for
+    bit, resharded boxes included; existing weights are refused, or replaced with
+    ``overwrite=True`` (the old files the new save does not name removed); a hostile index
+    or header in the bucket is refused with a message naming it."""
     server = request.getfixturevalue("s3" if service == "s3" else "azure")
     want = _hf_state()
     local = tmp_path / "hf"
@@ -317,8 +319,18 @@ def test_load_hf_from_store(service: str, request: pytest.FixtureRequest, tmp_pa
     files = sorted(p.name for p in local.iterdir())
     assert "model.safetensors.index.json" in files and len(files) >= 4
     store = resolve(f"{server.url}/hf")
+    distckpt.save_hf(want, store.url, COMM, max_shard_size=200_000)
+    assert store.list() == files
     for name in files:
-        store.write(name, (local / name).read_bytes())
+        assert store.read(name) == (local / name).read_bytes(), name
+    with pytest.raises(distckpt.CheckpointExists, match="already holds weights"):
+        distckpt.save_hf(want, store.url, COMM)
+    again = resolve(f"{server.url}/again")
+    distckpt.save_hf(want, again.url, COMM, max_shard_size=200_000)
+    distckpt.save_hf(want, again.url, COMM, options=distckpt.CheckpointOptions(overwrite=True))
+    distckpt.save_hf(want, tmp_path / "whole", COMM)
+    assert again.list() == ["model.safetensors"]
+    assert again.read("model.safetensors") == (tmp_path / "whole/model.safetensors").read_bytes()
 
     got: dict[str, Any] = {k: torch.zeros_like(v) for k, v in want.items()}
     result = distckpt.load_hf(got, f"{server.url}/hf", COMM)

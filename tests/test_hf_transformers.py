@@ -5,7 +5,9 @@ in small files; ranks launched by torchrun (2, tied embeddings) and mpiexec (3, 
 load it into an FSDP2-sharded copy, bit for bit (tests/scripts/hf_ranks.py), and write it
 back with :func:`distckpt.save_hf` and as a checkpoint; here ``from_pretrained`` of what
 they wrote, and of the checkpoint exported with :func:`distckpt.export_hf`, gives the
-original model's logits exactly.
+original model's logits exactly. The ranks also write the weights, and export the
+checkpoint, to a bucket (Azure for torchrun, S3 for mpiexec): each object there must be
+the file written here, byte for byte.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors.torch import load_file
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.storage.backend import resolve
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,17 +51,39 @@ def _reopened(directory: Path) -> torch.Tensor:
     return _logits(transformers.LlamaForCausalLM.from_pretrained(directory).eval())
 
 
+def _same_objects(directory: Path, url: str) -> None:
+    """The store at ``url`` holds the weights files of ``directory``, byte for byte."""
+    store = resolve(url)
+    files = sorted(p.name for p in directory.iterdir() if p.name.startswith("model"))
+    assert files and store.list() == files, (store.list(), files)
+    for name in files:
+        assert store.read(name) == (directory / name).read_bytes(), name
+
+
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    ("launcher", "ranks", "tied"), [("torchrun", 2, True), ("mpiexec", 3, False)]
+    ("launcher", "ranks", "tied", "service"),
+    [("torchrun", 2, True, "azure"), ("mpiexec", 3, False, "s3")],
 )
-def test_hf_weights_on_fsdp2_ranks(tmp_path: Path, launcher: str, ranks: int, tied: bool) -> None:
+def test_hf_weights_on_fsdp2_ranks(
+    tmp_path: Path,
+    launcher: str,
+    ranks: int,
+    tied: bool,
+    service: str,
+    request: pytest.FixtureRequest,
+) -> None:
     model = _model(tied)
     source = tmp_path / "source"
     model.save_pretrained(source, max_shard_size="30KB")
     assert len(list(source.glob("*.safetensors"))) > 2  # several files and an index
     work = tmp_path / "work"
+    server = request.getfixturevalue(service)
     run = run_torchrun if launcher == "torchrun" else run_mpi
-    proc = run(ranks, SCRIPTS / "hf_ranks.py", str(source), str(work), timeout=300)
+    env = dict(server.env)
+    proc = run(
+        ranks, SCRIPTS / "hf_ranks.py", str(source), str(work), server.url, timeout=300, env=env
+    )
     check(proc)
     assert proc.stdout.count("OK ") == ranks, output(proc)
 
@@ -73,3 +98,10 @@ def test_hf_weights_on_fsdp2_ranks(tmp_path: Path, launcher: str, ranks: int, ti
     assert torch.equal(
         load_file(work / "columns" / "model.safetensors")[up], model.state_dict()[up]
     )
+    # What the ranks wrote to the bucket, each file by one writer from every rank's rows.
+    for name, directory in [
+        ("hf", work / "hf"),
+        ("columns", work / "columns"),
+        ("exported", exported),
+    ]:
+        _same_objects(directory, f"{server.url}/{name}")

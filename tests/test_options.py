@@ -102,3 +102,26 @@ def test_checkpoint_and_manager_pass_the_value_on(tmp_path: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+def test_hugging_face_functions_take_the_value_and_keywords(tmp_path: Path) -> None:
+    want = {"w": (torch.arange(24) % 5).float().reshape(4, 6)}
+    distckpt.save_hf(want, tmp_path / "hf", COMM)
+    with pytest.raises(distckpt.CheckpointExists):
+        distckpt.save_hf(want, tmp_path / "hf", COMM, options=CheckpointOptions(io_workers=2))
+    distckpt.save_hf(want, tmp_path / "hf", COMM, options=CheckpointOptions(overwrite=True))
+    with pytest.raises(TypeError, match=r"save_hf\(\) got an unexpected keyword argument 'strict'"):
+        distckpt.save_hf(want, tmp_path / "hf2", COMM, strict=True)  # type: ignore[call-arg]
+    assert not (tmp_path / "hf2").exists()
+    distckpt.save(want, tmp_path / "ckpt", COMM)
+    distckpt.export_hf(tmp_path / "ckpt", tmp_path / "hf", COMM, overwrite=True, io_workers=1)
+    target = {"w": torch.zeros(4, 6), "extra": torch.zeros(1)}
+    with pytest.raises(distckpt.MissingVariablesError):
+        distckpt.load_hf(target, tmp_path / "hf", COMM)
+    result = distckpt.load_hf(
+        target, tmp_path / "hf", COMM, options=CheckpointOptions(strict=False)
+    )
+    assert result.missing == ["extra"]
+    assert_same_bits(target["w"], want["w"], "w")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'allow_pickle'"):
+        distckpt.load_hf(target, tmp_path / "hf", COMM, allow_pickle=True)  # type: ignore[call-arg]

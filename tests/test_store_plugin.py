@@ -342,7 +342,19 @@ def test_ranks_save_load_and_keep_checkpoints_through_the_plugin(
     assert_all_ok(saved, 2)
     assert f"LATEST files://{run}/ckpt-2" in saved.stdout, output(saved)
     # What the store holds: the checkpoints and the pointer; no claim, lock or staging left.
-    assert sorted(p.name for p in run.iterdir()) == ["ckpt-2", "latest", "plain"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "ckpt-2",
+        "exported",
+        "failed",
+        "hf",
+        "latest",
+        "plain",
+    ]
+    assert sorted(p.name for p in (run / "hf").iterdir()) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert (run / "ckpt-2" / "zarr.json").is_file() and (run / "plain" / "zarr.json").is_file()
     launch = run_mpi if HAVE_MPIEXEC else run_torchrun
     loaded = launch(3, JOB, "load", str(run), env=env, timeout=120)

@@ -127,6 +127,20 @@ class SaveKeywords(WriteKeywords, total=False):
     overwrite: bool
 
 
+class HFSaveKeywords(TypedDict, total=False):
+    """The fields :func:`distckpt.save_hf` and :func:`distckpt.export_hf` take."""
+
+    overwrite: bool
+    io_workers: int | None
+
+
+class HFLoadKeywords(TypedDict, total=False):
+    """The fields :func:`distckpt.load_hf` takes (weights files hold no pickle)."""
+
+    strict: bool
+    io_workers: int | None
+
+
 #: A :class:`~distckpt.CheckpointManager` takes the fields of its saves and restores.
 ManagerKeywords = WriteKeywords
 
@@ -135,6 +149,8 @@ WRITE = frozenset(WriteKeywords.__optional_keys__)
 LOAD = frozenset(LoadKeywords.__optional_keys__)
 RESTORE = frozenset(RestoreKeywords.__optional_keys__)
 MANAGER = WRITE
+HF_SAVE = frozenset(HFSaveKeywords.__optional_keys__)
+HF_LOAD = frozenset(HFLoadKeywords.__optional_keys__)
 
 
 def merge(

@@ -23,17 +23,18 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto
-from distckpt.comm.outcome import Failure
+from distckpt.comm.outcome import announce
 from distckpt.engine import background
 from distckpt.engine.load import settle
 from distckpt.engine.matching import agree_names, assign, check_leaf, target_box
+from distckpt.engine.options import HF_LOAD, CheckpointOptions, merge_or_refuse
 from distckpt.engine.results import LoadResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
@@ -49,6 +50,11 @@ from distckpt.transfer.reader import Landing
 from distckpt.transfer.sources import follow_current
 from distckpt.transfer.workers import TaskGroup
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from distckpt.engine.options import HFLoadKeywords
+
 log = logging.getLogger("distckpt")
 
 
@@ -59,8 +65,8 @@ def load_hf(
     *,
     prefix: str = "",
     rename: names_mod.Rename | None = None,
-    strict: bool = True,
-    io_workers: int | None = None,
+    options: CheckpointOptions | None = None,
+    **keywords: Unpack[HFLoadKeywords],
 ) -> LoadResult:
     """Fill ``state`` in place from the Hugging Face weights at ``path`` (a directory
     with ``model.safetensors`` or an index and its files, or one ``.safetensors`` file);
@@ -82,36 +88,29 @@ def load_hf(
     no rank loads it (ranks may hold different layers: pipeline stages). A
     state tensor that shares its memory with another loaded one (tied embeddings) is
     filled with it and not reported missing. dtypes must match exactly (no casts).
-    ``io_workers`` as for :func:`distckpt.load`.
+    ``options`` (or the keywords ``strict``, ``io_workers``) as for :func:`distckpt.load`;
+    ``path`` may be a store (``s3://bucket/model``, ``az://...``, ``gs://...``).
     """
     background.finish_pending()
     comm = comm or auto()
     names_mod.for_loading(prefix, rename)  # checks the pair before any communication
+    opts, error = merge_or_refuse(options, keywords, HF_LOAD, "load_hf")
     result = LoadResult(path if is_stored(path) else Path(path).absolute())  # type: ignore[arg-type]
     t0 = time.perf_counter()
-    weights: Weights | Failure | None = None
-    if comm.rank == 0:
-        try:
-            weights = open_weights(path)
-        except Exception as exc:
-            weights = Failure.capture(exc, 0)
-    weights = comm.broadcast(weights)
-    error: BaseException | None = None
+    weights = announce(comm, lambda: open_weights(path))
+    workers = transfer_workers.resolve(opts.io_workers, comm, network=is_stored(path))
     stored: dict[str, StoredTensor] = {}
     matched: _Matched | None = None
-    workers = 1
     try:
-        if isinstance(weights, Failure):
-            weights.raise_here(comm.rank)
-        assert isinstance(weights, Weights)
-        workers = transfer_workers.resolve(io_workers, comm)
+        if error is not None:
+            raise error
         stored = _stored(weights, prefix, rename)
-        matched = _match(state, stored, prefix, rename, result, strict)
+        matched = _match(state, stored, prefix, rename, result, opts.strict)
     except Exception as exc:
         error = exc
     try:
         payload = None if matched is None else True  # None: this rank cannot read
-        ready = agree_names(comm, payload, stored, result, strict, "weights")
+        ready = agree_names(comm, payload, stored, result, opts.strict, "weights")
         if matched is not None and None not in ready:
             _read_local(matched, result, workers, comm.rank, _reader(weights))
     except Exception as exc:

@@ -65,7 +65,7 @@ def per_rank_name(name: str, rank: str | int) -> str:
     return f"{name}/rank{rank}"
 
 
-def open_catalog(path: str | os.PathLike[str]) -> Catalog:
+def open_catalog(path: str | os.PathLike[str] | Store) -> Catalog:
     """Read and check the index of the committed checkpoint at ``path``."""
     root = resolve(path)
     index = index_mod.read_index(root)

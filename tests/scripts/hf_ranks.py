@@ -2,7 +2,7 @@
 
 Usage (under torchrun or mpiexec, gloo on CPU)::
 
-    hf_ranks.py HF_DIR WORK_DIR
+    hf_ranks.py HF_DIR WORK_DIR [STORE_URL]
 
 Each rank builds the model from ``HF_DIR/config.json`` (random weights), shards every
 decoder layer and the root with FSDP2, loads ``HF_DIR`` with :func:`distckpt.load_hf` and
@@ -11,7 +11,11 @@ the safetensors library); loads and checks a column split of one weight (a box t
 run per row); then writes the sharded state back with :func:`distckpt.save_hf`
 (``WORK_DIR/hf``, small files), the column split alone (``WORK_DIR/columns``), and a
 distckpt checkpoint of ``{"net": state}`` (``WORK_DIR/ckpt``), which the test exports and
-opens with ``from_pretrained``. Each rank prints ``OK <rank>`` last when every check passed.
+opens with ``from_pretrained``. With ``STORE_URL`` (``s3://...``, ``az://...``) the ranks
+also write the sharded state and the column split there (``STORE_URL/hf``,
+``STORE_URL/columns``), and export the checkpoint there (``STORE_URL/exported``), which
+the test compares with the files, byte for byte. Each rank prints ``OK <rank>`` last when
+every check passed.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ def main() -> None:
     written = distckpt.save_hf(state, work / "hf", max_shard_size="40KB")
     distckpt.save_hf(columns, work / "columns")
     distckpt.save({"net": state}, work / "ckpt")
+    if len(sys.argv) > 3:
+        url = sys.argv[3]
+        distckpt.save_hf(state, f"{url}/hf", max_shard_size="40KB")
+        distckpt.save_hf(columns, f"{url}/columns")
+        distckpt.export_hf(work / "ckpt", f"{url}/exported", prefix="net/", max_shard_size="50KB")
     if rank == 0:
         config.save_pretrained(work / "hf")
         assert written.files_written > 2, written
