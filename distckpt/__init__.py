@@ -18,6 +18,7 @@ from distckpt.engine.background import (
 from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
 from distckpt.engine.load import load  # noqa: E402
 from distckpt.engine.options import CheckpointOptions  # noqa: E402
+from distckpt.engine.remove import remove  # noqa: E402
 from distckpt.engine.results import LoadResult, SaveResult  # noqa: E402
 from distckpt.engine.save import save  # noqa: E402
 from distckpt.errors import (  # noqa: E402
@@ -120,6 +121,7 @@ __all__ = [
     "prepare_async",
     "prepare_staging",
     "register_zarr_dtypes",
+    "remove",
     "save",
     "save_hf",
     "set_staging",
