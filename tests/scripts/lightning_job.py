@@ -1,0 +1,159 @@
+"""A tiny Lightning fit through DistckptCheckpointIO, for tests/test_integration_lightning.py.
+
+``save DIR``: (2 ranks, torchrun, DDP on gloo) 6 steps; ModelCheckpoint every 2 steps,
+top 2 by step, and last.ckpt. Rank 0 also keeps, with torch.save, every dict it hands
+to the plugin (DIR/refs/<name>.pt): the reference the restores are checked against.
+
+``resume DIR``: (1 process, or torchrun) ``fit(ckpt_path="last")`` to step 10; right
+after the restore the model, the optimizer, the scheduler, the loops' progress, the
+step and the RNG state (kept by a callback) equal last.ckpt's reference bit for bit.
+Every rank then loads each remaining checkpoint through the plugin and compares it
+with its reference; the retention must have kept exactly the two newest by step.
+Prints ``OK <rank>``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from same_tree import assert_same
+
+from distckpt.integrations.lightning import DistckptCheckpointIO
+
+mode, root = sys.argv[1], Path(sys.argv[2])
+CKPTS, REFS = root / "ckpts", root / "refs"
+
+
+class RecordingIO(DistckptCheckpointIO):
+    def save_checkpoint(self, checkpoint, path, storage_options=None):  # type: ignore[no-untyped-def]
+        super().save_checkpoint(checkpoint, path, storage_options)
+        REFS.mkdir(exist_ok=True)
+        torch.save(checkpoint, REFS / (Path(path).name + ".pt"))
+
+
+class RNG(Callback):
+    """The process's RNG state in the checkpoint (typed values: no pickle)."""
+
+    restored: dict | None = None
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def load_state_dict(self, state):  # type: ignore[no-untyped-def]
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        RNG.restored = {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+class Batches:
+    """Batches of 4 per rank in a fixed order; resumable: its state is the global position
+    (samples consumed by every rank), so another world size resumes where it stopped."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 4, generator=gen), torch.randn(64, 2, generator=gen)
+        self.rank, self.world, self.pos = rank, world, 0
+
+    def __len__(self) -> int:
+        return len(self.x) // (4 * self.world)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        if self.pos + 4 * self.world > len(self.x):  # the epoch is over
+            self.pos = 0
+        while self.pos + 4 * self.world <= len(self.x):
+            start = self.pos + 4 * self.rank
+            self.pos += 4 * self.world
+            yield self.x[start : start + 4], self.y[start : start + 4], torch.tensor(start)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: int | None = None  # the first sample of the first batch after a resume
+        layers = [torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)]
+        self.net = torch.nn.Sequential(*layers)
+
+    def training_step(self, batch, i):  # type: ignore[no-untyped-def]
+        x, y, start = batch
+        if mode == "resume" and self.first is None:
+            self.first = int(start)
+        noise = torch.randn_like(x) * 0.01  # draws from the RNG the checkpoint carries
+        return torch.nn.functional.mse_loss(self.net(x + noise), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
+
+    def on_train_start(self) -> None:
+        if mode != "resume":
+            return
+        ref = torch.load(REFS / "last.ckpt.pt", weights_only=False)
+        trainer = self.trainer
+        assert_same(self.state_dict(), ref["state_dict"], "model")
+        assert_same(trainer.optimizers[0].state_dict(), ref["optimizer_states"][0], "optimizer")
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        assert_same(scheduler.state_dict(), ref["lr_schedulers"][0], "scheduler")
+        assert trainer.global_step == ref["global_step"] == 6, trainer.global_step
+        assert_same(trainer.fit_loop.state_dict(), ref["loops"]["fit_loop"], "fit_loop")
+        saved = [v for k, v in ref["callbacks"].items() if k == "RNG"][0]
+        assert_same(RNG.restored, saved, "rng")
+        print(f"RESTORED {trainer.global_rank}", flush=True)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    loader = Batches(int(os.environ.get("RANK", "0")), world)
+    checkpoints = ModelCheckpoint(
+        dirpath=CKPTS,
+        every_n_train_steps=2,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_steps=6 if mode == "save" else 10,
+        callbacks=[checkpoints, RNG()],
+        plugins=[RecordingIO()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = Tiny()
+    trainer.fit(model, loader, ckpt_path="last" if mode == "resume" else None)
+    rank = trainer.global_rank
+    if mode == "resume":  # 2 ranks x 6 steps x 4 samples were consumed: this rank's next
+        assert model.first == 48 + 4 * rank, model.first
+    trainer.strategy.barrier()
+    kept = sorted(p.name for p in CKPTS.iterdir())
+    steps = sorted(int(m[1]) for name in kept if (m := re.search(r"step=(\d+)", name)))
+    assert steps == ([4, 6] if mode == "save" else [8, 10]) and "last.ckpt" in kept, kept
+    assert len(kept) == 3, kept
+    io = DistckptCheckpointIO()
+    for name in kept:
+        reference = torch.load(REFS / f"{name}.pt", weights_only=False)
+        assert_same(io.load_checkpoint(CKPTS / name), reference, name)
+    sys.stdout.write(f"OK {rank}\n")
+    sys.stdout.flush()
+
+
+main()
