@@ -31,13 +31,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import job
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -47,7 +46,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import distckpt
-from distckpt.comm.auto import launched_by_mpi
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 
 VALUES = {"epoch": 2, "best": {"loss": 0.25, "tags": ["a", "b"]}}
@@ -200,19 +198,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     mode, directory = sys.argv[1], Path(sys.argv[2])
     url = sys.argv[3] if len(sys.argv) > 3 else None
-    if launched_by_mpi():
-        distckpt.comm.init_torch_from_mpi()
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = job.start()
     mesh = init_device_mesh("cpu", (world,))
     if mode == "save":
         save(directory, url, mesh, rank)
     else:
         load(directory, url, mesh)
-    dist.barrier()
-    os.write(1, f"OK {rank}\n".encode())
-    dist.destroy_process_group()
+    job.finish(rank)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import job
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -32,8 +31,6 @@ from torch.distributed.fsdp import fully_shard
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 
-import distckpt
-from distckpt.comm.auto import launched_by_mpi
 from distckpt.integrations.torchtitan import DistckptCheckpointManager
 
 
@@ -115,11 +112,7 @@ def others(schedulers: Any, cursor: Cursor, train: TrainState) -> dict[str, Any]
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     mode, directory = sys.argv[1], Path(sys.argv[2])
-    if launched_by_mpi():
-        distckpt.comm.init_torch_from_mpi()
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = job.start()
     mesh = init_device_mesh("cpu", (world,))
     if mode == "save":
         model, optimizers, schedulers, cursor, train, manager = build(0, mesh, directory)
@@ -154,9 +147,7 @@ def main() -> None:
         for name, value in expected.items():
             same = found[name].dtype == value.dtype and found[name].shape == value.shape
             assert same and torch.equal(found[name], value), name
-    dist.barrier()
-    os.write(1, f"OK {rank}\n".encode())
-    dist.destroy_process_group()
+    job.finish(rank)
 
 
 if __name__ == "__main__":
