@@ -1,6 +1,3 @@
-"""Adapters that make distckpt the checkpoint format of training frameworks.
-
-Each module imports its framework when it is itself imported, never before, and uses
-distckpt's public API only: ``distckpt.integrations.dcp`` (torch.distributed.checkpoint),
-``lightning``, ``accelerate`` and ``hf_trainer``.
-"""
+"""distckpt inside the trainers people use: one small module per framework, each
+importing its framework only when used (``distckpt.integrations.dcp`` for
+``torch.distributed.checkpoint``)."""

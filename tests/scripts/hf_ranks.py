@@ -21,19 +21,17 @@ every check passed.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
+import job
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import distckpt
-from distckpt.comm.auto import launched_by_mpi
 from distckpt.slices import chunk_bounds
 
 COLUMNS = "model.layers.0.mlp.up_proj.weight"
@@ -42,11 +40,7 @@ COLUMNS = "model.layers.0.mlp.up_proj.weight"
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     hf_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
-    if launched_by_mpi():
-        distckpt.comm.init_torch_from_mpi()
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = job.start()
     mesh = init_device_mesh("cpu", (world,))
     config = AutoConfig.from_pretrained(hf_dir)
     torch.manual_seed(1000 + rank)  # every rank's random start differs from the files
@@ -89,9 +83,7 @@ def main() -> None:
     if rank == 0:
         config.save_pretrained(work / "hf")
         assert written.files_written > 2, written
-    dist.barrier()
-    os.write(1, f"OK {rank}\n".encode())  # one write: the ranks share the pipe
-    dist.destroy_process_group()
+    job.finish(rank)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""distckpt as torchtitan's checkpointer: :class:`DistckptCheckpointManager`, a subclass
+of torchtitan's DCP ``CheckpointManager`` that keeps its schedule, its state (model
+parts, optimizers, LR schedulers, dataloader, train state) and its options, and writes
+and reads every native checkpoint through distckpt
+(:mod:`distckpt.integrations.dcp`). Selected in a torchtitan config function::
+
+    from distckpt.integrations.torchtitan import with_distckpt
+
+    def llama3_8b_distckpt() -> Trainer.Config:
+        return with_distckpt(llama3_8b())      # then --checkpoint.folder s3://bucket/run
+
+What changes against torchtitan's own:
+
+* each ``step-N`` is a committed distckpt checkpoint (atomic: a crash mid-save leaves
+  the previous step whole, and resuming never picks a half-written step), checksummed,
+  in any distckpt store (``checkpoint.folder`` may be ``s3://``, ``az://``, ``gs://``);
+* resuming finds the newest *committed* ``step-N`` (torchtitan's looks for a
+  ``.metadata`` file), and retention (``keep_latest_k``) deletes through the store;
+* ``checkpoint.compression`` (``zstd``, ``blosc-zstd``, ``blosc-lz4``) compresses the
+  stored tensors; a resume on another world size reshards, as with DCP.
+
+Hugging Face exports and loads (``last_save_in_hf``, ``initial_load_in_hf``) stay
+torchtitan's. ``async_mode`` must stay ``disabled`` (DCP's asynchronous save runs its
+own process group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpointer import MODEL, CheckpointManager
+
+from distckpt.integrations.dcp import DistckptReader, DistckptWriter
+from distckpt.storage import index as index_mod
+from distckpt.storage.backend import resolve
+
+log = logging.getLogger("distckpt")
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class DistckptCheckpointManager(CheckpointManager):
+    """torchtitan's checkpoint manager, saving and resuming through distckpt."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        compression: str | None = None
+        """Compression of the stored tensors: zstd, blosc-zstd, blosc-lz4, or none."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            if self.async_mode != "disabled":
+                raise ValueError(
+                    "distckpt checkpoints are saved synchronously: set checkpoint.async_mode "
+                    f"to disabled (got {self.async_mode!r})"
+                )
+            if self.compression == "none":
+                self.compression = None
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        CheckpointManager.__init__(self, config, **kwargs)
+        self.compression = config.compression
+
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: Any,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Any:
+        if to_hf:
+            return super().dcp_save(
+                state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
+        writer = DistckptWriter(checkpoint_id, overwrite=True, compression=self.compression)
+        dcp.save(state_dict, storage_writer=writer)
+        return None
+
+    def dcp_load(
+        self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool
+    ) -> None:
+        if from_hf:
+            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        dcp.load(state_dict, storage_reader=DistckptReader(checkpoint_id))
+        if MODEL in self.states:  # torchtitan flattens the model's states: put them back
+            self.states[MODEL].load_state_dict(state_dict)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The newest committed ``step-N`` of ``folder`` (default: the checkpoint folder)."""
+        steps = self._steps(folder or self.folder)
+        committed = [
+            n
+            for n, name in steps
+            if index_mod.is_committed(resolve(folder or self.folder).child(name))
+        ]
+        return max(committed, default=-1)
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Rank 0: delete all but the newest ``keep_latest_k`` steps, through the store."""
+        if self.keep_latest_k <= 0 or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        store = resolve(self.folder)
+        for _, name in self._steps(self.folder)[: -self.keep_latest_k]:
+            log.info("removing %s (keep_latest_k=%d)", store.where(name), self.keep_latest_k)
+            store.delete_tree(name)
+
+    @staticmethod
+    def _steps(folder: str) -> list[tuple[int, str]]:
+        found = [(_STEP.match(name), name) for name in resolve(folder).list()]
+        return sorted((int(m[1]), name) for m, name in found if m)
+
+
+def with_distckpt(config: Any, **changes: Any) -> Any:
+    """``config`` (a torchtitan ``Trainer.Config``) with its checkpoint section made a
+    :class:`DistckptCheckpointManager.Config`, every setting kept; ``changes`` set fields
+    of it (``compression="zstd"``)."""
+    old = config.checkpoint
+    kept = {
+        f.name: getattr(old, f.name)
+        for f in dataclasses.fields(old)
+        if f.init
+        and f.name in {g.name for g in dataclasses.fields(DistckptCheckpointManager.Config)}
+    }
+    config.checkpoint = DistckptCheckpointManager.Config(**{**kept, **changes})
+    return config
