@@ -23,7 +23,12 @@ in Lightning's barrier after the save). ``load_checkpoint`` is called on every r
 a fit resumes: the load is collective over the job's ``torch.distributed`` group (one
 read per byte, shared), or one process's when none is initialized. Sharded states
 (FSDP's and ModelParallel's ``state_dict_type="sharded"``) are written by Lightning
-through ``torch.distributed.checkpoint``, not through a ``CheckpointIO``.
+through ``torch.distributed.checkpoint``, not through a ``CheckpointIO``: for FSDP2
+under ``ModelParallelStrategy`` use :class:`DistckptModelParallelStrategy` instead, whose
+``save_checkpoint`` every rank calls (each writes its DTensor shards, rank 0 the rest)
+and whose ``load_checkpoint`` fills the job's own shards, on any world size. Lightning's
+dict already holds the shards as DTensors, so distckpt writes them as they lie: no
+``torch.distributed.checkpoint`` in between.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import distckpt
 from distckpt.comm import Communicator, SingleComm, auto
@@ -107,3 +113,72 @@ def _to(obj: Any, device: torch.device) -> Any:
         items = [_to(v, device) for v in obj]
         return tuple(items) if isinstance(obj, tuple) else items
     return obj
+
+
+class DistckptModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose sharded checkpoints are distckpt
+    checkpoints, written by every rank (its DTensor shards) and read back resharded
+    onto any world size; ``distckpt_options`` (a :class:`distckpt.CheckpointOptions`)
+    applies to every save and load. With ``save_distributed_checkpoint=False`` the
+    full state goes through the ``CheckpointIO`` on rank 0, as in Lightning."""
+
+    def __init__(
+        self,
+        *args: Any,
+        distckpt_options: distckpt.CheckpointOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.distckpt_options = distckpt_options or distckpt.CheckpointOptions()
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str | os.PathLike[str],
+        storage_options: Any | None = None,
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, os.fspath(filepath), storage_options)
+            return
+        path = self.broadcast(os.fspath(filepath))  # every rank writes to rank 0's path
+        save_tree(
+            checkpoint,
+            path,
+            auto(),
+            whole=self.global_rank == 0,  # Lightning keeps rank 0's unsharded state
+            options=self.distckpt_options.replace(overwrite=True),
+        )
+
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = self.broadcast(os.fspath(checkpoint_path))
+        model, module = self.model, self.lightning_module
+        if model is None or module is None:
+            raise RuntimeError("load_checkpoint before the strategy has its model")
+        sharded = StateDictOptions(full_state_dict=False)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        targets = {
+            "state_dict": get_model_state_dict(model, options=sharded),
+            "optimizer_states": [
+                get_optimizer_state_dict(model, o, options=sharded) for o in optimizers
+            ],
+        }
+        checkpoint = load_tree(path, auto(), targets=targets, options=self.distckpt_options)
+        strict = StateDictOptions(strict=module.strict_loading)
+        set_model_state_dict(model, checkpoint["state_dict"], options=strict)
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            set_optimizer_state_dict(model, optimizer, state, options=sharded)
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        if self.is_global_zero:
+            distckpt.remove(filepath, missing_ok=True)

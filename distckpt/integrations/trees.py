@@ -60,12 +60,42 @@ def save_tree(
     tree: dict[str, Any],
     path: str | os.PathLike[str],
     comm: Communicator | None = None,
+    *,
+    whole: bool = True,
     **keywords: Any,
 ) -> distckpt.SaveResult:
     """Save ``tree`` (a framework's checkpoint dict) and its structure at ``path``;
-    ``keywords`` are :func:`distckpt.save`'s (``options``, ``overwrite``, ...)."""
-    state = {DATA: tree, STRUCTURE: structure(tree)}
+    ``keywords`` are :func:`distckpt.save`'s (``options``, ``overwrite``, ...).
+
+    Collective over ``comm``. A sharded framework (Lightning's ModelParallel) holds the
+    same dict on every rank but for its DTensors, and keeps what is not sharded from one
+    rank: that rank passes ``whole=True``, the others ``whole=False`` and contribute only
+    their DTensor shards (under the same names).
+    """
+    state = {DATA: tree, STRUCTURE: structure(tree)} if whole else {DATA: _shards(tree) or {}}
     return distckpt.save(state, path, comm, **keywords)
+
+
+def _is_dtensor(obj: object) -> bool:
+    if not isinstance(obj, torch.Tensor) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
+def _shards(obj: Any) -> Any:
+    """The DTensors of ``obj`` where distckpt names them (lists as int-keyed dicts, which
+    name their entries alike); None where there are none."""
+    if _is_dtensor(obj):
+        return obj
+    items: Any = ()
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    kept = {k: part for k, v in items if (part := _shards(v)) is not None}
+    return kept or None
 
 
 def load_tree(
@@ -73,13 +103,17 @@ def load_tree(
     comm: Communicator | None = None,
     *,
     max_bytes: int | None = None,
+    targets: dict[str, Any] | None = None,
     **keywords: Any,
 ) -> dict[str, Any]:
     """The dict :func:`save_tree` saved at ``path``, its tensors on the CPU.
 
     The tensors are allocated from the shapes the index declares, whose total is checked
-    first against ``max_bytes`` (default: this machine's memory). ``keywords`` are
-    :func:`distckpt.load`'s (``options``, ``allow_pickle``, ``io_workers``).
+    first against ``max_bytes`` (default: this machine's memory). ``targets`` (a part of
+    the dict, nested alike) gives tensors of its own for some names, DTensors of the
+    job's layout among them: those are filled in place (each rank reads its shards) and
+    are what the returned dict holds there. ``keywords`` are :func:`distckpt.load`'s
+    (``options``, ``allow_pickle``, ``io_workers``).
     """
     head: dict[str, Any] = {STRUCTURE: None}
     keywords.pop("strict", None)
@@ -93,15 +127,18 @@ def load_tree(
         v.name: (v.shape, v.dtype) for v in distckpt.list_variables(path) if v.shape is not None
     }
     limit = _memory() if max_bytes is None else max_bytes
+    given = _given_names(targets)
     declared = sum(
-        math.prod(shape) * _dtype(dtype, name).itemsize for name, (shape, dtype) in shapes.items()
+        math.prod(shape) * _dtype(dtype, name).itemsize
+        for name, (shape, dtype) in shapes.items()
+        if name not in given
     )
     if declared > limit:
         raise distckpt.CheckpointError(
             f"{path} declares {declared} bytes of tensors, more than the {limit} allowed "
             "(max_bytes, default this machine's memory)"
         )
-    target = _target(head[STRUCTURE], DATA, shapes, 0)
+    target = _target(head[STRUCTURE], DATA, shapes, targets)
     state = {DATA: target, STRUCTURE: None}
     distckpt.load(state, path, comm, strict=True, **keywords)
     return _rebuild(state[DATA], head[STRUCTURE])  # type: ignore[no-any-return]
@@ -125,12 +162,33 @@ def _malformed(name: str, what: str) -> distckpt.CorruptCheckpointError:
     return distckpt.CorruptCheckpointError(f"{STRUCTURE!r} at {name!r}: {what}")
 
 
-def _target(node: Any, name: str, shapes: dict[str, Any], depth: int) -> Any:
+def _given_names(targets: Any, name: str = DATA) -> set[str]:
+    if isinstance(targets, torch.Tensor):
+        return {name}
+    items: Any = ()
+    if isinstance(targets, dict):
+        items = targets.items()
+    elif isinstance(targets, (list, tuple)):
+        items = enumerate(targets)
+    return {n for k, v in items for n in _given_names(v, f"{name}/{_escape(str(k))}")}
+
+
+def _child(given: Any, key: Any) -> Any:
+    if isinstance(given, dict):
+        return given.get(key)
+    if isinstance(given, (list, tuple)) and isinstance(key, int) and 0 <= key < len(given):
+        return given[key]
+    return None
+
+
+def _target(node: Any, name: str, shapes: dict[str, Any], given: Any) -> Any:
     """Mutable containers (tuples as lists: a load replaces values in place) holding an
-    empty tensor for every tensor leaf and None for every value."""
+    empty tensor (or the one ``given``) for every tensor leaf and None for every value."""
     if node == TENSOR:
         if name not in shapes:
             raise _malformed(name, "names a tensor the index does not hold")
+        if isinstance(given, torch.Tensor):
+            return given  # distckpt.load checks its shape and dtype against the index
         shape, dtype = shapes[name]
         return torch.empty(shape, dtype=_dtype(dtype, name))
     if node == VALUE:
@@ -146,10 +204,10 @@ def _target(node: Any, name: str, shapes: dict[str, Any], depth: int) -> Any:
             key, child = entry
             if not isinstance(key, (str, int)) or isinstance(key, bool) or key in out:
                 raise _malformed(name, f"key {key!r:.80} is not a unique str or int")
-            out[key] = _target(child, f"{name}/{_escape(str(key))}", shapes, depth + 1)
+            out[key] = _target(child, f"{name}/{_escape(str(key))}", shapes, _child(given, key))
         return out
     if kind in ("list", "tuple"):
-        return [_target(c, f"{name}/{i}", shapes, depth + 1) for i, c in enumerate(children)]
+        return [_target(c, f"{name}/{i}", shapes, _child(given, i)) for i, c in enumerate(children)]
     raise _malformed(name, f"unknown container {kind!r:.40}")
 
 

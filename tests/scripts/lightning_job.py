@@ -10,6 +10,10 @@ step and the RNG state (kept by a callback) equal last.ckpt's reference bit for 
 Every rank then loads each remaining checkpoint through the plugin and compares it
 with its reference; the retention must have kept exactly the two newest by step.
 Prints ``OK <rank>``.
+
+With ``--sharded`` the fit runs under DistckptModelParallelStrategy (FSDP2: the model
+``fully_shard``-ed over the data-parallel mesh), every rank writes its shards, and the
+references hold the full tensors (gathered from the shards).
 """
 
 from __future__ import annotations
@@ -25,9 +29,23 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from same_tree import assert_same
 
-from distckpt.integrations.lightning import DistckptCheckpointIO
+from distckpt.integrations.lightning import DistckptCheckpointIO, DistckptModelParallelStrategy
 
 mode, root = sys.argv[1], Path(sys.argv[2])
+SHARDED = "--sharded" in sys.argv
+
+
+def full(obj):  # type: ignore[no-untyped-def]
+    """``obj`` with every DTensor gathered whole (collective: every rank, same order)."""
+    if hasattr(obj, "full_tensor"):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full(v) for v in obj)
+    return obj
+
+
 CKPTS, REFS = root / "ckpts", root / "refs"
 
 
@@ -36,6 +54,15 @@ class RecordingIO(DistckptCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
         REFS.mkdir(exist_ok=True)
         torch.save(checkpoint, REFS / (Path(path).name + ".pt"))
+
+
+class RecordingStrategy(DistckptModelParallelStrategy):
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):  # type: ignore[no-untyped-def]
+        reference = full(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.global_rank == 0:
+            REFS.mkdir(exist_ok=True)
+            torch.save(reference, REFS / (Path(filepath).name + ".pt"))
 
 
 class RNG(Callback):
@@ -93,6 +120,12 @@ class Tiny(L.LightningModule):
         noise = torch.randn_like(x) * 0.01  # draws from the RNG the checkpoint carries
         return torch.nn.functional.mse_loss(self.net(x + noise), y)
 
+    def configure_model(self) -> None:
+        if SHARDED:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
@@ -102,8 +135,15 @@ class Tiny(L.LightningModule):
             return
         ref = torch.load(REFS / "last.ckpt.pt", weights_only=False)
         trainer = self.trainer
-        assert_same(self.state_dict(), ref["state_dict"], "model")
-        assert_same(trainer.optimizers[0].state_dict(), ref["optimizer_states"][0], "optimizer")
+        assert_same(full(self.state_dict()), ref["state_dict"], "model")
+        optimizer = trainer.optimizers[0]
+        if SHARDED:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            optimizer = get_optimizer_state_dict(trainer.strategy.model, optimizer)
+        else:
+            optimizer = optimizer.state_dict()
+        assert_same(full(optimizer), ref["optimizer_states"][0], "optimizer")
         scheduler = trainer.lr_scheduler_configs[0].scheduler
         assert_same(scheduler.state_dict(), ref["lr_schedulers"][0], "scheduler")
         assert trainer.global_step == ref["global_step"] == 6, trainer.global_step
@@ -126,10 +166,15 @@ def main() -> None:
         mode="max",
         save_last=True,
     )
+    strategy: object = "ddp" if world > 1 else "auto"
+    if SHARDED:
+        strategy = RecordingStrategy(
+            data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo"
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy="ddp" if world > 1 else "auto",
+        strategy=strategy,
         max_steps=6 if mode == "save" else 10,
         callbacks=[checkpoints, RNG()],
         plugins=[RecordingIO()],
