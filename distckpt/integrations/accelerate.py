@@ -67,15 +67,8 @@ class DistckptAccelerator(Accelerator):
         distckpt checkpoint; every process calls it. Returns the checkpoint's path."""
         self._check_supported()
         config = self.project_configuration
+        parent = os.path.join(self.project_dir, "checkpoints")
         if config.automatic_checkpoint_naming:
-            parent = os.path.join(self.project_dir, "checkpoints")
-            if self.is_main_process:
-                numbered = _numbered(parent)
-                limit = config.total_limit
-                if limit is not None:
-                    for _, name in numbered[: max(len(numbered) + 1 - limit, 0)]:
-                        distckpt.remove(os.path.join(parent, name))
-            self.wait_for_everyone()
             output_dir = os.path.join(parent, f"checkpoint_{self.save_iteration}")
         elif output_dir is None:
             raise ValueError("save_state needs an output_dir (automatic naming is off)")
@@ -90,6 +83,14 @@ class DistckptAccelerator(Accelerator):
         graph = self._graph(models)
         graph.write(output_dir, options=self.distckpt_options.replace(overwrite=False))
         config.iteration += 1
+        limit = config.total_limit
+        if config.automatic_checkpoint_naming and limit is not None:
+            # after the commit (Accelerate removes before it): a failed save loses nothing
+            if self.is_main_process:
+                numbered = _numbered(parent)
+                for _, name in numbered[: max(len(numbered) - limit, 0)]:
+                    distckpt.remove(os.path.join(parent, name))
+            self.wait_for_everyone()
         return os.fspath(output_dir)
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:

@@ -15,6 +15,7 @@ saved order. Prints ``OK <rank>``.
 
 from __future__ import annotations
 
+import fractions
 import random
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 from same_tree import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
+import distckpt
 from distckpt.integrations.accelerate import DistckptAccelerator
 
 mode, root = sys.argv[1], Path(sys.argv[2])
@@ -99,6 +101,29 @@ def main() -> None:
         torch.save(reference, REFS / f"rank{rank}.pt")
         kept = sorted(p.name for p in (root / "checkpoints").iterdir())
         assert kept == ["checkpoint_1", "checkpoint_2"], kept
+        # A state distckpt cannot store without pickle fails the save on every process,
+        # and loses nothing: no checkpoint, none removed, the next name unchanged.
+        bad = Progress()
+        bad.epoch = fractions.Fraction(1, 3)  # type: ignore[assignment]
+        accelerator.register_for_checkpointing(bad)
+        try:
+            accelerator.save_state()
+            raise AssertionError("saved a Fraction without allow_pickle")
+        except distckpt.UnsupportedValueError as exc:
+            assert "custom" in str(exc) and "allow_pickle" in str(exc), exc
+        accelerator._custom_objects.remove(bad)
+        accelerator.wait_for_everyone()
+        kept = sorted(p.name for p in (root / "checkpoints").iterdir())
+        assert kept == ["checkpoint_1", "checkpoint_2"], kept
+        assert accelerator.save_iteration == 3
+        # A checkpoint is never overwritten: the same error on every process.
+        accelerator.project_configuration.iteration = 2
+        try:
+            accelerator.save_state()
+            raise AssertionError("overwrote checkpoint_2")
+        except distckpt.CheckpointExists:
+            pass
+        accelerator.project_configuration.iteration = 3
     else:
         accelerator.load_state()
         ref = torch.load(REFS / f"rank{rank % 2}.pt", weights_only=False)
