@@ -65,6 +65,8 @@ class DistckptCheckpointIO(CheckpointIO):
     ) -> None:
         self.options = (options or distckpt.CheckpointOptions()).replace(**keywords)
         self.comm = comm
+        #: What the last save wrote (and took unchanged from the one before it).
+        self.last_result: distckpt.SaveResult | None = None
 
     def save_checkpoint(
         self,
@@ -79,7 +81,18 @@ class DistckptCheckpointIO(CheckpointIO):
                 "DistckptCheckpointIO takes storage_options=distckpt.CheckpointOptions(...), "
                 f"got {type(storage_options).__name__}"
             )
-        save_tree(checkpoint, path, SingleComm(), options=options.replace(overwrite=True))
+        # Each save builds on the one before (at a step, last.ckpt repeats the step's
+        # checkpoint): unchanged pieces are hard links or server-side copies, not writes.
+        previous = None if self.last_result is None else self.last_result.path
+        if previous is not None and os.fspath(previous) == os.fspath(path):
+            previous = None
+        self.last_result = save_tree(
+            checkpoint,
+            path,
+            SingleComm(),
+            base=previous,
+            options=options.replace(overwrite=True),
+        )
 
     def load_checkpoint(
         self,

@@ -52,6 +52,9 @@ CKPTS, REFS = root / "ckpts", root / "refs"
 class RecordingIO(DistckptCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None):  # type: ignore[no-untyped-def]
         super().save_checkpoint(checkpoint, path, storage_options)
+        result = self.last_result
+        if Path(path).name == "last.ckpt":  # the step's checkpoint again: all of it reused
+            assert result is not None and result.bytes_written == 0 < result.bytes_reused, result
         REFS.mkdir(exist_ok=True)
         torch.save(checkpoint, REFS / (Path(path).name + ".pt"))
 
