@@ -143,6 +143,8 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.distckpt_options = distckpt_options or distckpt.CheckpointOptions()
+        #: What the last sharded save wrote (and took unchanged from the one before it).
+        self.last_result: distckpt.SaveResult | None = None
 
     def save_checkpoint(
         self,
@@ -154,11 +156,13 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, os.fspath(filepath), storage_options)
             return
         path = self.broadcast(os.fspath(filepath))  # every rank writes to rank 0's path
-        save_tree(
+        previous = None if self.last_result is None else os.fspath(self.last_result.path)
+        self.last_result = save_tree(
             checkpoint,
             path,
             auto(),
             whole=self.global_rank == 0,  # Lightning keeps rank 0's unsharded state
+            base=None if previous == path else previous,
             options=self.distckpt_options.replace(overwrite=True),
         )
 
