@@ -114,10 +114,7 @@ class DistckptAccelerator(Accelerator):
         for hook in self._load_model_state_pre_hook.values():
             hook(models, input_dir)
         graph = self._graph(models)
-        options = self.distckpt_options
-        status = graph.restore(
-            input_dir, allow_pickle=options.allow_pickle, io_workers=options.io_workers
-        )
+        status = graph.restore(input_dir, options=self.distckpt_options)
         status.assert_existing_objects_matched()
         self.step = graph.step
 

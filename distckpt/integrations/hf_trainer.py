@@ -150,12 +150,7 @@ class DistckptTrainerMixin:
         call; what is assigned to it later is restored as it is assigned (one index read)."""
         if self._distckpt_restore is None or self._distckpt_restore[0] != checkpoint:
             graph = distckpt.Checkpoint(model=self._unwrapped(model))
-            options = self.distckpt_options
-            status = graph.restore(
-                os.path.join(checkpoint, STATE),
-                allow_pickle=options.allow_pickle,
-                io_workers=options.io_workers,
-            )
+            status = graph.restore(os.path.join(checkpoint, STATE), options=self.distckpt_options)
             status.assert_nontrivial_match()
             self._distckpt_restore = (checkpoint, graph)
         return self._distckpt_restore[1]
@@ -184,12 +179,7 @@ class DistckptTrainerMixin:
         trainer: Any = self
         best = trainer.state.best_model_checkpoint
         graph = distckpt.Checkpoint(model=self._unwrapped())
-        options = self.distckpt_options
-        status = graph.restore(
-            os.path.join(best, STATE),
-            allow_pickle=options.allow_pickle,
-            io_workers=options.io_workers,
-        )
+        status = graph.restore(os.path.join(best, STATE), options=self.distckpt_options)
         status.assert_nontrivial_match()
 
 

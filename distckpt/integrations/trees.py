@@ -27,6 +27,7 @@ import torch
 
 import distckpt
 from distckpt.comm import Communicator
+from distckpt.naming import escape_key
 
 DATA = "data"
 STRUCTURE = "structure"
@@ -170,7 +171,7 @@ def _given_names(targets: Any, name: str = DATA) -> set[str]:
         items = targets.items()
     elif isinstance(targets, (list, tuple)):
         items = enumerate(targets)
-    return {n for k, v in items for n in _given_names(v, f"{name}/{_escape(str(k))}")}
+    return {n for k, v in items for n in _given_names(v, f"{name}/{escape_key(str(k))}")}
 
 
 def _child(given: Any, key: Any) -> Any:
@@ -204,16 +205,11 @@ def _target(node: Any, name: str, shapes: dict[str, Any], given: Any) -> Any:
             key, child = entry
             if not isinstance(key, (str, int)) or isinstance(key, bool) or key in out:
                 raise _malformed(name, f"key {key!r:.80} is not a unique str or int")
-            out[key] = _target(child, f"{name}/{_escape(str(key))}", shapes, _child(given, key))
+            out[key] = _target(child, f"{name}/{escape_key(str(key))}", shapes, _child(given, key))
         return out
     if kind in ("list", "tuple"):
         return [_target(c, f"{name}/{i}", shapes, _child(given, i)) for i, c in enumerate(children)]
     raise _malformed(name, f"unknown container {kind!r:.40}")
-
-
-def _escape(key: str) -> str:
-    # as distckpt names a key (distckpt.naming): "/" and "%" percent-encoded
-    return key.replace("%", "%25").replace("/", "%2F")
 
 
 def _rebuild(value: Any, node: Any) -> Any:
