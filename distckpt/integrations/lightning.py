@@ -81,16 +81,11 @@ class DistckptCheckpointIO(CheckpointIO):
                 "DistckptCheckpointIO takes storage_options=distckpt.CheckpointOptions(...), "
                 f"got {type(storage_options).__name__}"
             )
-        # Each save builds on the one before (at a step, last.ckpt repeats the step's
-        # checkpoint): unchanged pieces are hard links or server-side copies, not writes.
-        previous = None if self.last_result is None else self.last_result.path
-        if previous is not None and os.fspath(previous) == os.fspath(path):
-            previous = None
         self.last_result = save_tree(
             checkpoint,
             path,
             SingleComm(),
-            base=previous,
+            base=_base(self.last_result, path),
             options=options.replace(overwrite=True),
         )
 
@@ -115,6 +110,15 @@ class DistckptCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint at ``path`` whole (never a half-deleted one in sight)."""
         distckpt.remove(path, missing_ok=True)
+
+
+def _base(last: distckpt.SaveResult | None, path: str | os.PathLike[str]) -> str | None:
+    """What a save at ``path`` builds on: the checkpoint saved before (at a step,
+    ``last.ckpt`` repeats the step's checkpoint), whose unchanged pieces become hard links
+    or server-side copies instead of writes; None for the first save, or the same path."""
+    if last is None or os.fspath(last.path) == os.fspath(path):
+        return None
+    return os.fspath(last.path)
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -156,13 +160,12 @@ class DistckptModelParallelStrategy(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, os.fspath(filepath), storage_options)
             return
         path = self.broadcast(os.fspath(filepath))  # every rank writes to rank 0's path
-        previous = None if self.last_result is None else os.fspath(self.last_result.path)
         self.last_result = save_tree(
             checkpoint,
             path,
             auto(),
             whole=self.global_rank == 0,  # Lightning keeps rank 0's unsharded state
-            base=None if previous == path else previous,
+            base=_base(self.last_result, path),
             options=self.distckpt_options.replace(overwrite=True),
         )
 

@@ -27,6 +27,7 @@ import torch
 
 import distckpt
 from distckpt.comm import Communicator
+from distckpt.items import has_tensor, is_dtensor
 from distckpt.naming import escape_key
 
 DATA = "data"
@@ -35,23 +36,13 @@ TENSOR = "tensor"
 VALUE = "value"
 
 
-def _holds_tensor(obj: object) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(v) for v in obj)
-    return False
-
-
 def structure(obj: Any, root: bool = True) -> Any:
     """The structure of ``obj`` as distckpt names it (see the module docstring): a dict is
     ``("dict", [(key, child), ...])``, a list or tuple ``("list" | "tuple", [child, ...])``,
     a tensor ``"tensor"`` and any other leaf ``"value"`` (stored whole, typed)."""
-    if isinstance(obj, dict) and (root or _holds_tensor(obj)):
+    if isinstance(obj, dict) and (root or has_tensor(obj)):
         return ("dict", [(k, structure(v, False)) for k, v in obj.items()])
-    if isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+    if isinstance(obj, (list, tuple)) and has_tensor(obj):
         kind = "tuple" if isinstance(obj, tuple) else "list"
         return (kind, [structure(v, False) for v in obj])
     return TENSOR if isinstance(obj, torch.Tensor) else VALUE
@@ -77,18 +68,10 @@ def save_tree(
     return distckpt.save(state, path, comm, **keywords)
 
 
-def _is_dtensor(obj: object) -> bool:
-    if not isinstance(obj, torch.Tensor) or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(obj, DTensor)
-
-
 def _shards(obj: Any) -> Any:
     """The DTensors of ``obj`` where distckpt names them (lists as int-keyed dicts, which
     name their entries alike); None where there are none."""
-    if _is_dtensor(obj):
+    if is_dtensor(obj):
         return obj
     items: Any = ()
     if isinstance(obj, dict):
