@@ -1,6 +1,9 @@
-"""A tiny Lightning fit through DistckptCheckpointIO, for tests/test_integration_lightning.py.
+"""Tiny Lightning fits through distckpt, for tests/test_integration_lightning.py.
 
-``save DIR``: (2 ranks, torchrun, DDP on gloo) 6 steps; ModelCheckpoint every 2 steps,
+One launch runs both: DDP with DistckptCheckpointIO in DIR/ddp, then (on more than one
+rank) DistckptModelParallelStrategy in DIR/sharded.
+
+``save DIR``: (2 ranks, torchrun, on gloo) 6 steps; ModelCheckpoint every 2 steps,
 top 2 by step, and last.ckpt. Rank 0 also keeps, with torch.save, every dict it hands
 to the plugin (DIR/refs/<name>.pt): the reference the restores are checked against.
 
@@ -11,7 +14,7 @@ Every rank then loads each remaining checkpoint through the plugin and compares 
 with its reference; the retention must have kept exactly the two newest by step.
 Prints ``OK <rank>``.
 
-With ``--sharded`` the fit runs under DistckptModelParallelStrategy (FSDP2: the model
+Sharded, the fit runs under DistckptModelParallelStrategy (FSDP2: the model
 ``fully_shard``-ed over the data-parallel mesh), every rank writes its shards, and the
 references hold the full tensors (gathered from the shards).
 """
@@ -31,8 +34,8 @@ from same_tree import assert_same
 
 from distckpt.integrations.lightning import DistckptCheckpointIO, DistckptModelParallelStrategy
 
-mode, root = sys.argv[1], Path(sys.argv[2])
-SHARDED = "--sharded" in sys.argv
+mode = sys.argv[1]
+SHARDED = False  # which of the two fits runs now (see run)
 
 
 def full(obj):  # type: ignore[no-untyped-def]
@@ -46,7 +49,7 @@ def full(obj):  # type: ignore[no-untyped-def]
     return obj
 
 
-CKPTS, REFS = root / "ckpts", root / "refs"
+CKPTS = REFS = Path()  # the running fit's checkpoints and references (see run)
 
 
 class RecordingIO(DistckptCheckpointIO):
@@ -157,10 +160,11 @@ class Tiny(L.LightningModule):
         assert_same(trainer.fit_loop.state_dict(), ref["loops"]["fit_loop"], "fit_loop")
         saved = [v for k, v in ref["callbacks"].items() if k == "RNG"][0]
         assert_same(RNG.restored, saved, "rng")
-        print(f"RESTORED {trainer.global_rank}", flush=True)
+        kind = "sharded" if SHARDED else "ddp"
+        print(f"RESTORED {kind} {trainer.global_rank}", flush=True)
 
 
-def main() -> None:
+def fit() -> None:
     torch.manual_seed(0)
     random.seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -204,7 +208,19 @@ def main() -> None:
     for name in kept:
         reference = torch.load(REFS / f"{name}.pt", weights_only=False)
         assert_same(io.load_checkpoint(CKPTS / name), reference, name)
-    sys.stdout.write(f"OK {rank}\n")
+    trainer.strategy.barrier()
+
+
+def main() -> None:
+    global SHARDED, CKPTS, REFS
+    root = Path(sys.argv[2])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for SHARDED in (False, True) if world > 1 else (False,):
+        folder = root / ("sharded" if SHARDED else "ddp")
+        CKPTS, REFS = folder / "ckpts", folder / "refs"
+        RNG.restored = None
+        fit()
+    sys.stdout.write(f"OK {int(os.environ.get('RANK', '0'))}\n")
     sys.stdout.flush()
 
 
