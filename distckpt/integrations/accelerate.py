@@ -67,9 +67,8 @@ class DistckptAccelerator(Accelerator):
         distckpt checkpoint; every process calls it. Returns the checkpoint's path."""
         self._check_supported()
         config = self.project_configuration
-        parent = os.path.join(self.project_dir, "checkpoints")
         if config.automatic_checkpoint_naming:
-            output_dir = os.path.join(parent, f"checkpoint_{self.save_iteration}")
+            output_dir = os.path.join(self._numbered_dir(), f"checkpoint_{self.save_iteration}")
         elif output_dir is None:
             raise ValueError("save_state needs an output_dir (automatic naming is off)")
         models = list(self._models)
@@ -87,6 +86,7 @@ class DistckptAccelerator(Accelerator):
         if config.automatic_checkpoint_naming and limit is not None:
             # after the commit (Accelerate removes before it): a failed save loses nothing
             if self.is_main_process:
+                parent = self._numbered_dir()
                 numbered = _numbered(parent)
                 for _, name in numbered[: max(len(numbered) - limit, 0)]:
                     distckpt.remove(os.path.join(parent, name))
@@ -103,7 +103,7 @@ class DistckptAccelerator(Accelerator):
                 raise ValueError(
                     "No input_dir provided and automatic checkpoint naming is disabled."
                 )
-            parent = os.path.join(self.project_dir, "checkpoints")
+            parent = self._numbered_dir()
             numbered = _numbered(parent)
             if not numbered:
                 raise distckpt.CheckpointNotFoundError(f"no checkpoint_<n> in {parent}")
@@ -117,6 +117,12 @@ class DistckptAccelerator(Accelerator):
         status = graph.restore(input_dir, options=self.distckpt_options)
         status.assert_existing_objects_matched()
         self.step = graph.step
+
+    def _numbered_dir(self) -> str:
+        """Where automatic naming puts ``checkpoint_<n>`` (Accelerate's place)."""
+        if self.project_dir is None:
+            raise ValueError("automatic_checkpoint_naming needs a project_dir")
+        return os.path.join(self.project_dir, "checkpoints")
 
     def _check_supported(self) -> None:
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
