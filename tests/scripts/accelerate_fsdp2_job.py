@@ -18,12 +18,12 @@ right after ``prepare``; the full tensors equal the reference bit for bit. Print
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from job import say
 from same_tree import assert_same
 
 from distckpt.integrations.accelerate import DistckptAccelerator
@@ -77,9 +77,9 @@ def main() -> None:
         accelerator.load_state(str(root / "ckpt"))
         got = full(model, inner)
         assert_same(got, torch.load(root / "reference.pt", weights_only=True), "fsdp2")
-        print(f"RESTORED {rank}", flush=True)
+        say(f"RESTORED {rank}")
     accelerator.wait_for_everyone()
-    os.write(1, f"OK {rank}\n".encode())
+    say(f"OK {rank}")
     accelerator.end_training()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+from job import say
 from same_tree import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -142,7 +143,7 @@ def main() -> None:
         x, _ = next(iter(taken))
         start = progress.samples + 2 * rank
         assert torch.equal(x, data.tensors[0][order[start : start + 2]]), "data position"
-        print(f"RESTORED {rank}", flush=True)
+        say(f"RESTORED {rank}")
     sys.stdout.write(f"OK {rank}\n")
     sys.stdout.flush()
     accelerator.end_training()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from job import say
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -100,7 +101,7 @@ def dtensor_mode(mode: str, directory: Path, device: str) -> None:
         rng = torch.Generator(device="cpu").manual_seed(rank % saved_world)
         want_rank = torch.randn(33, generator=rng)
         assert bits(state["per_rank"].value) == bits(want_rank), "per-rank value differs"
-    print(f"OK {mode} {rank}", flush=True)
+    say(f"OK {mode} {rank}")
     dist.destroy_process_group()
 
 
@@ -147,7 +148,7 @@ def fsdp_mode(directory: Path) -> None:
             got = v.full_tensor() if isinstance(v, DTensor) else v
             assert bits(got) == bits(want_slots[(name, k)]), (name, k)
     assert bits(torch.randn(4, device="cuda")) == bits(after_save), "CUDA RNG not restored"
-    print(f"OK fsdp {rank}", flush=True)
+    say(f"OK fsdp {rank}")
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from job import say
 from same_tree import assert_same
 from transformers import TrainerCallback, TrainingArguments
 
@@ -72,7 +73,7 @@ class Check(TrainerCallback):
         if mode == "resume" and state.global_step == 6:
             ref = torch.load(REFS / f"step6-rank{RANK % 2}.pt", weights_only=False)
             assert_same(snapshot(self.trainer), ref, "restored")
-            print(f"RESTORED {RANK}", flush=True)
+            say(f"RESTORED {RANK}")
 
 
 def main() -> None:

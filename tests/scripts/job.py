@@ -1,5 +1,6 @@
 """What the rank scripts share: torch.distributed started over gloo the way the launcher
-(torchrun or mpiexec) asks, and the job's last line per rank."""
+(torchrun or mpiexec) asks, whole lines on the shared stdout, and the job's last line per
+rank."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ def start() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def say(line: str) -> None:
+    """Print ``line`` with one write(2): the ranks share the pipe, and print() writes the
+    text and the newline apart (another rank's line could land between them)."""
+    os.write(1, f"{line}\n".encode())
+
+
 def finish(rank: int) -> None:
-    """Once every rank is done: print ``OK <rank>`` (one write: the ranks share the pipe)."""
+    """Once every rank is done: print ``OK <rank>``."""
     dist.barrier()
-    os.write(1, f"OK {rank}\n".encode())
+    say(f"OK {rank}")
     dist.destroy_process_group()

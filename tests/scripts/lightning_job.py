@@ -29,6 +29,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from job import say
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from same_tree import assert_same
 
@@ -161,7 +162,7 @@ class Tiny(L.LightningModule):
         saved = [v for k, v in ref["callbacks"].items() if k == "RNG"][0]
         assert_same(RNG.restored, saved, "rng")
         kind = "sharded" if SHARDED else "ddp"
-        print(f"RESTORED {kind} {trainer.global_rank}", flush=True)
+        say(f"RESTORED {kind} {trainer.global_rank}")
 
 
 def fit() -> None:

@@ -26,6 +26,7 @@ import zlib
 from typing import Any
 
 import torch
+from job import say
 
 import distckpt
 from distckpt.comm import auto
@@ -158,8 +159,8 @@ def main() -> None:
         check(ckpt.model, 3, rank, world, "ckpt-2")
         assert ckpt.step == 3, ckpt.step
         load_weights(url, comm)
-    print(f"LATEST {distckpt.latest_checkpoint(url)}", flush=True)
-    print(f"OK {rank}", flush=True)
+    say(f"LATEST {distckpt.latest_checkpoint(url)}")
+    say(f"OK {rank}")
 
 
 if __name__ == "__main__":
