@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+import harness as h
+
 CONTENDERS = ("dcp", "bridge", "distckpt")
 
 
@@ -136,21 +135,9 @@ def main() -> int:
         worker(args)
         return 0
     root = tempfile.mkdtemp(prefix="bridge-", dir=args.dir)
-    out = Path(tempfile.mkdtemp()) / "result.json"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": f"{HERE.parent}:{os.environ.get('PYTHONPATH', '')}",
-    }
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.world}", __file__, "--worker", "--root", root,
-        "--out", str(out), "--rounds", str(args.rounds), "--layers", str(args.layers),
-    ]  # fmt: skip
+    job = ["--root", root, "--rounds", str(args.rounds), "--layers", str(args.layers)]
     try:
-        subprocess.run(cmd, env=env, check=True, timeout=args.timeout)
-        got = json.loads(out.read_text())
+        got = h.run_rank_job(args.world, __file__, job, args.timeout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gib = got["bytes"] / (1 << 30)

@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+import harness as h
+
 CONTENDERS = ("incremental", "full", "dcp")
 
 
@@ -161,21 +160,12 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(world: int, directory: str, args: argparse.Namespace) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="incr-", dir=directory)
-    out = Path(tempfile.mkdtemp()) / "result.json"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": f"{HERE.parent}:{os.environ.get('PYTHONPATH', '')}",
-    }
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={world}", __file__, "--worker", "--root", root, "--out", str(out),
-        "--rounds", str(args.rounds), "--layers", str(args.layers), "--rank", str(args.r),
+    job = [
+        "--root", root, "--rounds", str(args.rounds), "--layers", str(args.layers),
+        "--rank", str(args.r),
     ]  # fmt: skip
     try:
-        subprocess.run(cmd, env=env, check=True, timeout=args.timeout)
-        return dict(json.loads(out.read_text()))
+        return dict(h.run_rank_job(world, __file__, job, args.timeout))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -352,6 +352,22 @@ def torchrun(nproc: int) -> list[str]:
     ]
 
 
+def run_rank_job(nproc: int, script: str, args: Sequence[str], timeout: float) -> Any:
+    """torchrun ``script --worker --out FILE *args`` on ``nproc`` ranks of this host (one
+    thread each, gloo over loopback, this checkout first on the path) and what its rank 0
+    wrote to FILE (JSON): for the standalone drivers that need no :class:`Driver`."""
+    env = {
+        **os.environ,
+        **{k: v for k, v in TORCHRUN_ENV.items() if v is not None},
+        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "result.json"
+        cmd = [*torchrun(nproc), script, "--worker", "--out", str(out), *args]
+        subprocess.run(cmd, env=env, check=True, timeout=timeout)
+        return json.loads(out.read_text())
+
+
 def common_args(p: argparse.ArgumentParser, *, launches: bool = True) -> None:
     """Options every driver has: results, report, snapshot, lock, idle wait (and, for
     drivers that launch workers, the hidden ``--worker`` and ``--launch-timeout``)."""
