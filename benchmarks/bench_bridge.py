@@ -111,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
                 shutil.rmtree(saved[name][-2], ignore_errors=True)
             dist.barrier()
     if rank == 0:
-        results = {
+        results: dict[str, Any] = {
             op: {c: statistics.median(ts) for c, ts in by.items()} for op, by in times.items()
         }
         results["bytes"] = sum(t.numel() * t.element_size() for t in local.values()) * world
