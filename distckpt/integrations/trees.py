@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import distckpt
+from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.items import has_tensor, is_dtensor
 from distckpt.naming import escape_key
@@ -136,10 +137,13 @@ def _memory() -> int:
 
 
 def _dtype(name: str, variable: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise distckpt.CorruptCheckpointError(f"variable {variable!r}: unknown dtype {name!r}")
-    return dtype
+    """The torch dtype of a stored variable, from distckpt's one table of them."""
+    try:
+        return dtypes.torch_dtype(name)
+    except distckpt.UnsupportedValueError:
+        raise distckpt.CorruptCheckpointError(
+            f"variable {variable!r}: unknown dtype {name!r}"
+        ) from None
 
 
 def _malformed(name: str, what: str) -> distckpt.CorruptCheckpointError:
