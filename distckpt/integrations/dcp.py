@@ -70,6 +70,7 @@ import distckpt
 from distckpt import dtypes
 from distckpt.comm import Communicator, SingleComm
 from distckpt.tools.catalog import open_catalog
+from distckpt.training.names import nest, parts
 from distckpt.values import decode
 
 T = TypeVar("T")
@@ -199,7 +200,7 @@ class DistckptReader(StorageReader):
         values: dict[str, _Value] = {}
         found: dict[str, Any] = {}
         for name, var in catalog.tensors.items():
-            key = ".".join(_parts(name))
+            key = ".".join(parts(name))
             _claim(entries, key, name)
             entries[key] = TensorStorageMetadata(
                 TensorProperties(dtype=dtypes.torch_dtype(var.dtype)),
@@ -213,7 +214,7 @@ class DistckptReader(StorageReader):
             except distckpt.UnsupportedValueError:
                 found[name] = _Pickled  # refused when asked for, not before
             for path in _spread(found[name]):
-                key = ".".join([*_parts(name), *map(str, path)])
+                key = ".".join([*parts(name), *map(str, path)])
                 _claim(entries, key, name)
                 entries[key] = BytesStorageMetadata()
                 values[key] = _Value(name, path)
@@ -237,16 +238,18 @@ class DistckptReader(StorageReader):
         location = _location(self.path)
         tensors = [item for item in plan.items if item.type == LoadItemType.TENSOR]
         for batch in _batches(tensors, lambda item: self.tensors[item.storage_index.fqn]):
-            state: dict[str, Any] = {}
+            flat: dict[str, Any] = {}
             targets = []
             for item in batch:
                 name = self.tensors[item.storage_index.fqn]
                 target = planner.resolve_tensor(item)
                 shape = torch.Size(distckpt_shape(planner, item))
                 shard = distckpt.Shard(target.detach(), shape, tuple(item.storage_offsets))
-                _merge(state, _nest(_parts(name), shard))
+                flat[name] = shard
                 targets.append((item, target))
-            distckpt.load(state, location, SingleComm(), strict=False, io_workers=self.io_workers)
+            distckpt.load(
+                nest(flat), location, SingleComm(), strict=False, io_workers=self.io_workers
+            )
             for item, target in targets:
                 planner.commit_tensor(item, target)
         for item in plan.items:
@@ -303,11 +306,6 @@ def _batches(items: list[ReadItem], name_of: Any) -> Iterator[list[ReadItem]]:
         pending = rest
 
 
-def _parts(name: str) -> list[str]:
-    """The keys of a distckpt name (``model/layer.weight`` -> ``model``, ``layer.weight``)."""
-    return [p.replace("%2F", "/").replace("%25", "%") for p in name.split("/")]
-
-
 def _claim(entries: dict[str, Any], key: str, name: str) -> None:
     if key in entries:
         raise distckpt.ValidationError(
@@ -321,21 +319,6 @@ def _spread(value: Any) -> list[tuple[str | int, ...]]:
         return [()]
     flat, mappings = flatten_state_dict({"": value})
     return [tuple(mappings[key][1:]) for key in flat]
-
-
-def _nest(parts: list[str], leaf: Any) -> dict[str, Any]:
-    out: Any = leaf
-    for part in reversed(parts):
-        out = {part: out}
-    return out  # type: ignore[no-any-return]
-
-
-def _merge(into: dict[str, Any], other: dict[str, Any]) -> None:
-    for key, value in other.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
 
 
 def _get(value: Any, path: Any) -> Any:
