@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 
 from distckpt.errors import UnsupportedFormatError
+from distckpt.storage import frames
 
 #: What a save's ``compression`` accepts: one choice, or patterns to choices.
 Compression: TypeAlias = str | None | Mapping[str, str | None]
@@ -50,7 +51,9 @@ class Codec(Protocol):
         ...
 
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
-        """Decompress ``stored`` into ``out`` (flat uint8), which it must fill exactly."""
+        """Decompress ``stored`` into ``out`` (flat uint8), which it must fill exactly:
+        a frame that would not (or whose header lies) raises ``ValueError`` before any
+        decoder reads it (:mod:`distckpt.storage.frames`)."""
         ...
 
 
@@ -75,6 +78,7 @@ class Zstd:
         return bytes(self._codec().encode(raw))
 
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
+        frames.check_zstd(stored, out.nbytes)
         _decode_exactly(self._codec(), stored, out)
 
 
@@ -115,10 +119,15 @@ class Blosc:
         return bytes(self._codec().encode(raw))
 
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
+        frames.check_blosc(stored, out.nbytes, self.cname)
         _decode_exactly(self._codec(), stored, out)
 
 
 def _decode_exactly(codec: Any, stored: np.ndarray, out: np.ndarray) -> None:
+    """Decode a checked frame into ``out``. The frame declares ``out``'s size (checked),
+    and the decoders produce exactly what a frame declares or fail: zstd compares what it
+    made with the declared content size, c-blosc each block with its size. numcodecs
+    hands back ``out`` itself, so its length alone would prove nothing."""
     got = np.frombuffer(codec.decode(stored, out=out), dtype=np.uint8)
     if got.nbytes != out.nbytes:
         raise ValueError(f"decompressed to {got.nbytes} bytes, expected {out.nbytes}")
