@@ -325,9 +325,7 @@ def test_a_flipped_local_manifest_falls_back_to_the_shared_directory(tmp_path: P
     assert int(again.save_counter) == 1
 
 
-def test_a_flipped_local_mark_is_ignored(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_flipped_local_mark_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _two_steps(tmp_path)
     (mark,) = (tmp_path / "local" / "step-2").glob("done.*")
     flip(mark, b'"world":1', b'"world":2')
