@@ -84,12 +84,13 @@ def _verify(args: argparse.Namespace) -> int:
         report = verify(args.checkpoint, on_bytes=bar.update)
     for problem in report.problems:
         print(f"distckpt verify: {problem}", file=sys.stderr)
+    notes = "".join(f"; {note}" for note in report.notes)
     if not report.ok:
-        print(f"{args.checkpoint}: {len(report.problems)} problem(s) found")
+        print(f"{args.checkpoint}: {len(report.problems)} problem(s) found{notes}")
         return NEGATIVE
     print(
         f"{args.checkpoint}: ok, {report.variables} variables, {report.pieces} pieces, "
-        f"{report.bytes_read} bytes read and verified"
+        f"{report.bytes_read} bytes read and verified{notes}"
     )
     return OK
 

@@ -2,8 +2,10 @@
 
 Usage, from the repository root, once per intentional format change::
 
-    rm -rf tests/golden/v1-2ranks tests/golden/v1-dtypes
+    rm -rf tests/golden/v1-2ranks tests/golden/v1-dtypes tests/golden/v3-sealed
     mpiexec -n 2 python tests/make_golden.py
+
+(``python tests/make_golden.py sealed`` writes ``v3-sealed`` alone, from one process.)
 
 Writes, in format version 1:
 
@@ -15,6 +17,12 @@ Writes, in format version 1:
   PerRank tensor and a PerRank value, and typed Python values;
 * ``tests/golden/v1-dtypes``: saved by one process: one small tensor per stored dtype,
   from fixed byte patterns (NaN payloads, subnormals, infinities included).
+
+Both predate the metadata checksum: their indexes carry none. Written in format version
+3 by a distckpt that seals its index:
+
+* ``tests/golden/v3-sealed``: saved by one process (:func:`sealed_state`): compact
+  regular entries, one plain chunk, Python values, and the index's ``checksum``.
 
 The expected values are the functions below: tests/test_golden.py imports them, loads
 the stored checkpoints and compares bit by bit, so a change of the library that cannot
@@ -33,6 +41,7 @@ import torch
 GOLDEN = Path(__file__).resolve().parent / "golden"
 TWO_RANKS = GOLDEN / "v1-2ranks"
 DTYPES = GOLDEN / "v1-dtypes"
+SEALED = GOLDEN / "v3-sealed"
 WORLD = 2
 SMALL_BYTES = 64  # tensors above 64 bytes are stored sharded
 INNER_BYTES = 64  # and cut into inner chunks of at most 64 bytes
@@ -190,10 +199,33 @@ def dtype_state() -> dict[str, Any]:
     return {name: dtype_tensor(name) for name in DTYPE_NAMES}
 
 
+def sealed_state() -> dict[str, Any]:
+    """What the one process that wrote ``v3-sealed`` saved."""
+    return {
+        "l1.weight": weight(),
+        "emb": emb(),
+        "bias": small(),
+        "step": 42,
+        "cfg": {"lr": 1e-3, "name": "sealed", "ids": [1, 2, 3]},
+    }
+
+
+def write_sealed() -> None:
+    import distckpt
+    from distckpt.comm import SingleComm
+
+    distckpt.save(
+        sealed_state(), SEALED, SingleComm(), small_bytes=SMALL_BYTES, inner_bytes=INNER_BYTES
+    )
+
+
 def main() -> None:
     import distckpt
     from distckpt.comm import SingleComm, auto
 
+    if sys.argv[1:] == ["sealed"]:
+        write_sealed()
+        return
     comm = auto()
     if comm.size != WORLD:
         sys.exit(f"run me as: mpiexec -n {WORLD} python {sys.argv[0]}")
@@ -202,7 +234,8 @@ def main() -> None:
     )
     if comm.rank == 0:
         distckpt.save(dtype_state(), DTYPES, SingleComm())
-        for path in (TWO_RANKS, DTYPES):
+        write_sealed()
+        for path in (TWO_RANKS, DTYPES, SEALED):
             total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
             print(f"wrote {path} ({total} bytes)")
     comm.barrier()

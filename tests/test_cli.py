@@ -29,6 +29,7 @@ from distckpt.cli import main
 from distckpt.comm import SingleComm
 from distckpt.slices import Box
 from distckpt.storage.staging import OWNER_FILE
+from distckpt.testing.hostile import reseal
 from distckpt.tools import export as export_mod
 from distckpt.tools.export import export
 from distckpt.tools.slabs import slabs
@@ -276,7 +277,7 @@ def test_verify_reports_every_problem(golden: Path, capsys: pytest.CaptureFixtur
     index = json.loads((golden / "zarr.json").read_bytes())
     pieces = index["attributes"]["distckpt"]["variables"]["opt/flat"]["pieces"]
     pieces[1]["box"] = [[0, 0], [5, 4]]  # overlaps p0 and leaves row 5 uncovered
-    (golden / "zarr.json").write_text(json.dumps(index))
+    (golden / "zarr.json").write_bytes(reseal(json.dumps(index).encode()))
     code, out, err = run(capsys, "verify", golden)
     assert code == 1
     problems = err.strip().splitlines()

@@ -32,6 +32,7 @@ import distckpt
 from distckpt import cli
 from distckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from distckpt.storage import codecs
+from distckpt.testing.hostile import reseal
 from distckpt.tools.verify import verify
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,7 +226,7 @@ def test_chunk_that_does_not_decompress_is_named(compressed: Path) -> None:
     shard.write_bytes(bytes(raw))
     doc = json.loads((compressed / "zarr.json").read_bytes())
     doc["attributes"]["distckpt"]["variables"]["w"]["crc"][0] = crc32c(table.tobytes())
-    (compressed / "zarr.json").write_text(json.dumps(doc))
+    (compressed / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
     with pytest.raises(CorruptCheckpointError, match=r"'w': inner chunk \(1, 0\) does not decom"):
         load1({"w": torch.zeros(16, 64), "s": torch.zeros(8, 8)}, compressed)
 
@@ -234,7 +235,7 @@ def test_unknown_codec_is_refused_naming_the_variable(compressed: Path, capsys: 
     doc = json.loads((compressed / "zarr.json").read_bytes())
     entry = doc["attributes"]["distckpt"]["variables"]["w"]
     entry["codec"] = {"name": "brotli", "configuration": {}}
-    (compressed / "zarr.json").write_text(json.dumps(doc))
+    (compressed / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
     before = torch.full((8, 8), -1.0)
     with pytest.raises(UnsupportedFormatError, match="variable 'w' is stored with codec") as ei:
         load1({"s": before, "w": torch.zeros(16, 64)}, compressed)

@@ -42,6 +42,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import distckpt  # noqa: E402
 from distckpt import cli  # noqa: E402
+from distckpt.storage import seal  # noqa: E402
+from distckpt.testing.hostile import reseal  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DISTCKPT_FUZZ_EXAMPLES", "40"))
 #: Seconds any one reader may take on a damaged checkpoint (generous: a loaded machine).
@@ -172,8 +174,17 @@ def _edit_json(path: Path, pick: int, what: Any) -> str:
     text = json.dumps(doc)
     if what == DEEP:
         text = text.replace(json.dumps(DEEP), "[" * 100_000 + "]" * 100_000)
-    path.write_text(text)
+    path.write_bytes(reseal(text.encode()))  # as an attacker would
     return "/".join(map(str, at))
+
+
+def _seal_holds(raw: bytes) -> bool:
+    """Whether a metadata document's checksum, if it has one, matches its bytes."""
+    at = raw.find(seal.MARK)
+    if at < 0:
+        return True
+    at += len(seal.MARK)
+    return raw[at : at + seal.DIGITS] == b"%08x" % seal.crc_of(raw, at)
 
 
 def _files(top: Path) -> list[Path]:
@@ -284,7 +295,11 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
             path = root / target
         if not path.is_file() or os.path.realpath(path) != str(path):
             return None  # reached through a link another damage made: that is outside
+        # Resealing a document that an earlier damage flipped hides that flip too.
+        laundered = not _seal_holds(path.read_bytes())
         where = _edit_json(path, at, how)
+        if laundered:
+            return "*"
         parts = where.split("/")
         if {"value", "values", "per_rank_values", "name"} & set(parts):
             return "*"  # a value or a name (in a manifest), not checksummed: any is right
@@ -299,10 +314,12 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
         return None
     path = files[at % len(files)]
     _damage_file(path, how, at, root)
-    # Metadata text carries no checksum (data does): a flipped bit in a name or a value
-    # of a JSON document is a different document, not a detectable damage.
-    flipped_text = how == "flip" and (path.suffix == ".json" or path.name.startswith("done."))
-    return "*" if flipped_text else None
+    # A metadata document carries its checksum: a flipped bit in it is detected, unless
+    # the bit was in the checksum's own name, which leaves a document without one (read
+    # as an older distckpt's, unchecked): then a second flip in it goes unseen.
+    metadata = path.suffix == ".json" or path.name.startswith("done.")
+    unsealed = metadata and how == "flip" and seal.MARK not in path.read_bytes()
+    return "*" if unsealed else None
 
 
 # ---------------------------------------------------------------- the readers

@@ -23,6 +23,7 @@ from launch_util import bounded
 import distckpt
 from distckpt import CheckpointError, CorruptCheckpointError, UnsafePathError
 from distckpt.cli import main
+from distckpt.testing.hostile import reseal
 
 BOUND = 30  # seconds: nothing here may hang
 
@@ -63,7 +64,7 @@ def index_of(ck: Path) -> dict[str, Any]:
 def edit_index(ck: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     doc = index_of(ck)
     edit(doc["attributes"]["distckpt"]["variables"])
-    (ck / "zarr.json").write_text(json.dumps(doc))
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
 
 
 @pytest.fixture
@@ -143,7 +144,7 @@ def test_an_s3_index_cannot_leave_its_prefix(s3: Any) -> None:
     other_doc = json.loads(resolve(other).read("zarr.json"))
     piece["crc"] = other_doc["attributes"]["distckpt"]["variables"]["b"]["pieces"][0]["crc"]
     piece["file"] = "../other/b/c.0"
-    store.write("zarr.json", json.dumps(doc).encode())
+    store.write("zarr.json", reseal(json.dumps(doc).encode()))
     with pytest.raises(UnsafePathError, match="variable 'b'"):
         distckpt.load({"b": torch.zeros(4)}, ck)
 
@@ -173,7 +174,7 @@ def test_a_pointer_naming_a_checkpoint_outside_its_directory_is_refused(
         doc["all"] = ["../victim", doc["latest"]]
     else:
         doc["latest"], doc["all"] = str(victim), [str(victim)]
-    (run / "latest").write_text(json.dumps(doc))
+    (run / "latest").write_bytes(reseal(json.dumps(doc).encode()))
     before = sorted(p.name for p in victim.rglob("*"))
     w = torch.zeros(4)
     with pytest.raises(CorruptCheckpointError, match="latest"):
@@ -218,7 +219,7 @@ def deep_value(ck: Path) -> None:
     doc = json.loads(text)
     doc["attributes"]["distckpt"]["variables"]["cfg"] = {"kind": "value", "value": "@DEEP@"}
     text = json.dumps(doc).replace('"@DEEP@"', "[" * 100_000 + "]" * 100_000)
-    (ck / "zarr.json").write_text(text)
+    (ck / "zarr.json").write_bytes(reseal(text.encode()))
 
 
 def shallow_but_too_deep(ck: Path) -> None:  # parses, but nests past the values' limit
@@ -239,7 +240,7 @@ def huge_shape(ck: Path) -> None:
 def edit_attributes(ck: Path, **fields: Any) -> None:
     doc = index_of(ck)
     doc["attributes"]["distckpt"].update(fields)
-    (ck / "zarr.json").write_text(json.dumps(doc))
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
 
 
 DAMAGE: dict[str, Callable[[Path], None]] = {

@@ -30,6 +30,7 @@ from distckpt.storage import index as index_mod
 from distckpt.storage import s3 as s3_mod
 from distckpt.storage.backend import resolve
 from distckpt.storage.lease import Lease
+from distckpt.testing.hostile import reseal
 
 #: DISTCKPT_S3_TIMEOUT here; the README's bound is twice it.
 TIMEOUT = 6.0
@@ -179,7 +180,7 @@ def test_a_renewal_that_lands_late_keeps_the_lease(s3: S3Server) -> None:
     lease.acquire(lambda info, age: RuntimeError("busy"))
     try:
         late = {**json.loads(store.read("lease")), "beat": 1.0}
-        store.write("lease", json.dumps(late).encode())  # not the version the lease holds
+        store.write("lease", reseal(json.dumps(late).encode()))  # not the version the lease holds
         deadline = time.monotonic() + 30
         while json.loads(store.read("lease"))["beat"] == 1.0:  # until a renewal replaced it
             assert not lease.lost and time.monotonic() < deadline

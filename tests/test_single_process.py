@@ -42,6 +42,7 @@ from distckpt.errors import (
 from distckpt.storage import shard_io
 from distckpt.storage.staging import OWNER_FILE, Staging, collect_garbage, leftovers
 from distckpt.storage.stored import Pieces
+from distckpt.testing.hostile import reseal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -385,7 +386,7 @@ def test_newer_format_version_is_refused_clearly(simple_ckpt: Path, tmp_path: Pa
     shutil.copytree(simple_ckpt, ck)
     doc = json.loads((ck / "zarr.json").read_bytes())
     doc["attributes"]["distckpt"]["format_version"] = 999
-    (ck / "zarr.json").write_text(json.dumps(doc))
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
     for call in (
         lambda: load1({"w": torch.zeros(20)}, ck, strict=False),
         lambda: distckpt.list_variables(ck),
@@ -766,7 +767,7 @@ def test_a_malformed_regular_entry_is_refused_before_any_read(
     entry["crc"], entry["size"] = entry["crc"] * 4, entry["size"] * 4
     entry["digest"] = entry["digest"] * 4
     edit(entry)
-    (ck / "zarr.json").write_text(json.dumps(doc))
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
     before = torch.full((3,), -1.0)
     with pytest.raises(CorruptCheckpointError, match="variable 'w'") as ei:
         load1({"a": before, "w": torch.zeros(4096)}, ck)

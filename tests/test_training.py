@@ -461,6 +461,7 @@ def test_save_counter_numbering_and_latest_pointer(tmp_path: Path) -> None:
     assert paths == [str(run / f"ckpt-{n}") for n in (1, 2, 3)]
     assert ckpt.save_counter == 3
     pointer = json.loads((run / "latest").read_text())
+    assert list(pointer)[0] == "checksum" and pointer.pop("checksum").startswith("crc32c:")
     assert pointer == {
         "format": "distckpt-pointer",
         "version": 1,

@@ -7,7 +7,6 @@ is a checkpoint under the final name before the transaction commits it.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,8 +18,8 @@ from distckpt.errors import CheckpointError
 from distckpt.planning.pieces import SavePlan, VarSpec
 from distckpt.storage import digests as digests_mod
 from distckpt.storage import index as index_mod
+from distckpt.storage import seal, zarr_meta
 from distckpt.storage import stored as stored_mod
-from distckpt.storage import zarr_meta
 from distckpt.storage.shard_io import Stored
 from distckpt.storage.transaction import Transaction
 from distckpt.version import VERSION
@@ -184,9 +183,9 @@ def build_index(
 
 
 def index_bytes(index: dict[str, Any]) -> bytes:
-    """The root group's ``zarr.json`` holding ``index``."""
-    doc = zarr_meta.group_meta({index_mod.ATTRIBUTE: index})
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    """The root group's ``zarr.json`` holding ``index``, sealed with its checksum
+    (:mod:`distckpt.storage.seal`)."""
+    return seal.dumps(zarr_meta.group_meta({index_mod.ATTRIBUTE: seal.sealed(index)}))
 
 
 def commit(

@@ -19,6 +19,9 @@ mark on a node vouches for every file of that token on it.
 
 Nothing here is ever unpickled: manifests and marks are JSON, values are typed JSON
 (:mod:`distckpt.values`), and every piece is checked against its crc32c before use.
+Manifests and marks are sealed by their checksum (:mod:`distckpt.storage.seal`, its
+first member): a damaged manifest fails the restore of its step (the manager then falls
+back to the shared directory), a damaged mark is ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distckpt.errors import CorruptCheckpointError
+from distckpt.storage import seal
 from distckpt.storage.backend import Store
 
 log = logging.getLogger("distckpt")
@@ -73,7 +77,10 @@ def _read_mark(store: Store, key: str, step: int) -> tuple[int, str] | None:
     """The (world, run) a mark records, or None (logged) when it is not a mark of
     ``step``: a restart must get past a damaged tier, never fail on it."""
     try:
-        mark = json.loads(store.read(key))
+        raw = store.read(key)
+        mark = json.loads(raw)
+        if isinstance(mark, dict):
+            seal.check(raw, store.where(key), mark)
         if not isinstance(mark, dict) or mark.get("format") != FORMAT:
             raise ValueError("not a distckpt local-tier mark")
         if mark.get("step") != step:
@@ -127,10 +134,13 @@ def survey(store: Store, run: str) -> list[Held]:
 def read_manifest(store: Store, step: int, owner: int, token: str) -> dict[str, Any]:
     """The manifest of ``owner``'s partitions of ``step``, checked to be one."""
     key = manifest_key(step, owner, token)
+    raw = store.read(key)
     try:
-        doc = json.loads(store.read(key))
+        doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{store.where(key)}: not a readable manifest: {exc}") from exc
+    if isinstance(doc, dict) and seal.check(raw, store.where(key), doc):
+        doc = seal.strip(doc)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{store.where(key)}: not a distckpt local-tier manifest")
     if doc.get("version") != VERSION:
@@ -153,7 +163,12 @@ def mark(store: Store, held: Held, rank: int) -> None:
         "world": held.world,
         "run": held.run,
     }
-    store.write(mark_key(held.step, held.token, rank), json.dumps(doc).encode())
+    store.write(mark_key(held.step, held.token, rank), dumps(doc))
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    """The bytes of a manifest or a mark, sealed with its checksum."""
+    return seal.dumps(seal.sealed(doc))
 
 
 def retain(store: Store, keep: int, run: str, below: int) -> list[int]:

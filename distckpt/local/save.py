@@ -332,7 +332,7 @@ def _protocol(
             manifests = [(rank, layout.manifest), *received.items()]
             for o, manifest in manifests:
                 key = files.manifest_key(step.number, o, step.token)
-                store.write(key, json.dumps(manifest).encode())
+                store.write(key, files.dumps(manifest))
             store.persist(
                 keys + [files.manifest_key(step.number, o, step.token) for o, _ in manifests]
             )

@@ -38,7 +38,6 @@ It needs of a store only :class:`~distckpt.storage.backend.Store`'s methods, wit
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -47,6 +46,7 @@ import time
 from typing import Any
 
 from distckpt.errors import CheckpointExists
+from distckpt.storage import seal
 from distckpt.storage.backend import ConditionFailed, Store
 from distckpt.storage.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
 from distckpt.storage.strategy import Pending
@@ -140,7 +140,7 @@ def retire(checkpoint: Store) -> None:
     goes stale and :func:`collect_garbage` finishes the job."""
     doc = {"token": "retire", "deleting": True, "host": socket.gethostname(), "pid": os.getpid()}
     key = claim_key(checkpoint.name)
-    checkpoint.parent.write(key, json.dumps({**doc, "beat": time.time()}).encode())
+    checkpoint.parent.write(key, seal.dumps(seal.sealed({**doc, "beat": time.time()})))
     checkpoint.delete(ZARR_JSON)
     checkpoint.delete_tree()
     checkpoint.parent.delete(key)

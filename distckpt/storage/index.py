@@ -4,6 +4,7 @@ Layout of ``<checkpoint>/zarr.json``::
 
     {"zarr_format": 3, "node_type": "group",
      "attributes": {"distckpt": {
+         "checksum": "crc32c:5e4c1a0b",
          "format": "distckpt", "format_version": 3, "library_version": "...",
          "created": <unix time>, "world_size": 4,
          "variables": {
@@ -50,6 +51,15 @@ regular entry ``{"from": [names], "pieces": column}`` where the column holds, pe
 shard, 0 for a shard written and ``k`` for one taken from ``from[k - 1]``. Both are
 information for readers that want them: a reader that does not know them reads the
 checkpoint as before.
+``checksum``, the first member of the ``distckpt`` object, seals the whole file: the
+crc32c of the root ``zarr.json`` as stored with its own 8 digits read as ``00000000``
+(:mod:`distckpt.storage.seal` specifies it). Every reader checks it before anything
+else, so a damaged byte that leaves the JSON well-formed (another offset, shape or
+checksum) is refused as damaged instead of read as written. An index without it was
+written by a distckpt that did not seal its index: it is read as before (and logged).
+The member changes no format version: a distckpt that predates it skips it and reads a
+sealed checkpoint as it reads any other of its version.
+
 Format versions: 1 lists every piece, uncompressed; 2 adds compressed pieces; 3 adds the
 compact regular entries. A checkpoint records the lowest version that reads it, so a
 distckpt that predates a feature it uses refuses it clearly instead of misreading it.
@@ -70,7 +80,7 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from distckpt.storage import wellformed, zarr_meta
+from distckpt.storage import seal, wellformed, zarr_meta
 from distckpt.storage.backend import Store, resolve
 from distckpt.storage.stored import Pieces, stored_dtype
 
@@ -114,6 +124,8 @@ def parse_index(raw: bytes, store: Store) -> Index:
         raise CheckpointNotFoundError(
             f"{store.url} is not a distckpt checkpoint (its zarr.json has no '{ATTRIBUTE}' index)"
         ) from None
+    # The seal first: a damaged byte is named as such, not as whatever it became.
+    sealed = isinstance(index, dict) and seal.check(raw, path, index)
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         what = index.get("format") if isinstance(index, dict) else index
         raise CorruptCheckpointError(f"{path}: unknown format {what!r}")
@@ -131,7 +143,7 @@ def parse_index(raw: bytes, store: Store) -> Index:
     created = index.get("created", 0)
     if type(created) not in (int, float) or not 0 <= created < 2**33:  # (until 2242)
         raise CorruptCheckpointError(f"{path}: index has a creation time of {created!r:.60}")
-    checked = Index(index, version_of(raw))
+    checked = Index(seal.strip(index), version_of(raw), sealed=sealed)
     for name, entry in index["variables"].items():
         try:
             check_entry(entry, name, made=checked.pieces)
@@ -141,15 +153,20 @@ def parse_index(raw: bytes, store: Store) -> Index:
 
 
 class Index(dict[str, Any]):
-    """A parsed and checked index document; ``pieces`` holds the :class:`Pieces` made
-    while checking its tensor entries (by ``id`` of the entry, which the document keeps
-    alive), so that a reader does not parse them again (:func:`pieces_of`); ``version``
-    names the bytes it was read from (:func:`version_of`)."""
+    """A parsed and checked index document (without its ``checksum`` member); ``pieces``
+    holds the :class:`Pieces` made while checking its tensor entries (by ``id`` of the
+    entry, which the document keeps alive), so that a reader does not parse them again
+    (:func:`pieces_of`); ``version`` names the bytes it was read from
+    (:func:`version_of`); ``sealed`` says whether they carried a checksum (False: written
+    by a distckpt that did not seal its index)."""
 
-    def __init__(self, doc: dict[str, Any], version: str | None = None) -> None:
+    def __init__(
+        self, doc: dict[str, Any], version: str | None = None, *, sealed: bool = False
+    ) -> None:
         super().__init__(doc)
         self.pieces: dict[int, Pieces] = {}
         self.version = version
+        self.sealed = sealed
 
 
 def version_of(raw: bytes) -> str:

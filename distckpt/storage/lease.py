@@ -1,10 +1,12 @@
 """A lease on one key of a store: the run directory's lock and a save's claim on a name.
 
-The lease is a small JSON object, ``{"host", "pid", "time", "beat", "token", ...}``,
-created only if absent (:meth:`~distckpt.storage.backend.Store.put_new`). While it is
-held, a daemon thread rewrites it every ``heartbeat_seconds``, each time conditional on
-the version it wrote last (:meth:`~distckpt.storage.backend.Store.put_if`), so a holder
-whose lease was taken over learns it at its next beat. Another process takes the lease
+The lease is a small JSON object, ``{"checksum", "host", "pid", "time", "beat", "token",
+...}``, created only if absent (:meth:`~distckpt.storage.backend.Store.put_new`). It is
+sealed by its checksum (:mod:`distckpt.storage.seal`): a damaged one names no holder,
+which is then judged by its heartbeat alone. While it is held, a daemon thread rewrites
+it every ``heartbeat_seconds``, each time conditional on the version it wrote last
+(:meth:`~distckpt.storage.backend.Store.put_if`), so a holder whose lease was taken over
+learns it at its next beat. Another process takes the lease
 over when it is stale (not written for ``stale_seconds``) or when its holder is on this
 host and its process is gone, by a write conditional on the version it found stale: of
 two processes that both found it stale, only one wins. The same code runs on a file
@@ -22,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from distckpt.errors import CheckpointError
+from distckpt.storage import seal
 from distckpt.storage.backend import ConditionFailed, Store, require
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,16 @@ def read_lease(store: Store, key: str) -> tuple[dict[str, Any], str, float] | No
         info = json.loads(raw)
     except (ValueError, RecursionError):
         info = {}
-    return (info if isinstance(info, dict) else {}), version, age
+    if not isinstance(info, dict):
+        info = {}
+    try:
+        seal.check(raw, store.where(key), info)
+    except CheckpointError as exc:
+        # A damaged lease names nobody: its holder is judged by its heartbeat alone, so
+        # a flipped pid can never make a live save look dead.
+        log.warning("%s; taking its holder for unknown", exc)
+        info = {}
+    return seal.strip(info), version, age
 
 
 def pid_dead(info: dict[str, Any]) -> bool:
@@ -107,7 +120,7 @@ class Lease:
         holder has it. A store without atomic conditional writes cannot hold one: a
         :class:`~distckpt.errors.StorageError` says so."""
         require(self.store, "conditional_create", "conditional_update", doing=f"lease {self.key}")
-        data = json.dumps(self._doc).encode()
+        data = seal.dumps(seal.sealed(self._doc))
         for _ in range(3):
             try:
                 self._version = self.store.put_new(self.key, data)
@@ -142,7 +155,7 @@ class Lease:
             self._doc["beat"] = time.time()
             try:
                 self._version = self.store.put_if(
-                    self.key, json.dumps(self._doc).encode(), self._version
+                    self.key, seal.dumps(seal.sealed(self._doc)), self._version
                 )
             except (ConditionFailed, FileNotFoundError):
                 if self._landed_late():

@@ -2,7 +2,9 @@
 
 A save of ``<name>`` writes into ``.<name>.staging-<token>/`` beside it, never into
 ``<name>``. The coordinator creates it with an owner file (host, pid, start time) whose
-modification time is a heartbeat, refreshed by a daemon thread while the save runs. The
+modification time is a heartbeat, refreshed by a daemon thread while the save runs (the
+file is sealed by its checksum, :mod:`distckpt.storage.seal`: a damaged one names no
+process, and its heartbeat alone decides whether the save is alive). The
 commit writes the index, makes it durable, removes the owner file and renames the
 directory to ``<name>`` (atomically exchanging it with an existing checkpoint when
 replacing one), then makes the parent's entries durable. A checkpoint therefore exists
@@ -31,8 +33,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
-from distckpt.errors import CheckpointExists, StorageError, UnsafePathError
+from distckpt.errors import CheckpointError, CheckpointExists, StorageError, UnsafePathError
+from distckpt.storage import seal
 from distckpt.storage.backend import RenamingStore, Store, WriteHandle, location, resolve
 from distckpt.storage.lease import pid_dead
 from distckpt.storage.strategy import Pending
@@ -85,7 +89,7 @@ class Staging:
         handle: WriteHandle | None = None
         try:
             handle = self.store.create(OWNER_FILE)
-            handle.write([json.dumps(owner).encode()], 0)
+            handle.write([seal.dumps(seal.sealed(owner))], 0)
             handle.finish(durable=False)  # the commit removes it; a crash leaves a stale one
         except BaseException:
             if handle is not None:
@@ -177,13 +181,33 @@ class RenameCommit:
         self._staging.abort()
 
 
+def read_owner(staging: Store) -> dict[str, Any]:
+    """The owner file of ``staging`` ({} when it is damaged: its seal fails, or it is not
+    a JSON object). Raises OSError when there is none."""
+    raw = staging.read(OWNER_FILE)
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(info, dict):
+        return {}
+    try:
+        seal.check(raw, staging.where(OWNER_FILE), info)
+    except CheckpointError as exc:
+        log.warning("%s; taking its owner for unknown", exc)
+        return {}
+    return seal.strip(info)
+
+
 def owner_alive(staging: Store, stale_seconds: float = STALE_SECONDS) -> bool:
     """Whether the save that owns the staging directory ``staging`` still runs (its
-    heartbeat is fresh and, on this host, its process exists)."""
+    heartbeat is fresh and, on this host, its process exists). A damaged owner file
+    names no process: the heartbeat alone decides, so a flipped pid never makes a live
+    save look dead."""
     try:
         age = staging.age(OWNER_FILE)
-        info = json.loads(staging.read(OWNER_FILE))
-    except (OSError, ValueError, RecursionError):
+        info = read_owner(staging)
+    except OSError:
         # No owner file: the save is being committed or was abandoned; judge by the dir.
         try:
             return staging.parent.age(staging.name) < stale_seconds
@@ -269,7 +293,7 @@ class RenameStrategy:
                 )
             return
         # The mark keeps collect_garbage from restoring it as an interrupted commit.
-        checkpoint.write(OWNER_FILE, json.dumps({"deleting": True}).encode())
+        checkpoint.write(OWNER_FILE, seal.dumps(seal.sealed({"deleting": True})))
         trash = trash_name(name, uuid.uuid4().hex[:16])
         parent.rename(name, trash)
         parent.persist([name])
@@ -292,8 +316,8 @@ class RenameStrategy:
             staging = directory.child(entry)
             live = ".staging-" in entry and owner_alive(staging)
             try:  # when the save started, else when the directory last changed
-                started: float | None = float(json.loads(staging.read(OWNER_FILE))["started"])
-            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                started: float | None = float(read_owner(staging)["started"])
+            except (OSError, ValueError, KeyError, TypeError):
                 try:
                     started = time.time() - directory.age(entry)
                 except OSError:

@@ -26,6 +26,8 @@ from typing import Any
 import crc32c as _crc
 import numpy as np
 
+from distckpt.storage import seal
+
 #: A shard index entry of an inner chunk that is absent.
 EMPTY = 2**64 - 1
 #: Pieces of a regular entry listed inline (more: a base64 column).
@@ -34,8 +36,19 @@ INLINE_PIECES = 64
 
 def reseal(raw: bytes) -> bytes:
     """``raw``, a metadata document (an index, a pointer, a manifest) edited by hand, with
-    its checksum recomputed; a document that carries none is returned as it is."""
-    return raw
+    its checksum recomputed in place (see :mod:`distckpt.storage.seal`); a document that
+    carries none is returned as it is.
+
+    ::
+
+        doc = json.loads(path.read_bytes())
+        doc["attributes"]["distckpt"]["variables"]["w"]["shape"] = [10**15]
+        path.write_bytes(reseal(json.dumps(doc).encode()))  # json.dumps keeps it first
+    """
+    try:
+        return seal.seal(raw)
+    except ValueError:
+        return raw
 
 
 def crc32c(data: bytes) -> int:

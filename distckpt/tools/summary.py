@@ -9,6 +9,7 @@ from typing import Any
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
 from distckpt.storage import index as index_mod
+from distckpt.storage import seal
 from distckpt.storage.stored import Pieces
 
 
@@ -18,7 +19,9 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     compressed ones also with ``codecs`` and ``stored_bytes``, those with pieces taken
     from an earlier checkpoint (an incremental save) with ``reused``: {where from: the
     pieces' stored bytes}; ``bytes`` totals the tensors (per-rank ones not included),
-    ``reused_bytes`` the pieces taken by every variable."""
+    ``reused_bytes`` the pieces taken by every variable; ``metadata_checksum`` whether the
+    index carries its own checksum (checked: False for an index written by a distckpt that
+    did not seal it)."""
     index = index_mod.read_index(path)
     rows: list[dict[str, Any]] = []
     for name, entry in sorted(index["variables"].items()):
@@ -29,6 +32,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {
         "world_size": index.get("world_size"),
         "created": index.get("created"),
+        "metadata_checksum": getattr(index, "sealed", False),
         "bytes": sum(row.get("bytes", 0) for row in rows),
         "reused_bytes": sum(sum(row.get("reused", {}).values()) for row in rows),
         "variables": rows,
@@ -74,6 +78,8 @@ def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> lis
             else ""
         )
     ]
+    if summary.get("metadata_checksum") is False:
+        lines.append(f"  ({seal.UNSEALED})")
     for row in rows:
         if row["kind"] == "tensor":
             stored = (

@@ -11,6 +11,11 @@ For every tensor (per-rank ones included) it checks, in order:
    every inner chunk (of the whole chunk, for a plain piece); a compressed inner chunk
    is also decompressed, and must give exactly one inner chunk of bytes.
 
+The index itself is checked first, as by every reader: its own checksum
+(:mod:`distckpt.storage.seal`; a mismatch raises, naming the file; an index without one,
+of a distckpt that did not seal it, is reported in :attr:`VerifyReport.notes`), then its
+well-formedness.
+
 Problems are collected, not raised, so one run reports every damaged piece; each names
 the variable and the file. Memory: one inner chunk (or one plain chunk) at a time.
 """
@@ -26,6 +31,7 @@ import numpy as np
 from distckpt.errors import CheckpointError, UnsupportedValueError
 from distckpt.planning.layout import find_overlap
 from distckpt.slices import Box
+from distckpt.storage import seal
 from distckpt.storage.piece_reader import PieceReader
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.values import decode
@@ -39,6 +45,14 @@ class VerifyReport:
     pieces: int = 0
     bytes_read: int = 0
     problems: list[str] = field(default_factory=list)
+    #: Whether the index carries its checksum (checked before anything else was read);
+    #: False for an index written by a distckpt that did not seal it.
+    sealed: bool = True
+
+    @property
+    def notes(self) -> list[str]:
+        """What is worth saying that is not a problem."""
+        return [] if self.sealed else [seal.UNSEALED]
 
     @property
     def ok(self) -> bool:
@@ -86,7 +100,10 @@ def verify(
             print(problem)
     """
     catalog = open_catalog(path)
-    report = VerifyReport(variables=len(catalog.tensors) + len(catalog.values))
+    report = VerifyReport(
+        variables=len(catalog.tensors) + len(catalog.values),
+        sealed=getattr(catalog.index, "sealed", False),
+    )
     for var in catalog.tensors.values():
         _verify_tensor(catalog, var, report, on_bytes)
     for value in catalog.values.values():

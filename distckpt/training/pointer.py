@@ -3,8 +3,12 @@
 One small versioned JSON file, ``<dir>/latest``, written by rank 0 only, after the
 checkpoint it names has been committed::
 
-    {"format": "distckpt-pointer", "version": 1, "latest": "ckpt-3",
-     "all": ["ckpt-1", "ckpt-2", "ckpt-3"]}
+    {"checksum": "crc32c:1f0e2d3c", "format": "distckpt-pointer", "version": 1,
+     "latest": "ckpt-3", "all": ["ckpt-1", "ckpt-2", "ckpt-3"]}
+
+``checksum`` seals the file (:mod:`distckpt.storage.seal`): a flipped byte that leaves
+the JSON well-formed (another step in a name) is refused, not followed. A pointer
+without it, of a distckpt that did not seal, is read as before.
 
 Names are relative to the directory, so a run directory can be moved or copied. ``all``
 lists the checkpoints the pointer knows, oldest first, ``latest`` last.
@@ -30,6 +34,7 @@ from distckpt.errors import (
     UnsupportedFormatError,
 )
 from distckpt.storage import index as index_mod
+from distckpt.storage import seal
 from distckpt.storage.backend import ConditionFailed, Store, check_name, child_location, resolve
 
 POINTER_FILE = "latest"
@@ -51,7 +56,12 @@ class Pointer:
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, "latest": self.latest, "all": self.all}
-        return json.dumps(doc, indent=1).encode()
+        return dumps(doc)
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    """The bytes of the pointer document ``doc``, sealed with its checksum."""
+    return seal.dumps(seal.sealed(doc), indent=1)
 
 
 def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str, Any], str] | None:
@@ -64,8 +74,14 @@ def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str,
         return None
     try:
         doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise CorruptCheckpointError(f"{where} is not a distckpt pointer (bad JSON)") from None
+    # The seal first: a damaged byte is named as such, not as whatever it became.
+    if isinstance(doc, dict) and seal.check(raw, where, doc):
+        doc = seal.strip(doc)
+    try:
         kind, fmt_version = doc["format"], doc["version"]
-    except (ValueError, KeyError, TypeError, RecursionError):
+    except (KeyError, TypeError):
         raise CorruptCheckpointError(f"{where} is not a distckpt pointer (bad JSON)") from None
     if kind != FORMAT:
         raise CorruptCheckpointError(f"{where}: unknown pointer format {kind!r}")

@@ -21,7 +21,6 @@ from what rank 0 broadcast).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -32,7 +31,15 @@ from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Uns
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, child_location
 from distckpt.storage.transaction import retire, retiring
-from distckpt.training.pointer import FORMAT, POINTER_FILE, VERSION, Pointer, move, read_versioned
+from distckpt.training.pointer import (
+    FORMAT,
+    POINTER_FILE,
+    VERSION,
+    Pointer,
+    move,
+    read_versioned,
+)
+from distckpt.training.pointer import dumps as pointer_dumps
 
 log = logging.getLogger("distckpt.training.manager")
 
@@ -254,9 +261,7 @@ class Retention:
                 "last_preserved": state["last_preserved"],
             },
         }
-        self.pointer_version = move(
-            self.store, json.dumps(doc, indent=1).encode(), self.pointer_version
-        )
+        self.pointer_version = move(self.store, pointer_dumps(doc), self.pointer_version)
 
     def delete(self, name: str) -> None:
         """Rank 0: delete the checkpoint ``name`` so that no reader sees half of it."""
