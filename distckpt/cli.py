@@ -3,7 +3,7 @@
     distckpt ls DIR [--json]            the checkpoints of a run directory
     distckpt inspect CKPT [--json]      the variables of a checkpoint
     distckpt verify CKPT                re-read every byte and check every checksum
-    distckpt export CKPT OUT            one .safetensors (streamed) or .pt file
+    distckpt export CKPT OUT            one .safetensors or .pt file (streamed)
     distckpt export CKPT DIR --hf       Hugging Face weights: safetensors files and an index
     distckpt import SRC OUT             a DCP or Hugging Face directory, .pt/.pth/.bin or
                                         .safetensors file (safetensors streamed)
@@ -215,8 +215,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify)
     p = sub.add_parser(
         "export",
-        help="write one consolidated file: .safetensors (streamed, bounded memory) or "
-        ".pt/.pth (torch.save of a flat dict; holds the whole checkpoint in memory)",
+        help="write one consolidated file, streamed with bounded memory: .safetensors or "
+        ".pt/.pth (torch.save of a flat dict; held in memory with torch older than 2.6)",
     )
     p.add_argument("checkpoint")
     p.add_argument(

@@ -54,7 +54,7 @@ for k, source in enumerate(sys.argv[1:]):
     out["code"] = main(["import", source, source + ".imported"])
     out["seconds"] = time.monotonic() - began
     out["growth"] = peak() - base
-    print(json.dumps(out), flush=True)
+    print("result:", json.dumps(out), flush=True)
 """
 
 
@@ -74,7 +74,11 @@ def in_a_child(*sources: Path) -> list[dict[str, Any]]:
         timeout=BOUND * len(sources),
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.strip().splitlines()]
+    results = [
+        json.loads(line.removeprefix("result:"))
+        for line in run.stdout.splitlines()
+        if line.startswith("result:")
+    ]
     errors = run.stderr.split("case ")[1:]
     for result, err in zip(results, errors, strict=True):
         result["stderr"] = err
