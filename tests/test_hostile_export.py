@@ -252,3 +252,37 @@ def test_a_safetensors_export_is_its_header_then_its_bytes(
     assert all(
         np.array_equal(loaded[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items()
     )
+
+
+def test_a_pt_export_without_skip_data_is_built_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch older than 2.6 cannot leave room for storages: the tensors are read whole."""
+    state = model_state()
+    distckpt.save(state, tmp_path / "ck")
+    monkeypatch.setattr(torch_file, "supported", lambda: False)
+    report = export(tmp_path / "ck", tmp_path / "o.pt")
+    assert report.tensors == 7 and report.largest_buffer == 300 * 7 * 4
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    for name, value in flat(state).items():
+        if isinstance(value, torch.Tensor):
+            assert loaded[name].view(torch.uint8).equal(value.view(torch.uint8)), name
+        else:
+            assert loaded[name] == value, name
+
+
+class Holder:
+    """A pickled value that holds a tensor of its own."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_a_pt_export_of_a_pickled_value_holding_a_tensor(tmp_path: Path) -> None:
+    """Its storage is numbered among the tensors': the export is built in memory."""
+    state = {"w": torch.arange(4.0), "obj": Holder(torch.ones(3)), "z": torch.zeros(2)}
+    distckpt.save(state, tmp_path / "ck", allow_pickle=True)
+    export(tmp_path / "ck", tmp_path / "o.pt", allow_pickle=True)
+    loaded = torch.load(tmp_path / "o.pt", weights_only=False)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["z"], state["z"])
+    assert torch.equal(loaded["obj"].tensor, torch.ones(3))

@@ -26,6 +26,7 @@ under its name only once it is complete (written beside it, then renamed).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +48,8 @@ from distckpt.tools.slabs import DEFAULT_SLAB_BYTES, slabs
 from distckpt.tools.verify import check_slabs
 from distckpt.transfer.arrays import writable_view
 from distckpt.values import decode
+
+log = logging.getLogger("distckpt")
 
 FORMATS = (".safetensors", ".pt", ".pth")
 
@@ -194,8 +197,14 @@ def _export_torch(
         if streamed:
             torch_file.save_skeleton(state, f)
             f.flush()
-            _fill_records(catalog, tensors, f.fileno(), report, max_slab_bytes, on_bytes)
-        else:
+            records = _records(f.fileno(), tensors)
+            streamed = records is not None
+        if streamed:
+            assert records is not None
+            _fill_records(catalog, tensors, records, f.fileno(), report, max_slab_bytes, on_bytes)
+        else:  # built in memory: an older torch, or a pickled value holding a tensor
+            f.seek(0)
+            f.truncate()
             for var in tensors:
                 state[var.name] = _whole(catalog, var)
                 _count(report, var.nbytes, on_bytes)
@@ -204,27 +213,31 @@ def _export_torch(
     report.tensors = len(tensors)
 
 
+def _records(fd: int, tensors: list[TensorVar]) -> list[torch_file.Record] | None:
+    """The storage record of each of ``tensors`` in the archive at ``fd``; None when
+    the archive holds other storages too."""
+    try:
+        records = torch_file.storage_records(fd)
+    except torch_file.LayoutError as exc:
+        raise ConversionError(f"cannot write into this torch's .pt files ({exc})") from None
+    # Storages are numbered in the order the pickle meets them: the state's order, when
+    # the tensors are the only storages (a pickled value may hold one of its own).
+    if [r.size for r in records] != [var.nbytes for var in tensors]:
+        log.info("a value holds a tensor of its own: the .pt export is built in memory")
+        return None
+    return records
+
+
 def _fill_records(
     catalog: Catalog,
     tensors: list[TensorVar],
+    records: list[torch_file.Record],
     fd: int,
     report: ExportReport,
     max_slab_bytes: int,
     on_bytes: Callable[[int], None] | None,
 ) -> None:
     """Write each tensor's bytes into its storage record, a slab at a time."""
-    try:
-        records = torch_file.storage_records(fd)
-    except torch_file.LayoutError as exc:
-        raise ConversionError(f"cannot write into this torch's .pt files ({exc})") from None
-    # Storages are numbered in the order the pickle meets them: the state's order, when
-    # the tensors are the only storages (a pickled value could hold one of its own).
-    sizes = [r.size for r in records]
-    if sizes != [var.nbytes for var in tensors]:
-        raise ConversionError(
-            f"cannot stream this .pt: its storages ({len(records)}) are not the checkpoint's "
-            f"{len(tensors)} tensors (a pickled value holding a tensor?); export to .safetensors"
-        )
     for var, record in zip(tensors, records, strict=True):
 
         def counted(var: TensorVar = var) -> Iterator[np.ndarray]:
