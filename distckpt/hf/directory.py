@@ -29,12 +29,18 @@ import json
 import math
 import os
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from distckpt import dtypes
-from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+from distckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafePathError,
+)
 from distckpt.hf.bounded_json import MAX_KEY_BYTES, Scanner
 from distckpt.hf.safetensors import (
     StoredTensor,
@@ -97,6 +103,16 @@ def is_stored(path: str | os.PathLike[str] | Store) -> bool:
 def open_weights(path: str | os.PathLike[str] | Store) -> Weights:
     """The tensors of the Hugging Face weights at ``path`` (see the module doc), a path
     or a location in a store; reads the index and every file's header, nothing else."""
+    try:
+        return _open_weights(path)
+    except CheckpointError as exc:
+        # The frames of a refused header hold it (up to 100 MB) and what was read of it,
+        # in a cycle with the error: released now, not at the next collection.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+
+
+def _open_weights(path: str | os.PathLike[str] | Store) -> Weights:
     if is_stored(path):
         return _open_in_store(resolve(path))  # type: ignore[arg-type]
     root = Path(path)  # type: ignore[arg-type]
