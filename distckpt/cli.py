@@ -3,7 +3,7 @@
     distckpt ls DIR [--json]            the checkpoints of a run directory
     distckpt inspect CKPT [--json]      the variables of a checkpoint
     distckpt verify CKPT                re-read every byte and check every checksum
-    distckpt export CKPT OUT            one .safetensors (streamed) or .pt file
+    distckpt export CKPT OUT            one .safetensors or .pt file (streamed)
     distckpt export CKPT DIR --hf       Hugging Face weights: safetensors files and an index
     distckpt import SRC OUT             a DCP or Hugging Face directory, .pt/.pth/.bin or
                                         .safetensors file (safetensors streamed)
@@ -13,6 +13,9 @@
 Exit status: 0 on success; 1 when ``verify`` finds a problem or ``diff`` a difference;
 2 on an error (bad input: not a checkpoint, an unreadable index, a missing file), which
 is reported as one line on stderr, ``distckpt CMD: error: ...``, never a traceback.
+Everything printed that may hold text from storage (names, paths, messages) has its
+control characters escaped (:func:`distckpt.terminal.printable`); ``--json`` output is
+ASCII, JSON's own escapes.
 On a terminal, ``verify`` and ``export`` show a progress line on stderr
 (``DISTCKPT_PROGRESS=0`` turns it off).
 Every DIR and CKPT may be ``s3://bucket/prefix`` (``pip install 'distckpt[s3]'``).
@@ -26,9 +29,11 @@ import json
 import logging
 import sys
 import time
+from typing import TextIO
 
 from distckpt.errors import CheckpointError
 from distckpt.progress import progress
+from distckpt.terminal import printable
 
 OK, NEGATIVE, ERROR = 0, 1, 2
 
@@ -38,17 +43,17 @@ def _ls(args: argparse.Namespace) -> int:
 
     listing = list_run(args.directory)
     if listing.warning:
-        print(f"distckpt ls: warning: {listing.warning}", file=sys.stderr)
+        _say(f"distckpt ls: warning: {listing.warning}", sys.stderr)
     if args.json:
         doc = {
             "directory": str(listing.directory),
             "latest": listing.latest,
             "checkpoints": [e.to_json() for e in listing.entries],
         }
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(doc, indent=1))  # ASCII: JSON escapes every control character
         return OK
     if not listing.entries:
-        print(f"{listing.directory}: no checkpoints")
+        _say(f"{listing.directory}: no checkpoints")
         return OK
     print(f"{'STEP':>8}  {'CREATED':<19}  {'BYTES':>12}  {'WORLD':>5}  {'STATE':<11}  NAME")
     for e in listing.entries:
@@ -57,7 +62,7 @@ def _ls(args: argparse.Namespace) -> int:
         world = "-" if e.world_size is None else str(e.world_size)
         mark = "  <- latest" if e.latest else ""
         note = f"  ({e.note})" if e.note else ""
-        print(
+        _say(
             f"{step:>8}  {created:<19}  {e.bytes:>12}  {world:>5}  {e.state:<11}  "
             f"{e.name}{mark}{note}"
         )
@@ -69,9 +74,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
     summary = describe(args.checkpoint)
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1))  # ASCII, as for ls
     else:
-        print("\n".join(format_summary(args.checkpoint, summary)))
+        for line in format_summary(args.checkpoint, summary):
+            _say(line)
     return OK
 
 
@@ -83,12 +89,12 @@ def _verify(args: argparse.Namespace) -> int:
     with progress(f"verifying {args.checkpoint}", total, threshold=0) as bar:
         report = verify(args.checkpoint, on_bytes=bar.update)
     for problem in report.problems:
-        print(f"distckpt verify: {problem}", file=sys.stderr)
+        _say(f"distckpt verify: {problem}", sys.stderr)
     notes = "".join(f"; {note}" for note in report.notes)
     if not report.ok:
-        print(f"{args.checkpoint}: {len(report.problems)} problem(s) found{notes}")
+        _say(f"{args.checkpoint}: {len(report.problems)} problem(s) found{notes}")
         return NEGATIVE
-    print(
+    _say(
         f"{args.checkpoint}: ok, {report.variables} variables, {report.pieces} pieces, "
         f"{report.bytes_read} bytes read and verified{notes}"
     )
@@ -115,8 +121,8 @@ def _export(args: argparse.Namespace) -> int:
             on_bytes=bar.update,
         )
     for skipped in report.skipped:
-        print(f"distckpt export: skipped {skipped}", file=sys.stderr)
-    print(
+        _say(f"distckpt export: skipped {skipped}", sys.stderr)
+    _say(
         f"wrote {report.path}: {report.tensors} tensors ({report.bytes_written} bytes), "
         f"{report.values} values"
     )
@@ -139,7 +145,7 @@ def _export_hf(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # a bad --max-shard-size
         raise CheckpointError(str(exc)) from None
-    print(f"wrote {result.path}: {result.files_written} file(s), {result.bytes_written} bytes")
+    _say(f"wrote {result.path}: {result.files_written} file(s), {result.bytes_written} bytes")
     return OK
 
 
@@ -153,7 +159,7 @@ def _import(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         prefix=args.prefix,
     )
-    print(f"saved {result.path}")
+    _say(f"saved {result.path}")
     return OK
 
 
@@ -162,7 +168,7 @@ def _diff(args: argparse.Namespace) -> int:
 
     differences = diff(args.a, args.b, max_slab_bytes=args.slab_mib * 1024 * 1024)
     for difference in differences:
-        print(difference)
+        _say(str(difference))
     if differences:
         print(f"{len(differences)} variable(s) differ")
         return NEGATIVE
@@ -175,7 +181,7 @@ def _gc(args: argparse.Namespace) -> int:
 
     removed = collect_garbage(args.directory)
     for path in removed:
-        print(f"removed {path}")
+        _say(f"removed {path}")
     if not removed:
         print("nothing to remove")
     return OK
@@ -210,8 +216,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify)
     p = sub.add_parser(
         "export",
-        help="write one consolidated file: .safetensors (streamed, bounded memory) or "
-        ".pt/.pth (torch.save of a flat dict; holds the whole checkpoint in memory)",
+        help="write one consolidated file, streamed with bounded memory: .safetensors or "
+        ".pt/.pth (torch.save of a flat dict; held in memory with torch older than 2.6)",
     )
     p.add_argument("checkpoint")
     p.add_argument(
@@ -266,14 +272,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _PrintableFormatter(logging.Formatter):
+    """Log records as one printable line: a logged message may quote stored names."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="distckpt: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_PrintableFormatter("distckpt: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         return int(args.func(args))
     except (CheckpointError, OSError) as exc:
-        print(f"distckpt {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        _say(f"distckpt {args.command}: error: {_one_line(exc)}", sys.stderr)
         return ERROR
+
+
+def _say(line: str, stream: TextIO | None = None) -> None:
+    """Print one line whose text may come from storage, every control character escaped
+    (:func:`distckpt.terminal.printable`): a stored name never reaches a terminal raw."""
+    print(printable(line), file=stream or sys.stdout)
 
 
 def _when(seconds: float | None) -> str:
@@ -287,7 +308,9 @@ def _when(seconds: float | None) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    """The message of ``exc`` on one line: its lines joined. Only newlines are joined:
+    other whitespace may be part of a stored name, and is escaped when printed."""
+    text = " ".join(line.strip(" \t") for line in str(exc).split("\n") if line.strip(" \t"))
     return text or type(exc).__name__
 
 

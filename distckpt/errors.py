@@ -55,6 +55,12 @@ class UnsafePathError(CorruptCheckpointError):
     (a FIFO, a device, a directory): it is refused before anything is opened or deleted."""
 
 
+class LocationError(CheckpointError, ValueError):
+    """A location names a storage scheme that no store opens (``mirorr://b/c``), or a URL
+    that its store cannot parse (``s3://`` without a bucket, or any :class:`ValueError` a
+    plug-in's URL parsing raises)."""
+
+
 class UnsupportedFormatError(CheckpointError):
     """The checkpoint was written by a newer format version than this library reads."""
 

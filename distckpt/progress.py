@@ -21,6 +21,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
+from distckpt.terminal import printable
+
 ENV = "DISTCKPT_PROGRESS"
 THRESHOLD = 256 * 1024 * 1024
 INTERVAL = 0.1  # seconds between redraws
@@ -47,7 +49,7 @@ class Progress:
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.label = label
+        self.label = printable(label)  # a path from the user or from storage
         self.total = total
         self.done = 0
         self.enabled = enabled

@@ -387,7 +387,7 @@ CORRUPT = {
         "'w' appears twice",
     ),
     "unknown dtype": (frame({"w": {**F32, "dtype": "F4"}}, bytes(8)), "dtype 'F4'"),
-    "dtype not a name": (frame({"w": {**F32, "dtype": ["F32"]}}, bytes(8)), "dtype ['F32']"),
+    "dtype not a name": (frame({"w": {**F32, "dtype": ["F32"]}}, bytes(8)), 'dtype ["F32"]'),
     "bad shape": (frame({"w": {**F32, "shape": [-2]}}, bytes(8)), "bad shape"),
     "offsets not shape": (frame({"w": {**F32, "data_offsets": [0, 4]}}, bytes(8)), "offsets"),
     "offsets past the end": (frame({"w": {**F32, "data_offsets": [8, 16]}}, bytes(8)), "offsets"),

@@ -29,12 +29,19 @@ import json
 import math
 import os
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from distckpt import dtypes
-from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+from distckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafePathError,
+)
+from distckpt.hf.bounded_json import MAX_KEY_BYTES, Scanner
 from distckpt.hf.safetensors import (
     StoredTensor,
     TensorHeader,
@@ -43,7 +50,7 @@ from distckpt.hf.safetensors import (
     read_header,
 )
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.fsutil import read_regular
+from distckpt.storage.fsutil import open_regular
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -51,6 +58,19 @@ INDEX_SUFFIX = ".safetensors.index.json"
 SUFFIX = ".safetensors"
 #: The largest weights index read from a store (a 70B model's is about 100 kB).
 MAX_INDEX_BYTES = 64 << 20
+#: Tensors a weights directory may hold, in all its files (one header holds at most
+#: :data:`distckpt.hf.safetensors.MAX_TENSORS`).
+MAX_TENSORS = 1 << 20
+#: Files a weights directory may have.
+MAX_FILES = 1 << 16
+_FILE_NAME_BYTES = 4096
+_INDEX_KEYS = 16  # top-level entries of a weights index ("metadata", "weight_map")
+_W = rb"[ \t\n\r]*"
+# One entry of weight_map written without escapes, and what follows it.
+_MAPPING = re.compile(
+    _W + rb'"([^"\\\x00-\x1f]{0,%d})"' % MAX_KEY_BYTES + _W + rb":" + _W
+    + rb'"([^"\\\x00-\x1f]{0,%d})"' % _FILE_NAME_BYTES + _W + rb"([,}]?)"
+)  # fmt: skip
 #: ``save_pretrained``'s default file size.
 DEFAULT_MAX_BYTES = 5 * 10**9
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -83,6 +103,16 @@ def is_stored(path: str | os.PathLike[str] | Store) -> bool:
 def open_weights(path: str | os.PathLike[str] | Store) -> Weights:
     """The tensors of the Hugging Face weights at ``path`` (see the module doc), a path
     or a location in a store; reads the index and every file's header, nothing else."""
+    try:
+        return _open_weights(path)
+    except CheckpointError as exc:
+        # The frames of a refused header hold it (up to 100 MB) and what was read of it,
+        # in a cycle with the error: released now, not at the next collection.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+
+
+def _open_weights(path: str | os.PathLike[str] | Store) -> Weights:
     if is_stored(path):
         return _open_in_store(resolve(path))  # type: ignore[arg-type]
     root = Path(path)  # type: ignore[arg-type]
@@ -150,7 +180,8 @@ def _from_objects(
 ) -> Weights:
     """:func:`_from_files` for the objects ``files`` of ``store``: each header is read
     with two ranged reads, its declared length checked first."""
-    headers = []
+    headers: list[tuple[str, list[StoredTensor], dict[str, str]]] = []
+    _check_count(store.url, files, headers)
     for key in files:
         try:
             with store.open(key) as reader:
@@ -161,47 +192,112 @@ def _from_objects(
             raise CorruptCheckpointError(
                 f"{store.url}: the index names {key}, which is missing"
             ) from None
+        if len(raw) != length:
+            raise CorruptCheckpointError(f"{store.where(key)}: the safetensors header is cut")
         found, meta = parse_header(key, raw, size)
         headers.append((key, found, meta))
+        _check_count(store.url, files, headers)
     return _gather(store.url, headers, index, store)
 
 
+def _check_count(
+    root: Path | str,
+    files: Sequence[object],
+    headers: Sequence[tuple[str, list[StoredTensor], dict[str, str]]],
+) -> None:
+    """A weights directory holds at most :data:`MAX_FILES` files and :data:`MAX_TENSORS`
+    tensors (checked after each header: one header is bounded on its own)."""
+    if len(files) > MAX_FILES:
+        raise CorruptCheckpointError(f"{root}: more than {MAX_FILES} weights files")
+    if sum(len(found) for _, found, _ in headers) > MAX_TENSORS:
+        raise CorruptCheckpointError(f"{root}: more than {MAX_TENSORS} tensors in its files")
+
+
 def _parse_index(path: Path | str, raw: bytes) -> dict[str, str]:
-    try:
-        doc = json.loads(raw)
-        weight_map = doc["weight_map"]
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{path}: not a weights index ({exc})") from None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CorruptCheckpointError(f"{path}: weight_map is not a map of names to files")
-    for name, file in weight_map.items():
+    """The ``weight_map`` of a weights index, read at a bounded cost
+    (:mod:`distckpt.hf.bounded_json`): at most :data:`MAX_TENSORS` names, each in one
+    file only, of files that are names in the directory (at most :data:`MAX_FILES`)."""
+    scan = Scanner(raw, str(path), "the weights index")
+    if scan.peek() != "{":
+        raise scan.fail("not a weights index (not a JSON object)")
+    weight_map: dict[str, str] | None = None
+    for key in scan.keys(_INDEX_KEYS, "the weights index"):
+        if key != "weight_map":
+            scan.skip(f"its {key!r}")  # "metadata": {"total_size": ...}
+        elif weight_map is not None:
+            raise scan.fail("weight_map appears twice")
+        else:
+            weight_map = _weight_map(scan)
+    scan.end()
+    if weight_map is None:
+        raise scan.fail("not a weights index (no weight_map)")
+    return weight_map
+
+
+def _weight_map(scan: Scanner) -> dict[str, str]:
+    bad = scan.fail("weight_map is not a map of names to files")
+    if scan.peek() != "{":
+        raise bad
+    weight_map: dict[str, str] = {}
+    files: dict[str, str] = {}  # one string per file, however many tensors name it
+    scan.pos += 1
+    closed = scan.take("}")
+    while not closed:
+        if len(weight_map) == MAX_TENSORS:
+            raise scan.fail(f"weight_map names more than {MAX_TENSORS} tensors")
+        plain = _MAPPING.match(scan.raw, scan.pos)  # no escapes: one match
+        if plain is not None:
+            scan.pos = plain.end()
+            name, file = scan.utf8(plain[1], "a name"), scan.utf8(plain[2], "a file name")
+        else:
+            name = scan.string(MAX_KEY_BYTES, "a key of weight_map")
+            scan.expect(":")
+            if scan.peek() != '"':
+                raise bad
+            file = scan.string(_FILE_NAME_BYTES, f"the file of {name!r}")
         # Untrusted: a file outside the directory is never read.
         if file != os.path.basename(file) or file in ("", ".", ".."):
-            raise CorruptCheckpointError(f"{path}: {name!r} names the file {file!r}")
-    return dict(weight_map)
+            raise scan.fail(f"{name!r} names the file {file!r}")
+        if name in weight_map:
+            raise scan.fail(f"{name!r} appears twice in weight_map ({weight_map[name]} and {file})")
+        weight_map[name] = files.setdefault(file, file)
+        if len(files) > MAX_FILES:
+            raise scan.fail(f"weight_map names more than {MAX_FILES} files")
+        if plain is not None and plain[3]:
+            closed = plain[3] == b"}"
+        else:
+            closed = scan.take("}")
+            if not closed and not scan.take(","):
+                raise scan.bad("expected ',' or '}' in weight_map")
+    return weight_map
 
 
 def _read_index(root: Path, path: Path) -> dict[str, str]:
     try:
-        raw = read_regular(os.path.realpath(_inside(root, path)))
+        with os.fdopen(open_regular(os.path.realpath(_inside(root, path))), "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)  # read no more than is accepted
     except (CorruptCheckpointError, FileNotFoundError):
         raise
     except OSError as exc:
         raise CorruptCheckpointError(f"{path}: not a weights index ({exc})") from None
+    if len(raw) > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(
+            f"{path}: a weights index of more than {MAX_INDEX_BYTES} bytes"
+        )
     return _parse_index(path, raw)
 
 
 def _from_files(
     root: Path, files: Sequence[Path], index: tuple[Path, dict[str, str]] | None
 ) -> Weights:
-    headers = []
+    headers: list[tuple[str, list[StoredTensor], dict[str, str]]] = []
+    _check_count(root, files, headers)
     for file in files:
         if not file.exists():  # (a FIFO or device exists, and is refused when opened)
             raise CorruptCheckpointError(f"{root}: the index names {file.name}, which is missing")
         found, meta = read_header(_inside(root, file))
         headers.append((file.name, found, meta))
+        _check_count(root, files, headers)
     return _gather(root, headers, None if index is None else (str(index[0]), index[1]))
 
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
+from distckpt.errors import CheckpointError, LocationError, StorageError, UnsafePathError
 from distckpt.errors import ConditionFailed as ConditionFailed  # the seam's own error
-from distckpt.errors import StorageError, UnsafePathError
 
 if TYPE_CHECKING:
     from distckpt.storage.strategy import CommitStrategy
@@ -324,7 +324,9 @@ _BUILT_IN: dict[str, Callable[[str], Store]] = {
 def register_store(scheme: str, opener: Callable[[str], Store]) -> None:
     """Open ``scheme://...`` locations with ``opener(url)`` (which returns a :class:`Store`)
     in this process; an installed package does the same through the ``distckpt.stores``
-    entry-point group (:data:`ENTRY_POINTS`), without code at start-up."""
+    entry-point group (:data:`ENTRY_POINTS`), without code at start-up. ``opener`` raises
+    :class:`ValueError` for a URL it cannot parse; callers of :func:`resolve` see it as a
+    :class:`~distckpt.errors.LocationError`."""
     if not scheme.isidentifier() or scheme == "file":
         raise ValueError(f"bad storage scheme {scheme!r}")
     _openers[scheme] = opener
@@ -341,7 +343,7 @@ def _opener(scheme: str, location: str) -> Callable[[str], Store]:
         _openers[scheme] = opener
         return opener  # type: ignore[no-any-return]
     known = sorted({*_BUILT_IN, *_openers, *entry_points(group=ENTRY_POINTS).names})
-    raise ValueError(
+    raise LocationError(
         f"{location}: unsupported storage scheme {scheme!r} (known: "
         + ", ".join(f"{k}://" for k in known)
         + ", or a path)"
@@ -368,13 +370,24 @@ def resolve(location: str | os.PathLike[str] | Store) -> Store:
     """The store at ``location``: a store is returned as is, ``scheme://...`` is opened by
     the store registered for the scheme (``s3://bucket/prefix`` needs ``pip install
     'distckpt[s3]'``; others come from :func:`register_store` or an installed package's
-    entry point), anything else is a local or shared directory (made absolute)."""
+    entry point), anything else is a local or shared directory (made absolute).
+
+    An unknown scheme, or a URL its store cannot parse (the store's opener raised a
+    :class:`ValueError`), is a :class:`~distckpt.errors.LocationError` (a
+    :class:`~distckpt.errors.CheckpointError` and a :class:`ValueError`)."""
     if isinstance(location, Store):
         return location
     scheme = _scheme(location)
     if scheme is not None:
         assert isinstance(location, str)
-        return _opener(scheme, location)(location)
+        opener = _opener(scheme, location)
+        try:
+            return opener(location)
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # the URL does not parse (a plug-in's own message)
+            text = str(exc) or type(exc).__name__
+            raise LocationError(text if location in text else f"{location}: {text}") from exc
     if isinstance(location, str) and location.startswith("file://"):
         location = location[len("file://") :]
     from distckpt.storage.posix import PosixStore

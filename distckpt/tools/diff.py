@@ -18,6 +18,7 @@ import numpy as np
 from distckpt.engine.load import read_region
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.tools.slabs import DEFAULT_SLAB_BYTES, slabs
+from distckpt.tools.verify import check_slabs
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -73,6 +74,8 @@ def _compare(name: str, left: Catalog, right: Catalog, max_slab_bytes: int) -> D
         return Difference(name, "dtype", f"{ta.dtype} vs {tb.dtype}")
     if ta.shape != tb.shape:
         return Difference(name, "shape", f"{list(ta.shape)} vs {list(tb.shape)}")
+    check_slabs(left, ta, max_slab_bytes)
+    check_slabs(right, tb, max_slab_bytes)
     return _compare_values(left, ta, right, tb, max_slab_bytes)
 
 

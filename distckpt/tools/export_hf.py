@@ -22,6 +22,8 @@ from distckpt.planning.save_plan import Balancer
 from distckpt.storage.backend import Store
 from distckpt.tools.catalog import open_catalog
 from distckpt.tools.export import tensor_slabs
+from distckpt.tools.slabs import DEFAULT_SLAB_BYTES
+from distckpt.tools.verify import check_slabs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -69,6 +71,7 @@ def export_hf(
                     raise ValidationError(
                         f"both {sources[name]!r} and {var.name!r} map to {name!r}"
                     )
+                check_slabs(catalog, var, DEFAULT_SLAB_BYTES)  # before a file is made
                 tensors.append((name, var.dtype, var.shape))
                 sources[name] = var.name
         files = plan_files(tensors, max_bytes)

@@ -22,18 +22,25 @@ the variable and the file. Memory: one inner chunk (or one plain chunk) at a tim
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from distckpt.errors import CheckpointError, UnsupportedValueError
+from distckpt.errors import (
+    CheckpointError,
+    ConversionError,
+    CorruptCheckpointError,
+    UnsupportedValueError,
+)
 from distckpt.planning.layout import find_overlap
 from distckpt.slices import Box
 from distckpt.storage import seal
 from distckpt.storage.piece_reader import PieceReader
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
+from distckpt.tools.slabs import DEFAULT_SLAB_BYTES
 from distckpt.values import decode
 
 
@@ -79,6 +86,31 @@ def coverage_problems(name: str, shape: tuple[int, ...], boxes: list[Box]) -> li
             f"(shape {list(shape)})"
         ]
     return []
+
+
+def check_slabs(catalog: Catalog, var: TensorVar, max_slab_bytes: int) -> None:
+    """Refuse ``var`` unless it can be read a slab of ``max_slab_bytes`` at a time from
+    stored bytes alone (``export``, ``diff``): its pieces must cover its shape exactly
+    once (else some bytes of a slab would come from no stored byte), and a compressed
+    inner chunk, which is decompressed whole, must fit a slab (or
+    :data:`~distckpt.tools.slabs.DEFAULT_SLAB_BYTES`, if larger): a piece may declare up
+    to 65,536 times its stored bytes, and memory must not follow a declared size."""
+    problems = coverage_problems(var.name, var.shape, [p.box for p in var.pieces])
+    if problems:
+        raise CorruptCheckpointError(f"{catalog.root.url}: {problems[0]}")
+    limit = max(max_slab_bytes, DEFAULT_SLAB_BYTES)
+    itemsize = var.numpy_dtype.itemsize
+    for piece in var.pieces:
+        if piece.codec is None or piece.inner is None or piece.box.empty:
+            continue
+        chunk = math.prod(piece.inner) * itemsize
+        if chunk > limit:
+            raise ConversionError(
+                f"variable {var.name!r}: its compressed inner chunks of {chunk} bytes are "
+                f"decompressed whole, more than a slab of {limit} bytes "
+                f"({catalog.root.where(piece.file)}); pass --slab-mib "
+                f"{-(-chunk // (1 << 20))} if that memory is meant to be used"
+            )
 
 
 def stored_bytes(catalog: Catalog) -> int:

@@ -1,0 +1,288 @@
+"""Exports of checkpoints that declare more than they store: memory follows a slab, never
+a declared size, and every byte written is a stored, verified byte.
+
+A compressed piece may declare up to 65,536 times its stored bytes (zstd's densest
+encoding, runs of one byte, stays under that): a 220 KB checkpoint holds a 320 MiB
+tensor. The checkpoints here are crafted as an attacker would, zstd frames written by hand
+and every checksum recomputed; each export runs in a process of its own, whose peak
+resident memory is measured (VmHWM: ru_maxrss would start at the parent's).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+import distckpt
+from distckpt import ConversionError, CorruptCheckpointError
+from distckpt.hf.safetensors import TensorHeader, header
+from distckpt.testing.hostile import reseal
+from distckpt.tools import torch_file
+from distckpt.tools.diff import diff
+from distckpt.tools.export import export
+
+pytestmark = pytest.mark.timeout(600)
+
+GROWTH = 200  # MiB of peak memory an export may add (a slab is 64 MiB)
+MiB = 1 << 20
+
+CHILD = """
+import json, sys, time
+from distckpt.cli import main
+
+def peak():  # MiB
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
+
+base = peak()
+for argv in json.loads(sys.argv[1]):
+    began = time.monotonic()
+    print("command:", file=sys.stderr, flush=True)
+    code = main(argv)
+    out = {"code": code, "seconds": time.monotonic() - began, "growth": peak() - base}
+    print("result:", json.dumps(out), flush=True)
+"""
+
+
+def in_a_child(*commands: list[str | Path]) -> list[dict[str, Any]]:
+    """Each ``distckpt`` command in turn in one process: its exit code, seconds, and the
+    growth of the process's peak memory so far; ``stderr``: what it printed."""
+    argv = json.dumps([[str(a) for a in command] for command in commands])
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, argv], capture_output=True, text=True, timeout=500
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [
+        json.loads(line.removeprefix("result:"))
+        for line in run.stdout.splitlines()
+        if line.startswith("result:")
+    ]
+    for result, err in zip(results, run.stderr.split("command:\n")[1:], strict=True):
+        result["stderr"] = err
+    return results
+
+
+def zstd_zeros(nbytes: int) -> bytes:
+    """A zstd frame of ``nbytes`` zero bytes: a header declaring them, then RLE blocks
+    of 128 KiB, four bytes each."""
+    frame = bytearray(struct.pack("<I", 0xFD2FB528)) + bytes([0b11100000])
+    frame += struct.pack("<Q", nbytes)  # single segment, 8-byte content size
+    left = nbytes
+    while left:
+        n = min(128 * 1024, left)
+        left -= n
+        frame += ((1 if left == 0 else 0) | (1 << 1) | (n << 3)).to_bytes(3, "little") + b"\0"
+    return bytes(frame)
+
+
+def declaring_zeros(ck: Path, elements: int, inner: int) -> Path:
+    """A checkpoint whose float32 ``b`` declares ``elements`` zeros, stored as zstd inner
+    chunks of ``inner`` elements: one shard of RLE frames, every checksum recomputed."""
+    distckpt.save({"b": torch.zeros(1024)}, ck, compression="zstd", inner_bytes=4096, small_bytes=0)
+    doc = json.loads((ck / "zarr.json").read_bytes())
+    entry = doc["attributes"]["distckpt"]["variables"]["b"]
+    assert entry["layout"] == "regular" and len(entry["crc"]) == 1, entry
+    frame = zstd_zeros(inner * 4)
+    chunk = frame + crc32c.crc32c(frame).to_bytes(4, "little")
+    count = elements // inner
+    table = crc32c.crc32c(frame).to_bytes(4, "little") * count
+    index = b"".join(
+        struct.pack("<QQ", len(table) + k * len(chunk), len(chunk)) for k in range(count)
+    )
+    index += crc32c.crc32c(index).to_bytes(4, "little")
+    shard = table + chunk * count + index
+    (ck / "b" / "c.0").write_bytes(shard)
+    entry.update(shape=[elements], chunks=[elements], inner=[inner])
+    entry.update(crc=[crc32c.crc32c(table)], size=[len(shard)])
+    entry.pop("digest", None)
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
+    return ck
+
+
+def test_a_declared_inner_chunk_larger_than_a_slab_is_refused_within_bounds(
+    tmp_path: Path,
+) -> None:
+    """512 MiB in one compressed inner chunk, stored in 16 KB: reading any slab of it
+    decompressed it whole (and a .pt export built the tensor whole besides)."""
+    ck = declaring_zeros(tmp_path / "ck", 128 * MiB, 128 * MiB)
+    assert sum(f.stat().st_size for f in ck.rglob("*") if f.is_file()) < 64 * 1024
+    results = in_a_child(
+        ["export", ck, tmp_path / "o.safetensors"],
+        ["export", ck, tmp_path / "o.pt"],
+        ["export", ck, tmp_path / "hf", "--hf"],
+        ["diff", ck, ck],
+    )
+    for result in results:
+        assert result["code"] == 2, result
+        assert "'b': its compressed inner chunks of 536870912 bytes" in result["stderr"], result
+        assert "--slab-mib 512" in result["stderr"] and result["growth"] < GROWTH, result
+    assert not list(tmp_path.glob("*o.*")) and not list((tmp_path / "hf").glob("*"))
+    with pytest.raises(ConversionError, match="decompressed whole"):
+        export(ck, tmp_path / "o.safetensors")
+
+
+def test_a_declared_tensor_exports_a_slab_at_a_time(tmp_path: Path) -> None:
+    """320 MiB of zeros in 256 KiB chunks, stored in about 100 KB: both formats stream it
+    (a .pt export held it whole)."""
+    elements = 80 * MiB
+    ck = declaring_zeros(tmp_path / "ck", elements, 64 * 1024)
+    assert sum(f.stat().st_size for f in ck.rglob("*") if f.is_file()) < 256 * 1024
+    pt, st = tmp_path / "o.pt", tmp_path / "o.safetensors"
+    results = in_a_child(["export", ck, pt], ["export", ck, st])
+    for result in results:
+        assert result["code"] == 0 and result["growth"] < GROWTH, result
+    with zipfile.ZipFile(pt) as archive:  # read back through its crc32, a slab at a time
+        (name,) = [n for n in archive.namelist() if n.endswith("/data/0")]
+        with archive.open(name) as record:
+            for block in iter(lambda: record.read(16 * MiB), b""):
+                assert not any(block), "a byte that is not zero"
+        assert archive.getinfo(name).file_size == 4 * elements
+    with open(st, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        assert json.loads(f.read(length))["b"]["shape"] == [elements]
+        for block in iter(lambda: f.read(16 * MiB), b""):
+            assert not any(block), "a byte that is not zero"
+
+
+def test_pieces_that_overlap_and_leave_a_gap_are_never_exported(tmp_path: Path) -> None:
+    """[0:5] and [2:5] of [8] add up to 8 elements: the export wrote [5:8] from
+    uninitialised memory."""
+    ck = tmp_path / "ck"
+    distckpt.save({"b": torch.arange(8.0)}, ck)
+    doc = json.loads((ck / "zarr.json").read_bytes())
+    entry = doc["attributes"]["distckpt"]["variables"]["b"]
+    piece = entry["pieces"][0]
+    entry["pieces"] = [{**piece, "box": [[0], [5]]}, {**piece, "box": [[2], [3]]}]
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
+    for out in ("o.safetensors", "o.pt"):
+        with pytest.raises(
+            CorruptCheckpointError, match=r"'b': pieces \[0:5\] and \[2:5\] overlap"
+        ):
+            export(ck, tmp_path / out)
+        assert not (tmp_path / out).exists()
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        diff(ck, ck)
+
+
+# --------------------------------------------------- legitimate exports, byte for byte
+
+
+def model_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "net": {"w": torch.randn(300, 7, generator=g), "e": torch.zeros(0, 3)},
+        "h": torch.randn(33, generator=g).to(torch.bfloat16),
+        "i": torch.arange(-5, 5, dtype=torch.int16),
+        "c": torch.randn(4, dtype=torch.complex64, generator=g),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "m": torch.tensor([True, False, True]),
+        "step": 12,
+        "cfg": {"lr": 0.1, "name": "x"},
+    }
+
+
+def flat(state: dict[str, Any]) -> dict[str, Any]:
+    """The export's names: nested keys joined by ``/``, sorted."""
+    out = {f"net/{k}": v for k, v in state["net"].items()}
+    out.update({k: v for k, v in state.items() if k != "net"})
+    return dict(sorted(out.items()))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_pt_export_is_the_file_torch_save_writes(tmp_path: Path, compression: Any) -> None:
+    if not torch_file.supported():
+        pytest.skip("torch older than 2.6: .pt exports are built in memory")
+    state = model_state()
+    ck = tmp_path / "ck"
+    distckpt.save(state, ck, compression=compression, inner_bytes=256)
+    report = export(ck, tmp_path / "o.pt", max_slab_bytes=100)
+    made = (tmp_path / "o.pt").read_bytes()
+    buffer = io.BytesIO()
+    torch.save(flat(state), buffer)
+    want = buffer.getvalue()
+    assert len(made) == len(want)
+    with zipfile.ZipFile(io.BytesIO(made)) as a, zipfile.ZipFile(io.BytesIO(want)) as b:
+        assert a.testzip() is None  # every record's crc32, data descriptor and directory
+        assert [i.filename for i in a.infolist()] == [i.filename for i in b.infolist()]
+        for x, y in zip(a.infolist(), b.infolist(), strict=True):
+            if not x.filename.endswith("serialization_id"):  # drawn anew by each save
+                assert (x.header_offset, x.CRC) == (y.header_offset, y.CRC), x.filename
+                assert a.read(x) == b.read(y), x.filename
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    for name, value in flat(state).items():
+        if isinstance(value, torch.Tensor):
+            assert loaded[name].view(torch.uint8).equal(value.view(torch.uint8)), name
+        else:
+            assert loaded[name] == value, name
+    assert report.largest_buffer <= 100 and report.tensors == 7 and report.values == 2
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_safetensors_export_is_its_header_then_its_bytes(
+    tmp_path: Path, compression: Any
+) -> None:
+    state = model_state()
+    del state["c"]  # (complex64 is kept; complex128 has no safetensors dtype)
+    ck = tmp_path / "ck"
+    distckpt.save(state, ck, compression=compression, inner_bytes=256)
+    export(ck, tmp_path / "o.safetensors", max_slab_bytes=100)
+    tensors = {k: v for k, v in flat(state).items() if isinstance(v, torch.Tensor)}
+    values = {"cfg": json.dumps({"map": {"lr": 0.1, "name": "x"}}), "step": "12"}
+    heads = [
+        TensorHeader(k, str(v.dtype).removeprefix("torch."), tuple(v.shape), v.nbytes)
+        for k, v in tensors.items()
+    ]
+    want = header(heads, values) + b"".join(
+        v.contiguous().view(torch.uint8).numpy().tobytes() for v in tensors.values()
+    )
+    assert (tmp_path / "o.safetensors").read_bytes() == want
+    loaded = safetensors.torch.load_file(tmp_path / "o.safetensors")
+    assert all(
+        np.array_equal(loaded[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items()
+    )
+
+
+def test_a_pt_export_without_skip_data_is_built_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch older than 2.6 cannot leave room for storages: the tensors are read whole."""
+    state = model_state()
+    distckpt.save(state, tmp_path / "ck")
+    monkeypatch.setattr(torch_file, "supported", lambda: False)
+    report = export(tmp_path / "ck", tmp_path / "o.pt")
+    assert report.tensors == 7 and report.largest_buffer == 300 * 7 * 4
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    for name, value in flat(state).items():
+        if isinstance(value, torch.Tensor):
+            assert loaded[name].view(torch.uint8).equal(value.view(torch.uint8)), name
+        else:
+            assert loaded[name] == value, name
+
+
+class Holder:
+    """A pickled value that holds a tensor of its own."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_a_pt_export_of_a_pickled_value_holding_a_tensor(tmp_path: Path) -> None:
+    """Its storage is numbered among the tensors': the export is built in memory."""
+    state = {"w": torch.arange(4.0), "obj": Holder(torch.ones(3)), "z": torch.zeros(2)}
+    distckpt.save(state, tmp_path / "ck", allow_pickle=True)
+    export(tmp_path / "ck", tmp_path / "o.pt", allow_pickle=True)
+    loaded = torch.load(tmp_path / "o.pt", weights_only=False)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["z"], state["z"])
+    assert torch.equal(loaded["obj"].tensor, torch.ones(3))
