@@ -178,3 +178,34 @@ def test_an_honest_compressed_checkpoint_still_loads_bit_for_bit(
     distckpt.load(back, tmp_path / "ck")
     for k in state:
         assert torch.equal(back[k], state[k]), k
+
+
+def test_a_compressed_inner_chunk_may_not_declare_more_than_a_reader_allocates(
+    tmp_path: Path,
+) -> None:
+    """A few stored bytes may declare an inner chunk of gigabytes (within the ratio a codec
+    allows): every reader would decompress it whole. Saves never write one over 64 MiB,
+    and an index that declares one is refused before anything is allocated."""
+    import numcodecs
+    import numpy as np
+    import torch
+
+    import distckpt
+    from distckpt.storage.wellformed import MAX_CODEC_CHUNK
+    from distckpt.testing.hostile import Crafted, build_shard
+
+    with pytest.raises(ValueError, match="at most 67108864 bytes"):
+        distckpt.CheckpointOptions(compression="zstd", inner_bytes=MAX_CODEC_CHUNK + 1)
+    distckpt.CheckpointOptions(compression=None, inner_bytes=MAX_CODEC_CHUNK + 1)  # raw: fine
+    ck = tmp_path / "ck"
+    distckpt.save({"w": torch.zeros(1 << 17)}, ck, compression="zstd", inner_bytes=1 << 12)
+    crafted = Crafted(ck)
+    noise = numcodecs.Zstd().encode(np.random.default_rng(0).integers(0, 256, 8192, np.uint8))
+
+    def declare(variables: dict) -> None:  # type: ignore[type-arg]
+        variables["w"].update(shape=[1 << 26], chunks=[1 << 26], inner=[1 << 25])
+
+    crafted.edit_index(declare)
+    crafted.write_piece("w", 0, build_shard([bytes(noise), bytes(noise)]))  # stored: 16 KiB
+    with pytest.raises(distckpt.CorruptCheckpointError, match="compressed inner chunks"):
+        distckpt.load({"w": torch.zeros(1 << 26)}, ck)

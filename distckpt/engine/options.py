@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
-from distckpt.storage import codecs
+from distckpt.storage import codecs, wellformed
 from distckpt.storage.backend import Store, is_remote
 from distckpt.storage.backend import resolve as resolve_store
 from distckpt.storage.codecs import Compression
@@ -45,7 +45,7 @@ class CheckpointOptions:
     * ``small_bytes``: tensors of at most this many bytes become one plain chunk written
       by one rank (never compressed).
     * ``inner_bytes``: the size of the inner chunks of a shard: the unit of checksums and
-      of the reads of a resharded load.
+      of the reads of a resharded load (at most 64 MiB with compression).
     * ``overwrite``: replace a checkpoint committed at the path (:func:`distckpt.save`).
     * ``incremental``: hash what is written, so a later save can build on it, and build on
       the checkpoint a save names as its ``base`` (:class:`~distckpt.Checkpoint` and the
@@ -82,6 +82,11 @@ class CheckpointOptions:
             value = getattr(self, name)
             if type(value) is not int or value < (0 if name == "small_bytes" else 1):
                 raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
+        if self.compression is not None and self.inner_bytes > wellformed.MAX_CODEC_CHUNK:
+            raise ValueError(
+                f"inner_bytes of {self.inner_bytes} with compression: compressed inner chunks "
+                f"are at most {wellformed.MAX_CODEC_CHUNK} bytes (each is decompressed whole)"
+            )
         if self.io_workers is not None:
             transfer_workers.positive_int(self.io_workers, "io_workers")
 

@@ -13,7 +13,8 @@ variable, before any of it is used to open a file or allocate memory:
 * a piece's declared contents fit its stored size (:func:`check_piece`): a plain chunk is
   exactly its block's bytes and a crc32c; a shard holds at least its checksum table and
   index and, raw, at most every inner chunk in full; a compressed piece decompresses to
-  at most :data:`MAX_RATIO` times its stored bytes. Readers compare the stored size with
+  at most :data:`MAX_RATIO` times its stored bytes, each inner chunk to at most
+  :data:`MAX_CODEC_CHUNK`. Readers compare the stored size with
   the file's before reading, so every buffer a reader allocates is bounded by what is
   stored.
 """
@@ -34,6 +35,10 @@ MAX_BYTES = 1 << 62
 #: densest encoding (runs of one byte) stays under 1:32768, blosc's LZ4 under 1:256; a
 #: declared size beyond this is corrupt, and no reader allocates for it.
 MAX_RATIO = 1 << 16
+#: A compressed inner chunk decompresses to at most this many bytes (saves refuse larger
+#: ``inner_bytes`` with compression): a reader decompresses a chunk whole, so this bounds
+#: what one decode allocates, however little is stored.
+MAX_CODEC_CHUNK = 64 << 20
 #: Bytes of a shard's bookkeeping per inner chunk: its checksum table entry (4) and its
 #: index entry (16); the index's own crc32c adds 4 per shard.
 SHARD_BYTES_PER_CHUNK = 20
@@ -138,6 +143,11 @@ def check_piece(
         raise bad(f"{chunks} inner chunks cannot be stored in {size} bytes")
     if compressed and data > size * MAX_RATIO:
         raise bad(f"{data} bytes cannot decompress from {size}")
+    if compressed and math.prod(inner) * itemsize > max(MAX_CODEC_CHUNK, itemsize):
+        raise bad(
+            f"compressed inner chunks {list(inner)} of {math.prod(inner) * itemsize} bytes "
+            f"(at most {MAX_CODEC_CHUNK} are ever written)"
+        )
 
 
 def check_file(file: Any, variable: str) -> str:
