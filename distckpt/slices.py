@@ -269,8 +269,8 @@ class TilingProblem:
     """Why boxes do not tile ``within`` exactly once. ``kind``: ``"outside"`` (``boxes[0]``
     is not inside ``within``), ``"overlap"`` (the two ``boxes`` share elements; equal:
     one box listed twice), ``"gap"`` (no box covers ``boxes[0]``, part of ``within``) or
-    ``"unproven"`` (too irregular to settle in bounded time). ``which``: the places of
-    ``boxes`` in the sequence given (none for a gap)."""
+    ``"unproven"`` (too large or irregular to settle in bounded time). ``which``: where
+    ``boxes`` are in the sequence given (none for a gap)."""
 
     kind: str
     within: Box
@@ -307,11 +307,12 @@ def tiling_problem(boxes: Sequence[Box], within: Box) -> TilingProblem | None:
     every dimension) must add up to those of ``within`` alone; failing that, or with too
     many corners, boxes whose ranges meet along the dimension where fewest pairs do are
     compared (disjoint boxes inside ``within`` tile it when their volumes add up to its
-    own). ``within`` holds fewer than ``2**62`` elements (as any stored tensor does).
+    own). A ``within`` of ``2**62`` elements or more (no stored tensor) is "unproven".
     """
     ndim = within.ndim
     if within.numel >= 1 << 62 or any(e >= 1 << 62 for e in within.ends):
-        raise ValueError(f"cannot prove the tiling of a box as large as {within}")
+        note = f"{within} holds too many elements to prove what tiles it (2**62 or more)"
+        return TilingProblem("unproven", within, note=note)
     m = len(boxes)
     if m <= _FEW:
         return _few(boxes, within)

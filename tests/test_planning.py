@@ -11,7 +11,7 @@ import pytest
 
 from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc
-from distckpt.planning.layout import find_overlap, inner_chunks, regular_grid
+from distckpt.planning.layout import inner_chunks, regular_grid
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import make_save_plan
 from distckpt.slices import Box, chunk_bounds
@@ -60,12 +60,6 @@ def test_inner_chunks_divide_the_block_and_respect_the_budget():
         assert all(b % i == 0 for b, i in zip(block, inner, strict=True))
         n = np.prod(inner) * itemsize
         assert n <= budget or all(i == 1 for i in inner[:-1])
-
-
-def test_overlap_sweep():
-    assert find_overlap([Box((0,), (5,)), Box((5,), (5,))]) is None
-    pair = find_overlap([Box((0, 0), (5, 5)), Box((9, 0), (1, 1)), Box((4, 4), (2, 2))])
-    assert pair is not None and set(pair) == {Box((0, 0), (5, 5)), Box((4, 4), (2, 2))}
 
 
 def test_regular_partition_is_one_array_one_writer_per_box():

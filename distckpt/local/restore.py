@@ -41,7 +41,7 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
 from distckpt.local.choose import Choice
 from distckpt.local.save import MESSAGE_BYTES, topology
-from distckpt.slices import Box, c_order_bands
+from distckpt.slices import Box, c_order_bands, tiling_problem
 from distckpt.storage import wellformed
 from distckpt.storage.backend import Store
 from distckpt.storage.posix import PosixReader
@@ -190,11 +190,13 @@ class LocalStep:
                 per_rank(name)[str(owner)] = {"kind": "value", "value": value}
         for (name, held_by), pieces in self._pieces.items():  # before any tensor of it exists
             entry = variables[name] if held_by is None else variables[name]["ranks"][str(held_by)]
-            declared = math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"])
-            held = sum(p.nbytes for p in {p.box: p for p in pieces}.values())
-            if held < declared:
+            # Replicas of one box (HSDP) are one; distinct boxes must tile the shape.
+            boxes = list({p.box: p for p in pieces})
+            problem = tiling_problem(boxes, Box.full(entry["shape"]))
+            if problem is not None:
                 raise CorruptCheckpointError(
-                    f"{where}: variable {name!r}: its pieces hold {held} of its {declared} bytes"
+                    f"{where}: variable {name!r}: its pieces do not tile its shape "
+                    f"{entry['shape']} exactly once: {problem}"
                 )
         self.index = {"world_size": self.choice.world, "variables": variables}
         if manifests:
@@ -303,12 +305,12 @@ class LocalStep:
             if kept is None or (rank in holders[p.owner] and rank not in holders[kept.owner]):
                 distinct[p.box] = p
         out = []
-        covered = 0
+        parts = []
         for box, p in distinct.items():
             part = t.box.intersect(box)
             if part is None:
                 continue
-            covered += part.numel
+            parts.append(part)
             held_by = holders[p.owner]
             server = rank if rank in held_by else held_by[rank % len(held_by)]
             if server == rank:
@@ -316,10 +318,11 @@ class LocalStep:
                 continue
             for band in c_order_bands(part.lengths, p.itemsize, MESSAGE_BYTES):
                 out.append(_Request(i, server, p, band.shifted(part.offsets)))
-        if covered != t.box.numel:
+        problem = tiling_problem(parts, t.box)
+        if problem is not None:
             raise CorruptCheckpointError(
-                f"{self.path}: the stored pieces of {t.name!r} cover {covered} of the "
-                f"{t.box.numel} elements of box {t.box} this rank restores"
+                f"{self.path}: the stored pieces of {t.name!r} do not fill the box {t.box} "
+                f"this rank restores exactly once: {problem}"
             )
         return out
 
