@@ -118,8 +118,8 @@ class LocalStep:
         self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions
     ) -> LoadResult:
         """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
-        checkpoint with ``options`` (but ``io_workers``: reads are local memory maps, the
-        page cache does the work); collective."""
+        checkpoint with ``options`` (but ``io_workers``: reads are ``pread`` of local
+        files, the page cache does the work); collective."""
         t0 = time.perf_counter()
         while True:  # again while a copy failed its checksum and another node has one
             result = LoadResult(self.path)
