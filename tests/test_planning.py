@@ -267,3 +267,27 @@ def test_a_rank_without_leaves_takes_part_in_a_fresh_plan():
     finally:
         agree.forget_plans()
     assert agreed.plan is not None and [s.writes.tolist() for s in shares] == [[0], []]
+
+
+def _column_bands(world: int, moved: int | None = None) -> list[list[Desc]]:
+    """Per-rank descriptions of a [4, N] tensor split along dim 1 in bands of uneven
+    widths (every box spans all of dim 0); ``moved``: that rank's band one column right."""
+    widths = [1 + r % 3 for r in range(world)]
+    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+    shape = (4, sum(widths))
+    return [
+        [Desc("w", "tensor", dtype="float32", shape=shape, box=Box((0, s + (r == moved)), (4, w)))]
+        for r, (s, w) in enumerate(zip(starts, widths, strict=True))
+    ]
+
+
+def test_validation_of_thousands_of_irregular_slices_is_fast():
+    from time import perf_counter
+
+    from distckpt.planning.validate import validate
+
+    t0 = perf_counter()
+    validate(_column_bands(8192))
+    assert perf_counter() - t0 < 5
+    with pytest.raises(ValidationError, match=r"\(rank 100\) .*overlap partially"):
+        validate(_column_bands(8192, moved=100))
