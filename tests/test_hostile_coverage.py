@@ -237,8 +237,9 @@ def test_a_regular_entry_tiles_its_shape_by_construction() -> None:
     """A regular entry lists no boxes: its grid is ``ceil(shape / chunks)`` chunks, the last
     of each dimension cut at the shape, and its columns must hold that many pieces. No
     edit of shape or chunks makes it cover less (or more) than its shape."""
-    from distckpt.slices import Box, tiling_problem
+    from distckpt.slices import Box
     from distckpt.storage.stored import Pieces, regular_entry
+    from distckpt.tiling import tiling_problem
 
     rng = np.random.default_rng(32)
     for _ in range(300):

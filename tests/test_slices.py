@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from distckpt import slices
-from distckpt.slices import Box, SliceSpec, chunk_bounds, tiling_problem
+from distckpt import tiling
+from distckpt.slices import Box, SliceSpec, chunk_bounds
+from distckpt.tiling import tiling_problem
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ WHOLE = Box.full((8,))
 def test_tiling_of_hand_built_boxes(
     boxes: list[Box], within: Box, kind: str | None, text: str
 ) -> None:
-    for few in (slices._FEW, 0):  # pair by pair, and as arrays
+    for few in (tiling._FEW, 0):  # pair by pair, and as arrays
         problem = tiling_problem(boxes, within) if few else _as_arrays(boxes, within)
         assert (problem and problem.kind) == kind, (few, problem)
         assert text in str(problem)
@@ -124,13 +125,13 @@ def test_tiling_of_hand_built_boxes(
             assert tuple(boxes[k] for k in problem.which) == problem.boxes
 
 
-def _as_arrays(boxes: list[Box], within: Box) -> slices.TilingProblem | None:
-    saved = slices._FEW
-    slices._FEW = 0
+def _as_arrays(boxes: list[Box], within: Box) -> tiling.TilingProblem | None:
+    saved = tiling._FEW
+    tiling._FEW = 0
     try:
         return tiling_problem(boxes, within)
     finally:
-        slices._FEW = saved
+        tiling._FEW = saved
 
 
 def _brute(boxes: list[Box], within: Box) -> str | None:
@@ -191,7 +192,7 @@ def test_tiling_agrees_with_counting_every_element(
     path: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, value in path.items():
-        monkeypatch.setattr(slices, name, value)
+        monkeypatch.setattr(tiling, name, value)
     rng = random.Random(32)
     kinds = set()
     for _ in range(800):
@@ -226,7 +227,7 @@ def test_tiling_agrees_with_counting_every_element(
 
 def _fastest(
     boxes: list[Box], within: Box, tries: int = 5
-) -> tuple[float, slices.TilingProblem | None]:
+) -> tuple[float, tiling.TilingProblem | None]:
     best = float("inf")
     for _ in range(tries):
         t0 = time.perf_counter()
@@ -294,9 +295,9 @@ def test_tiling_of_thousands_of_boxes_is_fast() -> None:
 def test_tiling_too_irregular_to_settle_in_bounded_time_is_a_problem(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(slices, "GRID_CELLS", 0)
-    monkeypatch.setattr(slices, "CORNER_POINTS", 0)
-    monkeypatch.setattr(slices, "PAIR_BUDGET", 2)
+    monkeypatch.setattr(tiling, "GRID_CELLS", 0)
+    monkeypatch.setattr(tiling, "CORNER_POINTS", 0)
+    monkeypatch.setattr(tiling, "PAIR_BUDGET", 2)
     boxes = [Box((i, 0), (1, 8)) for i in range(8)] + [Box((8, 0), (8, 8))]
     problem = tiling_problem([x for x in boxes for x in _split_cols(x)], Box.full((16, 8)))
     assert problem is not None and problem.kind == "unproven"

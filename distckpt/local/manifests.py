@@ -14,9 +14,10 @@ from typing import Any
 
 from distckpt import dtypes, values
 from distckpt.errors import CorruptCheckpointError
-from distckpt.slices import Box, tiling_problem
+from distckpt.slices import Box
 from distckpt.storage import wellformed
 from distckpt.storage.stored import stored_dtype
+from distckpt.tiling import tiling_problem
 
 
 @dataclass

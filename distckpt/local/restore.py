@@ -45,9 +45,10 @@ from distckpt.local import files
 from distckpt.local.choose import Choice
 from distckpt.local.manifests import Piece, index_of
 from distckpt.local.save import MESSAGE_BYTES, topology
-from distckpt.slices import Box, byte_runs, c_order_bands, tiling_problem
+from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.shard_io import crc32c
+from distckpt.tiling import tiling_problem
 from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget

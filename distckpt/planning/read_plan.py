@@ -12,7 +12,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from distckpt.slices import Box, tiling_problem
+from distckpt.slices import Box
+from distckpt.tiling import tiling_problem
 
 
 class StoredPiece(Protocol):

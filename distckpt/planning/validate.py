@@ -20,7 +20,8 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
-from distckpt.slices import Box, tiling_problem
+from distckpt.slices import Box
+from distckpt.tiling import tiling_problem
 
 _NONE = np.zeros(0, dtype=np.int64)
 

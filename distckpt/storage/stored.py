@@ -19,8 +19,9 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedValueError,
 )
-from distckpt.slices import Box, TilingProblem, tiling_problem
+from distckpt.slices import Box
 from distckpt.storage import codecs, digests, wellformed, zarr_meta
+from distckpt.tiling import TilingProblem, tiling_problem
 
 #: A regular entry's ``crc`` and ``size`` are JSON lists up to this many shards, base64
 #: beyond (compact, and decoded without a Python object per shard).

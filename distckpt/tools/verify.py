@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distckpt.errors import CheckpointError, UnsupportedValueError
-from distckpt.slices import Box, tiling_problem
+from distckpt.slices import Box
 from distckpt.storage.piece_reader import PieceReader
+from distckpt.tiling import tiling_problem
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.values import decode
 
