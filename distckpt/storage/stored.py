@@ -264,7 +264,7 @@ class Pieces:
     (a regular entry: ``chunks``, ``crc``, ``size``) or listed (``pieces``). Checked on
     construction: a malformed entry raises :class:`CorruptCheckpointError`, an unknown
     codec :class:`UnsupportedFormatError`, naming ``variable``. Listed pieces must tile
-    the shape exactly once (:func:`~distckpt.slices.tiling_problem`; a regular grid does
+    the shape exactly once (:func:`~distckpt.tiling.tiling_problem`; a regular grid does
     by construction), so that every reader that fills a tensor from them fills all of it;
     ``tiling=False`` leaves that to the caller (``distckpt verify`` reports it)."""
 
@@ -283,8 +283,10 @@ class Pieces:
                 StoredPiece.from_json(p, variable).check(variable, shape, self.itemsize)
                 for p in listed
             ]
-            problem = tiling_problem([p.box for p in self._listed], Box.full(shape))
-            if tiling and problem is not None:
+            problem = (
+                tiling_problem([p.box for p in self._listed], Box.full(shape)) if tiling else None
+            )
+            if problem is not None:
                 raise wellformed.corrupt(variable, untiled(problem, self._listed))
             return
         self.path = wellformed.check_file(entry.get("path"), variable)
