@@ -85,7 +85,7 @@ def _verify(args: argparse.Namespace) -> int:
     from distckpt.tools.catalog import open_catalog
     from distckpt.tools.verify import stored_bytes, verify
 
-    total = stored_bytes(open_catalog(args.checkpoint))
+    total = stored_bytes(open_catalog(args.checkpoint, tiling=False))
     with progress(f"verifying {args.checkpoint}", total, threshold=0) as bar:
         report = verify(args.checkpoint, on_bytes=bar.update)
     for problem in report.problems:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,13 @@ def test_coverage_problems() -> None:
     assert overlap and "overlap" in overlap[0]
     outside = coverage_problems("w", (4, 4), [Box((3, 0), (2, 4))])
     assert outside and "outside" in outside[0]
+    # Thousands of pieces whose boxes all span dimension 0: proven in milliseconds.
+    bands = [Box((0, 3 * k), (4, 3)) for k in range(8192)]
+    t0 = time.perf_counter()
+    assert coverage_problems("w", (4, 3 * 8192), bands) == []
+    assert time.perf_counter() - t0 < 2
+    hidden = coverage_problems("w", (4, 3 * 8192), [*bands[:-1], Box((0, 3), (4, 3))])
+    assert hidden and "[0:4, 3:6] is listed twice" in hidden[0], hidden
 
 
 # --------------------------------------------------------------------------- ls, inspect, gc

@@ -11,7 +11,7 @@ import pytest
 
 from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc
-from distckpt.planning.layout import find_overlap, inner_chunks, regular_grid
+from distckpt.planning.layout import inner_chunks, regular_grid
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import make_save_plan
 from distckpt.slices import Box, chunk_bounds
@@ -60,12 +60,6 @@ def test_inner_chunks_divide_the_block_and_respect_the_budget():
         assert all(b % i == 0 for b, i in zip(block, inner, strict=True))
         n = np.prod(inner) * itemsize
         assert n <= budget or all(i == 1 for i in inner[:-1])
-
-
-def test_overlap_sweep():
-    assert find_overlap([Box((0,), (5,)), Box((5,), (5,))]) is None
-    pair = find_overlap([Box((0, 0), (5, 5)), Box((9, 0), (1, 1)), Box((4, 4), (2, 2))])
-    assert pair is not None and set(pair) == {Box((0, 0), (5, 5)), Box((4, 4), (2, 2))}
 
 
 def test_regular_partition_is_one_array_one_writer_per_box():
@@ -273,3 +267,27 @@ def test_a_rank_without_leaves_takes_part_in_a_fresh_plan():
     finally:
         agree.forget_plans()
     assert agreed.plan is not None and [s.writes.tolist() for s in shares] == [[0], []]
+
+
+def _column_bands(world: int, moved: int | None = None) -> list[list[Desc]]:
+    """Per-rank descriptions of a [4, N] tensor split along dim 1 in bands of uneven
+    widths (every box spans all of dim 0); ``moved``: that rank's band one column right."""
+    widths = [1 + r % 3 for r in range(world)]
+    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+    shape = (4, sum(widths))
+    return [
+        [Desc("w", "tensor", dtype="float32", shape=shape, box=Box((0, s + (r == moved)), (4, w)))]
+        for r, (s, w) in enumerate(zip(starts, widths, strict=True))
+    ]
+
+
+def test_validation_of_thousands_of_irregular_slices_is_fast():
+    from time import perf_counter
+
+    from distckpt.planning.validate import validate
+
+    t0 = perf_counter()
+    validate(_column_bands(8192))
+    assert perf_counter() - t0 < 5
+    with pytest.raises(ValidationError, match=r"\(rank 100\) .*overlap partially"):
+        validate(_column_bands(8192, moved=100))

@@ -12,9 +12,13 @@ each rank's partitions fetched from whichever rank holds them.
    reshards exactly as :func:`distckpt.load` does.
 3. **Fetch** (*one allgather of requests, then rounds of point-to-point sends*): each rank
    asks, for every stored piece that intersects a box it restores, a rank that holds it
-   (itself when it can, else one spread over the holders) for the intersection. A rank
-   serving a piece first checks its crc32c. Data travels in messages of at most
-   :data:`~distckpt.local.save.MESSAGE_BYTES`.
+   (itself when it can, else one spread over the holders) for the intersection. Data
+   travels in messages of at most :data:`~distckpt.local.save.MESSAGE_BYTES`.
+
+What is checked is what is copied: a piece is read (``pread``, never mapped: another
+process may truncate or rewrite the file meanwhile) into memory of this process, the
+target's own when the piece fills a contiguous part of it, and its crc32c is computed
+over those bytes, from which every copy is then made.
 
 The restore works on any world size: boxes are cut as needed, and per-rank values go to
 rank ``r`` from saved rank ``r % saved_world``, as in a persistent restore.
@@ -23,15 +27,14 @@ rank ``r`` from saved rank ``r % saved_world``, as in a persistent restore.
 from __future__ import annotations
 
 import logging
-import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from distckpt import dtypes, values
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.load import settle
 from distckpt.engine.matching import agree_names, assign, prepare
@@ -40,29 +43,20 @@ from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.local import files
 from distckpt.local.choose import Choice
+from distckpt.local.manifests import Piece, index_of
 from distckpt.local.save import MESSAGE_BYTES, topology
-from distckpt.slices import Box, c_order_bands
-from distckpt.storage import wellformed
-from distckpt.storage.backend import Store
-from distckpt.storage.posix import PosixReader
+from distckpt.slices import Box, byte_runs, c_order_bands
+from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.shard_io import crc32c
-from distckpt.storage.stored import stored_dtype
+from distckpt.tiling import tiling_problem
 from distckpt.transfer.arrays import writable_view
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
 
 log = logging.getLogger("distckpt")
 
-
-@dataclass
-class _Piece:
-    owner: int
-    index: int  # its place in the owner's manifest
-    box: Box
-    offset: int
-    nbytes: int
-    crc: int
-    itemsize: int
+#: Bytes of a piece read (and checksummed while still in the CPU cache) at a time.
+READ_STEP = 4 << 20
 
 
 @dataclass
@@ -72,42 +66,12 @@ class _Request:
 
     target: int
     server: int
-    piece: _Piece
+    piece: Piece
     box: Box
 
     @property
     def nbytes(self) -> int:
         return self.box.numel * self.piece.itemsize
-
-
-def _checked(
-    doc: dict[str, Any], where: str
-) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """A manifest's tensors, values and per-rank values, every field checked (as an
-    index entry is, see :mod:`distckpt.storage.wellformed`): names, kinds, dtypes, shapes,
-    boxes inside the shape, offsets, sizes that match the box, crc32c values."""
-    tensors, plain, per_rank = doc.get("tensors"), doc.get("values"), doc.get("per_rank_values")
-    if not (isinstance(tensors, list) and isinstance(plain, dict) and isinstance(per_rank, dict)):
-        raise CorruptCheckpointError(f"{where}: malformed manifest")
-    for t in tensors:
-        name = t.get("name") if isinstance(t, dict) else None
-        if not isinstance(name, str) or t.get("kind") not in ("tensor", "per_rank"):
-            raise CorruptCheckpointError(f"{where}: malformed manifest entry {t!r:.60}")
-        try:
-            itemsize = stored_dtype(t, name).itemsize
-            shape = wellformed.shape_of(t, name, itemsize)
-            _, lengths = wellformed.box_of(t.get("box"), name, shape)
-            offset, nbytes, crc = t.get("offset"), t.get("nbytes"), t.get("crc")
-            if not (wellformed.count(offset) and wellformed.count(crc) and crc < 1 << 32):
-                raise wellformed.corrupt(name, "an offset or crc32c that is not a count")
-            if nbytes != math.prod(lengths) * itemsize:
-                raise wellformed.corrupt(name, f"{nbytes!r:.20} bytes for its box")
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(f"{where}: {exc}") from None
-    for table in (plain, per_rank):
-        for name, value in table.items():
-            values.check(value, name)
-    return tensors, plain, per_rank
 
 
 @dataclass
@@ -121,9 +85,11 @@ class LocalStep:
     path: str = ""
     index: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # what the saver kept beside
-    _pieces: dict[tuple[str, int | None], list[_Piece]] = field(default_factory=dict)
-    _maps: dict[int, np.ndarray] = field(default_factory=dict)
-    _verified: set[tuple[int, int]] = field(default_factory=set)
+    _pieces: dict[tuple[str, int | None], list[Piece]] = field(default_factory=dict)
+    _files: dict[int, ReadHandle] = field(default_factory=dict)  # this node's, by saved rank
+    _copies: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # checked copies
+    _uses: Counter[tuple[int, int]] = field(default_factory=Counter)  # their copies to come
+    _scratch: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     _bad: set[int] = field(default_factory=set)  # saved ranks whose copy here is damaged
     _t_plan: float = 0.0
 
@@ -144,64 +110,8 @@ class LocalStep:
         manifests: dict[int, dict[str, Any]] = {}
         for part in comm.allgather(mine):
             manifests.update(part)
-        step._index(manifests)
+        step.index, step._pieces, step.extra = index_of(manifests, choice.world, step.path)
         return step
-
-    def _index(self, manifests: dict[int, dict[str, Any]]) -> None:
-        variables: dict[str, Any] = {}
-        where = self.path
-
-        def per_rank(name: str) -> dict[str, Any]:
-            entry = variables.setdefault(name, {"kind": "per_rank", "ranks": {}})
-            if entry["kind"] != "per_rank":
-                raise CorruptCheckpointError(f"{where}: {name!r} is per-rank on some ranks only")
-            ranks: dict[str, Any] = entry["ranks"]
-            return ranks
-
-        for owner in sorted(manifests):
-            doc = manifests[owner]
-            tensors, plain, per_rank_values = _checked(doc, f"{where}, saved rank {owner}")
-            for i, t in enumerate(tensors):
-                name, dtype, shape = t["name"], t["dtype"], t["shape"]
-                piece = _Piece(
-                    owner,
-                    i,
-                    Box.from_json(t["box"]),
-                    t["offset"],
-                    t["nbytes"],
-                    t["crc"],
-                    dtypes.itemsize(dtype),
-                )
-                described = {"kind": "tensor", "shape": shape, "dtype": dtype}
-                if t["kind"] == "per_rank":
-                    per_rank(name)[str(owner)] = {**described, "owner": owner}
-                    self._pieces[(name, owner)] = [piece]
-                    continue
-                entry = variables.setdefault(name, described)
-                if entry != described:
-                    raise CorruptCheckpointError(
-                        f"{where}: variable {name!r} is stored as {entry} by one rank and "
-                        f"{described} by rank {owner}"
-                    )
-                self._pieces.setdefault((name, None), []).append(piece)
-            for name, value in plain.items():
-                variables.setdefault(name, {"kind": "value", "value": value})
-            for name, value in per_rank_values.items():
-                per_rank(name)[str(owner)] = {"kind": "value", "value": value}
-        for (name, held_by), pieces in self._pieces.items():  # before any tensor of it exists
-            entry = variables[name] if held_by is None else variables[name]["ranks"][str(held_by)]
-            declared = math.prod(entry["shape"]) * dtypes.itemsize(entry["dtype"])
-            held = sum(p.nbytes for p in {p.box: p for p in pieces}.values())
-            if held < declared:
-                raise CorruptCheckpointError(
-                    f"{where}: variable {name!r}: its pieces hold {held} of its {declared} bytes"
-                )
-        self.index = {"world_size": self.choice.world, "variables": variables}
-        if manifests:
-            extra = manifests[min(manifests)].get("extra") or {}
-            if not isinstance(extra, dict):
-                raise CorruptCheckpointError(f"{where}: a manifest's 'extra' is not a map")
-            self.extra = dict(extra)
 
     # ------------------------------------------------------------ reading
 
@@ -209,8 +119,8 @@ class LocalStep:
         self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions
     ) -> LoadResult:
         """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
-        checkpoint with ``options`` (but ``io_workers``: reads are local memory maps, the
-        page cache does the work); collective."""
+        checkpoint with ``options`` (but ``io_workers``: reads are ``pread`` of local
+        files, the page cache does the work); collective."""
         t0 = time.perf_counter()
         while True:  # again while a copy failed its checksum and another node has one
             result = LoadResult(self.path)
@@ -269,7 +179,12 @@ class LocalStep:
         except Exception as exc:
             error = exc
         finally:
-            self._maps.clear()  # unmapped: removed files free their memory
+            self._copies.clear()
+            self._uses.clear()
+            self._scratch = np.empty(0, np.uint8)
+            for handle in self._files.values():
+                handle.close()
+            self._files.clear()
         return error, comm.allgather(sorted(self._bad))
 
     def _drop_copies(self, comm: Communicator, bad: list[list[int]]) -> bool:
@@ -297,18 +212,18 @@ class LocalStep:
         owner = t.entry.get("owner")
         pieces = self._pieces.get((t.name, owner), [])
         holders = self.choice.holders
-        distinct: dict[Box, _Piece] = {}
+        distinct: dict[Box, Piece] = {}
         for p in pieces:  # replicas of one box (HSDP): one this rank holds, else the first
             kept = distinct.get(p.box)
             if kept is None or (rank in holders[p.owner] and rank not in holders[kept.owner]):
                 distinct[p.box] = p
         out = []
-        covered = 0
+        parts = []
         for box, p in distinct.items():
             part = t.box.intersect(box)
             if part is None:
                 continue
-            covered += part.numel
+            parts.append(part)
             held_by = holders[p.owner]
             server = rank if rank in held_by else held_by[rank % len(held_by)]
             if server == rank:
@@ -316,44 +231,78 @@ class LocalStep:
                 continue
             for band in c_order_bands(part.lengths, p.itemsize, MESSAGE_BYTES):
                 out.append(_Request(i, server, p, band.shifted(part.offsets)))
-        if covered != t.box.numel:
+        problem = tiling_problem(parts, t.box)
+        if problem is not None:
             raise CorruptCheckpointError(
-                f"{self.path}: the stored pieces of {t.name!r} cover {covered} of the "
-                f"{t.box.numel} elements of box {t.box} this rank restores"
+                f"{self.path}: the stored pieces of {t.name!r} do not fill the box {t.box} "
+                f"this rank restores exactly once: {problem}"
             )
         return out
 
-    def _piece(self, p: _Piece) -> np.ndarray:
-        """Piece ``p`` as bytes shaped ``(*box, itemsize)``, from this node's file (mapped),
-        its crc32c checked the first time."""
-        if p.owner not in self._maps:
-            key = files.data_key(self.choice.step, p.owner, self.choice.token)
-            try:
-                with self.store.open(key) as handle:  # a regular file, reached by no link
-                    assert isinstance(handle, PosixReader)  # the local tier is a directory
-                    self._maps[p.owner] = handle.map()
+    def _open(self, owner: int) -> ReadHandle:
+        handle = self._files.get(owner)
+        if handle is None:
+            key = files.data_key(self.choice.step, owner, self.choice.token)
+            try:  # a regular file, reached by no link
+                handle = self._files[owner] = self.store.open(key)
             except OSError as exc:  # gone since the survey, or not a file: this copy is lost
-                self._bad.add(p.owner)
+                self._bad.add(owner)
                 raise CorruptCheckpointError(
                     f"{self.path}: cannot read {self.store.where(key)}: {exc}"
                 ) from exc
-        data = self._maps[p.owner][p.offset : p.offset + p.nbytes]
-        if data.size != p.nbytes:
-            self._bad.add(p.owner)
-            raise CorruptCheckpointError(
-                f"{self.path}: the data of saved rank {p.owner} is truncated"
-            )
-        if (p.owner, p.index) not in self._verified:
-            if crc32c(data) != p.crc:
+        return handle
+
+    def _read(self, p: Piece, into: np.ndarray) -> None:
+        """Read piece ``p`` into ``into`` (``p.nbytes`` bytes) and check the crc32c of the
+        bytes read, a step at a time while they are in the CPU cache."""
+        handle = self._open(p.owner)
+        crc = 0
+        for start in range(0, p.nbytes, READ_STEP):
+            step = into[start : start + READ_STEP]
+            try:
+                got = _read_all(handle, step, p.offset + start)
+            except OSError as exc:
                 self._bad.add(p.owner)
                 raise CorruptCheckpointError(
-                    f"{self.path}: piece {p.index} of saved rank {p.owner} fails its crc32c"
+                    f"{self.path}: cannot read the data of saved rank {p.owner}: {exc}"
+                ) from exc
+            if got != step.size:
+                self._bad.add(p.owner)
+                raise CorruptCheckpointError(
+                    f"{self.path}: the data of saved rank {p.owner} is truncated"
                 )
-            self._verified.add((p.owner, p.index))
-        return data.reshape(*p.box.lengths, p.itemsize)
+            crc = crc32c(step, crc)
+        if crc != p.crc:
+            self._bad.add(p.owner)
+            raise CorruptCheckpointError(
+                f"{self.path}: piece {p.index} of saved rank {p.owner} fails its crc32c"
+            )
 
-    def _part(self, p: _Piece, box: Box) -> np.ndarray:
-        return self._piece(p)[box.relative_to(p.box).slices()]
+    def _part(self, p: Piece, box: Box) -> np.ndarray:
+        """``box`` of piece ``p`` as bytes shaped ``(*box, itemsize)``, from a checked copy
+        of the piece, kept while copies of it are still to come (see :meth:`_fetch`)."""
+        key = (p.owner, p.index)
+        copy = self._copies.get(key)
+        if copy is None:
+            if self._uses[key] > 1:
+                copy = self._copies[key] = np.empty((*p.box.lengths, p.itemsize), np.uint8)
+            else:  # its only copy: into scratch memory, reused (every caller copies at once)
+                if self._scratch.size < p.nbytes:
+                    self._scratch = np.empty(p.nbytes, np.uint8)
+                copy = self._scratch[: p.nbytes].reshape(*p.box.lengths, p.itemsize)
+            self._read(p, copy.reshape(-1))
+        self._uses[key] -= 1
+        if self._uses[key] <= 0:
+            self._copies.pop(key, None)
+        return copy[box.relative_to(p.box).slices()]
+
+    def _put_own(self, t: ReadTarget, r: _Request, direct: np.ndarray | None) -> None:
+        """Restore request ``r``, served by this rank, into target ``t``: straight into
+        ``direct`` (see :func:`_direct`) when it can, else from a checked copy."""
+        if direct is not None:
+            self._read(r.piece, direct)
+        else:
+            _put(t, r.box, self._part(r.piece, r.box), r.piece.itemsize)
 
     def _fetch(
         self,
@@ -382,6 +331,12 @@ class LocalStep:
                 rounds = max(rounds, len(messages))
                 if server == me:
                     outgoing[requester] = messages
+        # Copies of a piece made from a checked copy of it: how many, so that the copy is
+        # dropped after the last (requests that fill a target directly need none).
+        own = [(r, _direct(reads[r.target], r)) for r in requests if r.server == me]
+        self._uses = Counter((r.piece.owner, r.piece.index) for r, d in own if d is None)
+        for messages in outgoing.values():
+            self._uses.update((p.owner, p.index) for m in messages for (p, _), _ in m)
         incoming: dict[int, list[list[tuple[_Request, int]]]] = {}
         for r in requests:
             if r.server != me:
@@ -412,10 +367,10 @@ class LocalStep:
                         error = error or exc
                     offset = aligned(offset + nbytes)
                 result.bytes_exchanged += buffer.size
-        for r in requests:
-            if r.server == me and error is None:
+        for r, direct in own:
+            if error is None:
                 try:
-                    _put(reads[r.target], r.box, self._part(r.piece, r.box), r.piece.itemsize)
+                    self._put_own(reads[r.target], r, direct)
                     result.bytes_read += r.nbytes
                 except Exception as exc:
                     error = exc
@@ -455,6 +410,34 @@ def _fill(
     return buffer, error
 
 
+def _read_all(handle: ReadHandle, into: np.ndarray, offset: int) -> int:
+    """Read into all of ``into`` from ``offset`` (short reads resumed); the bytes read,
+    fewer only at the end of the file."""
+    done = 0
+    while done < into.size:
+        n = handle.readinto([into[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def _direct(t: ReadTarget, r: _Request) -> np.ndarray | None:
+    """The bytes of target ``t`` that request ``r`` fills, when it is a whole piece and
+    they are one contiguous run of host memory: read straight there, and checked there."""
+    if r.box != r.piece.box:
+        return None
+    view = writable_view(t.tensor) if t.tensor is not None else t.out
+    if view is None or not view.flags.c_contiguous:
+        return None
+    runs = byte_runs(t.box.lengths, r.box.relative_to(t.box), r.piece.itemsize)
+    first = next(runs, None)
+    if first is None or next(runs, None) is not None:
+        return None
+    start, length = first
+    return view.reshape(-1).view(np.uint8)[start : start + length]
+
+
 def _put(t: ReadTarget, box: Box, data: np.ndarray, itemsize: int) -> None:
     """Copy ``data`` (the bytes of ``box``, C order) into its place in target ``t``."""
     rel = box.relative_to(t.box).slices()
@@ -466,6 +449,7 @@ def _put(t: ReadTarget, box: Box, data: np.ndarray, itemsize: int) -> None:
         return
     assert t.tensor is not None
     region = t.tensor[rel]
-    values = torch.from_numpy(np.array(data, copy=True).reshape(-1)).view(region.dtype)
+    # (data is this process's own writable memory: a checked copy, or a message received)
+    values = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(region.dtype)
     with torch.no_grad():
         region.copy_(values.reshape(region.shape))

@@ -68,17 +68,3 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
                     best = q
         i += 1
     return best
-
-
-def find_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
-    """Two distinct boxes that overlap, if any (sweep along dimension 0)."""
-    ordered = sorted(boxes, key=lambda b: b.offsets[0] if b.ndim else 0)
-    active: list[Box] = []
-    for box in ordered:
-        start = box.offsets[0] if box.ndim else 0
-        active = [a for a in active if (a.ends[0] if a.ndim else 1) > start]
-        for other in active:
-            if other.intersect(box) is not None:
-                return other, box
-        active.append(box)
-    return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from distckpt.slices import Box
+from distckpt.tiling import tiling_problem
 
 
 class StoredPiece(Protocol):
@@ -40,5 +41,6 @@ def plan_reads(target: Box, pieces: Iterable[P]) -> Iterator[Copy[P]]:
 
 
 def covered(target: Box, copies: Iterable[Copy[P]]) -> bool:
-    """Whether the copies fill every element of ``target`` (stored pieces never overlap)."""
-    return sum(c.dst.numel for c in copies) == target.numel
+    """Whether the copies fill every element of ``target`` exactly once (proven with
+    disjoint boxes: counting elements would take an overlap for the gap it hides)."""
+    return tiling_problem([c.dst for c in copies], Box.full(target.lengths)) is None

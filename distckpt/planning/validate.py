@@ -20,8 +20,8 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
-from distckpt.planning.layout import find_overlap
 from distckpt.slices import Box
+from distckpt.tiling import tiling_problem
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -252,21 +252,30 @@ class Partition:
         for k, b in enumerate(self.box_of.tolist()):
             if b >= 0:
                 first_holder.setdefault(boxes[b], int(h.ranks[k]))
-        pair = find_overlap(boxes)
-        if pair is not None:
-            a, b = pair
+        problem = tiling_problem(boxes, Box.full(h.shape))
+        if problem is None:
+            return None
+        if problem.kind == "overlap":  # (of distinct boxes: replicas are one box here)
+            a, b = problem.boxes
             return (
                 f"{h.name!r}: slices {a} (rank {first_holder[a]}) and {b} (rank "
                 f"{first_holder[b]}) overlap partially; ranks must hold identical or disjoint boxes"
             )
-        covered = sum(b.numel for b in boxes)
+        if problem.kind == "outside":
+            box = problem.boxes[0]
+            return (
+                f"{h.name!r}: slice {box} (rank {first_holder[box]}) lies outside the global "
+                f"shape {list(h.shape)}"
+            )
         total = math.prod(h.shape)
-        if covered != total:
+        if problem.kind == "gap":  # (disjoint boxes: their count is what they cover)
+            covered = sum(b.numel for b in boxes)
             return (
                 f"{h.name!r}: the ranks' slices cover {covered} of the {total} elements of global "
-                f"shape {list(h.shape)}; slices held: " + ", ".join(str(b) for b in boxes[:8])
+                f"shape {list(h.shape)}, not {problem.boxes[0]}; slices held: "
+                + ", ".join(str(b) for b in boxes[:8])
             )
-        return None
+        return f"{h.name!r}: the ranks' slices: {problem}"
 
 
 def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -99,9 +99,8 @@ class Capabilities:
     #: threads at once. A save needs it.
     parallel_writes: bool = False
     #: Keys are regular files of this machine, at the paths :meth:`Store.where` names
-    #: (``url`` is a path too), and the store never follows a link inside it: they may
-    #: be mapped into memory. A store without it is reached over a network (distckpt
-    #: gives its transfers more workers).
+    #: (``url`` is a path too), and the store never follows a link inside it. A store
+    #: without it is reached over a network (distckpt gives its transfers more workers).
     local_files: bool = False
     #: :class:`CopyingStore`'s ``copy`` takes an object of another store of the same kind
     #: without moving its bytes through this process (a hard link or reflink on a file

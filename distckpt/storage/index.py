@@ -93,10 +93,13 @@ FORMAT_VERSION_COMPRESSED = 2
 ATTRIBUTE = "distckpt"
 
 
-def read_index(checkpoint: str | os.PathLike[str] | Store) -> dict[str, Any]:
-    """The index of a committed checkpoint, checked for format and version."""
+def read_index(
+    checkpoint: str | os.PathLike[str] | Store, *, tiling: bool = True
+) -> dict[str, Any]:
+    """The index of a committed checkpoint, checked for format and version (``tiling``:
+    see :func:`check_entry`)."""
     store = resolve(checkpoint)
-    return parse_index(read_index_bytes(store), store)
+    return parse_index(read_index_bytes(store), store, tiling=tiling)
 
 
 def read_index_bytes(store: Store) -> bytes:
@@ -111,9 +114,9 @@ def read_index_bytes(store: Store) -> bytes:
         raise CheckpointNotFoundError(f"no checkpoint at {store.url}") from None
 
 
-def parse_index(raw: bytes, store: Store) -> Index:
+def parse_index(raw: bytes, store: Store, *, tiling: bool = True) -> Index:
     """The index in ``raw`` (the root ``zarr.json`` of ``store``), checked for format and
-    version."""
+    version (``tiling``: see :func:`check_entry`)."""
     path = store.where(zarr_meta.ZARR_JSON)
     try:
         doc = json.loads(raw)
@@ -146,7 +149,7 @@ def parse_index(raw: bytes, store: Store) -> Index:
     checked = Index(seal.strip(index), version_of(raw), sealed=sealed)
     for name, entry in index["variables"].items():
         try:
-            check_entry(entry, name, made=checked.pieces)
+            check_entry(entry, name, made=checked.pieces, tiling=tiling)
         except CheckpointError as exc:
             raise type(exc)(f"{store.url}: {exc}") from None
     return checked
@@ -182,17 +185,23 @@ def pieces_of(index: dict[str, Any], entry: dict[str, Any], variable: str) -> Pi
 
 
 def check_entry(
-    entry: Any, variable: str, *, located: bool = True, made: dict[int, Pieces] | None = None
+    entry: Any,
+    variable: str,
+    *,
+    located: bool = True,
+    made: dict[int, Pieces] | None = None,
+    tiling: bool = True,
 ) -> None:
     """Check one entry of an index's variables table, so that every reader can trust its
-    kind, dtype, shape, pieces and value (see :mod:`distckpt.storage.wellformed`);
-    ``located=False``: the entry names no pieces (the node-local tier's). Raises
-    :class:`CorruptCheckpointError` naming ``variable``; ``made`` collects the
-    :class:`Pieces` made."""
+    kind, dtype, shape, pieces and value (see :mod:`distckpt.storage.wellformed`), and
+    that its pieces tile its shape exactly once (``tiling=False``: all but that, which
+    ``distckpt verify`` reports itself); ``located=False``: the entry names no pieces
+    (the node-local tier's). Raises :class:`CorruptCheckpointError` naming ``variable``;
+    ``made`` collects the :class:`Pieces` made."""
     kind = entry.get("kind") if isinstance(entry, dict) else None
     if kind == "tensor":
         if located:
-            pieces = Pieces(entry, variable)
+            pieces = Pieces(entry, variable, tiling=tiling)
             if made is not None:
                 made[id(entry)] = pieces
         else:
@@ -205,7 +214,7 @@ def check_entry(
                 raise wellformed.corrupt(variable, f"a per-rank entry of rank {rank!r:.60}")
             if not isinstance(sub, dict) or sub.get("kind") == "per_rank":
                 raise wellformed.corrupt(variable, f"malformed entry of rank {rank}")
-            check_entry(sub, variable, located=located, made=made)
+            check_entry(sub, variable, located=located, made=made, tiling=tiling)
     else:
         raise wellformed.corrupt(variable, "malformed index entry")
 

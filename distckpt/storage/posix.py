@@ -17,7 +17,6 @@ from __future__ import annotations
 import builtins
 import errno
 import fcntl
-import mmap
 import os
 import shutil
 import stat
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import crc32c as _crc
-import numpy as np
 
 from distckpt.errors import UnsafePathError
 from distckpt.storage.backend import (
@@ -98,12 +96,6 @@ class PosixReader:
 
     def read(self, offset: int, length: int) -> bytes:
         return os.pread(self._fd, length, offset)
-
-    def map(self) -> np.ndarray:
-        """The whole file, memory-mapped read-only as bytes (stays valid once closed)."""
-        if self.size == 0:
-            return np.zeros(0, np.uint8)
-        return np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), np.uint8)
 
     def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
         # Start reading now: the task then reads chunk by chunk without waiting on the device.

@@ -21,6 +21,7 @@ from distckpt.errors import (
 )
 from distckpt.slices import Box
 from distckpt.storage import codecs, digests, wellformed, zarr_meta
+from distckpt.tiling import TilingProblem, tiling_problem
 
 #: A regular entry's ``crc`` and ``size`` are JSON lists up to this many shards, base64
 #: beyond (compact, and decoded without a Python object per shard).
@@ -119,6 +120,20 @@ def _origin(value: Any, variable: str) -> str | None:
     if isinstance(value, str) and 0 < len(value) <= 4096 and value.isprintable():
         return value
     raise wellformed.corrupt(variable, f"a piece's origin that is not a name: {value!r:.60}")
+
+
+def untiled(problem: TilingProblem, pieces: list[StoredPiece]) -> str:
+    """Why ``pieces`` do not tile their variable's shape (``problem``), naming their files."""
+    shape = list(problem.within.lengths)
+    if problem.kind == "overlap":
+        (a, b), (i, j) = problem.boxes, problem.which
+        both = f"both hold {a}" if a == b else f"{a} and {b} share {a.intersect(b)}"
+        what = f"pieces {pieces[i].file} and {pieces[j].file} overlap: {both}"
+    elif problem.kind == "gap":
+        what = f"no piece covers {problem.boxes[0]}"
+    else:
+        what = str(problem)
+    return f"its pieces do not tile its shape {shape} exactly once: {what}"
 
 
 def stored_dtype(entry: dict[str, Any], variable: str) -> np.dtype:
@@ -248,9 +263,12 @@ class Pieces:
     """The stored pieces of one tensor entry of the index, in either form: compact
     (a regular entry: ``chunks``, ``crc``, ``size``) or listed (``pieces``). Checked on
     construction: a malformed entry raises :class:`CorruptCheckpointError`, an unknown
-    codec :class:`UnsupportedFormatError`, naming ``variable``."""
+    codec :class:`UnsupportedFormatError`, naming ``variable``. Listed pieces must tile
+    the shape exactly once (:func:`~distckpt.tiling.tiling_problem`; a regular grid does
+    by construction), so that every reader that fills a tensor from them fills all of it;
+    ``tiling=False`` leaves that to the caller (``distckpt verify`` reports it)."""
 
-    def __init__(self, entry: Any, variable: str) -> None:
+    def __init__(self, entry: Any, variable: str, *, tiling: bool = True) -> None:
         self.variable = variable
         self._listed: list[StoredPiece] | None = None
         if not isinstance(entry, dict):
@@ -265,6 +283,11 @@ class Pieces:
                 StoredPiece.from_json(p, variable).check(variable, shape, self.itemsize)
                 for p in listed
             ]
+            problem = (
+                tiling_problem([p.box for p in self._listed], Box.full(shape)) if tiling else None
+            )
+            if problem is not None:
+                raise wellformed.corrupt(variable, untiled(problem, self._listed))
             return
         self.path = wellformed.check_file(entry.get("path"), variable)
         self.chunks = chunks = wellformed.counts(

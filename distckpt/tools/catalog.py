@@ -65,10 +65,11 @@ def per_rank_name(name: str, rank: str | int) -> str:
     return f"{name}/rank{rank}"
 
 
-def open_catalog(path: str | os.PathLike[str] | Store) -> Catalog:
-    """Read and check the index of the committed checkpoint at ``path``."""
+def open_catalog(path: str | os.PathLike[str] | Store, *, tiling: bool = True) -> Catalog:
+    """Read and check the index of the committed checkpoint at ``path`` (``tiling=False``:
+    all but whether each tensor's pieces tile it, which ``verify`` reports itself)."""
     root = resolve(path)
-    index = index_mod.read_index(root)
+    index = index_mod.read_index(root, tiling=tiling)
     tensors: dict[str, TensorVar] = {}
     values: dict[str, ValueVar] = {}
     for name, entry in sorted(index["variables"].items()):

@@ -35,10 +35,10 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedValueError,
 )
-from distckpt.planning.layout import find_overlap
 from distckpt.slices import Box
 from distckpt.storage import seal
 from distckpt.storage.piece_reader import PieceReader
+from distckpt.tiling import tiling_problem
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.tools.slabs import DEFAULT_SLAB_BYTES
 from distckpt.values import decode
@@ -76,16 +76,20 @@ def coverage_problems(name: str, shape: tuple[int, ...], boxes: list[Box]) -> li
     ]
     if problems:
         return problems
-    overlap = find_overlap([b for b in boxes if not b.empty])
-    if overlap is not None:
-        return [f"variable {name!r}: pieces {overlap[0]} and {overlap[1]} overlap"]
-    covered = sum(b.numel for b in boxes)
-    if covered != full.numel:
+    problem = tiling_problem(boxes, full)
+    if problem is None:
+        return []
+    if problem.kind == "overlap":
+        a, b = problem.boxes
+        both = f"{a} is listed twice" if a == b else f"{a} and {b} overlap in {a.intersect(b)}"
+        return [f"variable {name!r}: pieces {both}"]
+    if problem.kind == "gap":  # (the pieces are disjoint: their count is what they cover)
+        covered = sum(b.numel for b in boxes)
         return [
             f"variable {name!r}: pieces cover {covered} of its {full.numel} elements "
-            f"(shape {list(shape)})"
+            f"(shape {list(shape)}); none covers {problem.boxes[0]}"
         ]
-    return []
+    return [f"variable {name!r}: pieces: {problem}"]
 
 
 def check_slabs(catalog: Catalog, var: TensorVar, max_slab_bytes: int) -> None:
@@ -131,7 +135,7 @@ def verify(
         for problem in report.problems:
             print(problem)
     """
-    catalog = open_catalog(path)
+    catalog = open_catalog(path, tiling=False)  # coverage is checked (and reported) here
     report = VerifyReport(
         variables=len(catalog.tensors) + len(catalog.values),
         sealed=getattr(catalog.index, "sealed", False),

@@ -28,7 +28,7 @@ import torch
 
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
-from distckpt.planning.read_plan import Copy, plan_reads
+from distckpt.planning.read_plan import Copy, covered, plan_reads
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
@@ -84,7 +84,7 @@ def read_targets(
         if t.stored is None:
             t.stored = Pieces(t.entry, t.name)
         copies = list(plan_reads(t.box, t.stored.covering(t.box)))
-        if sum(c.dst.numel for c in copies) != t.box.numel:
+        if not covered(t.box, copies):
             raise CorruptCheckpointError(
                 f"variable {t.name!r}: the stored pieces do not cover slice {t.box} "
                 f"of shape {t.entry['shape']}"
