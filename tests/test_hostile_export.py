@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 
 import distckpt
-from distckpt import ConversionError, CorruptCheckpointError
+from distckpt import CorruptCheckpointError
 from distckpt.hf.safetensors import TensorHeader, header
 from distckpt.testing.hostile import reseal
 from distckpt.tools import torch_file
@@ -126,10 +126,10 @@ def test_a_declared_inner_chunk_larger_than_a_slab_is_refused_within_bounds(
     )
     for result in results:
         assert result["code"] == 2, result
-        assert "'b': its compressed inner chunks of 536870912 bytes" in result["stderr"], result
-        assert "--slab-mib 512" in result["stderr"] and result["growth"] < GROWTH, result
+        assert "compressed inner chunks [134217728] of 536870912 bytes" in result["stderr"]
+        assert result["growth"] < GROWTH, result
     assert not list(tmp_path.glob("*o.*")) and not list((tmp_path / "hf").glob("*"))
-    with pytest.raises(ConversionError, match="decompressed whole"):
+    with pytest.raises(CorruptCheckpointError, match="at most 67108864 are ever written"):
         export(ck, tmp_path / "o.safetensors")
 
 
@@ -167,9 +167,7 @@ def test_pieces_that_overlap_and_leave_a_gap_are_never_exported(tmp_path: Path) 
     entry["pieces"] = [{**piece, "box": [[0], [5]]}, {**piece, "box": [[2], [3]]}]
     (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
     for out in ("o.safetensors", "o.pt"):
-        with pytest.raises(
-            CorruptCheckpointError, match=r"'b': pieces \[0:5\] and \[2:5\] overlap"
-        ):
+        with pytest.raises(CorruptCheckpointError, match=r"'b'.*\[0:5\] and \[2:5\] share"):
             export(ck, tmp_path / out)
         assert not (tmp_path / out).exists()
     with pytest.raises(CorruptCheckpointError, match="overlap"):

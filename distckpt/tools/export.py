@@ -1,11 +1,10 @@
 """``distckpt export``: a checkpoint as one consolidated file, streamed: each tensor is
 read a slab at a time (:mod:`distckpt.tools.slabs`) and written at its place, so memory
 is one slab of at most ``max_slab_bytes`` (64 MiB by default) plus an inner chunk per I/O
-worker, whatever the model's size or what a checkpoint declares. A tensor whose pieces
-do not cover it exactly once, or whose compressed inner chunks (decompressed whole) are
-larger than a slab or 64 MiB, is refused before anything is written
-(:func:`~distckpt.tools.verify.check_slabs`): every byte written is a verified stored
-byte.
+worker (a compressed one declares at most 64 MiB), whatever the model's size or what a
+checkpoint declares. A tensor whose pieces do not cover it exactly once is refused before
+anything is written (:func:`~distckpt.tools.verify.check_slabs`): every byte written is
+a verified stored byte.
 
 * ``.safetensors``: the header (every tensor's dtype, shape and offsets) first, then each
   tensor's bytes. Python values go into the header's ``__metadata__``, each as a JSON

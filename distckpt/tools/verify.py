@@ -22,7 +22,6 @@ the variable and the file. Memory: one inner chunk (or one plain chunk) at a tim
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ import numpy as np
 
 from distckpt.errors import (
     CheckpointError,
-    ConversionError,
     CorruptCheckpointError,
     UnsupportedValueError,
 )
@@ -40,7 +38,6 @@ from distckpt.storage import seal
 from distckpt.storage.piece_reader import PieceReader
 from distckpt.tiling import tiling_problem
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
-from distckpt.tools.slabs import DEFAULT_SLAB_BYTES
 from distckpt.values import decode
 
 
@@ -93,28 +90,14 @@ def coverage_problems(name: str, shape: tuple[int, ...], boxes: list[Box]) -> li
 
 
 def check_slabs(catalog: Catalog, var: TensorVar, max_slab_bytes: int) -> None:
-    """Refuse ``var`` unless it can be read a slab of ``max_slab_bytes`` at a time from
-    stored bytes alone (``export``, ``diff``): its pieces must cover its shape exactly
-    once (else some bytes of a slab would come from no stored byte), and a compressed
-    inner chunk, which is decompressed whole, must fit a slab (or
-    :data:`~distckpt.tools.slabs.DEFAULT_SLAB_BYTES`, if larger): a piece may declare up
-    to 65,536 times its stored bytes, and memory must not follow a declared size."""
+    """Refuse ``var`` unless it can be read a slab at a time from stored bytes alone
+    (``export``, ``diff``): its pieces must cover its shape exactly once, else some bytes
+    of a slab would come from no stored byte. (A compressed inner chunk, decompressed
+    whole, is at most :data:`~distckpt.storage.wellformed.MAX_CODEC_CHUNK`: the index's
+    own checks refuse a larger one, so ``max_slab_bytes`` bounds the rest.)"""
     problems = coverage_problems(var.name, var.shape, [p.box for p in var.pieces])
     if problems:
         raise CorruptCheckpointError(f"{catalog.root.url}: {problems[0]}")
-    limit = max(max_slab_bytes, DEFAULT_SLAB_BYTES)
-    itemsize = var.numpy_dtype.itemsize
-    for piece in var.pieces:
-        if piece.codec is None or piece.inner is None or piece.box.empty:
-            continue
-        chunk = math.prod(piece.inner) * itemsize
-        if chunk > limit:
-            raise ConversionError(
-                f"variable {var.name!r}: its compressed inner chunks of {chunk} bytes are "
-                f"decompressed whole, more than a slab of {limit} bytes "
-                f"({catalog.root.where(piece.file)}); pass --slab-mib "
-                f"{-(-chunk // (1 << 20))} if that memory is meant to be used"
-            )
 
 
 def stored_bytes(catalog: Catalog) -> int:
