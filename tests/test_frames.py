@@ -111,6 +111,8 @@ def blosc_frame(raw: np.ndarray, cname: str = "lz4", typesize: int = 4) -> bytea
         (8, 0, "block size 0"),
         (16, 0x40000000, "starts outside"),  # a block start far away
         (16, 4, "starts outside"),  # a block start inside the header
+        (3, 2, "elements of 2 bytes, not 4"),  # the same streams, put back in another order
+        (2, 0x04, "shuffle flags"),  # bit shuffle besides byte shuffle
     ],
 )
 def test_blosc_headers_that_lie_are_refused(offset: int, value: int, message: str) -> None:
@@ -121,7 +123,7 @@ def test_blosc_headers_that_lie_are_refused(offset: int, value: int, message: st
     else:
         frame[offset : offset + 4] = value.to_bytes(4, "little")
     with pytest.raises(frames.FrameError, match=message):
-        frames.check_blosc(np.frombuffer(bytes(frame), np.uint8), raw.nbytes, "lz4")
+        frames.check_blosc(np.frombuffer(bytes(frame), np.uint8), raw.nbytes, "lz4", 4, "shuffle")
 
 
 def test_a_blosc_stream_length_that_runs_past_the_frame_is_refused() -> None:
@@ -130,7 +132,7 @@ def test_a_blosc_stream_length_that_runs_past_the_frame_is_refused() -> None:
     first = int.from_bytes(frame[16:20], "little")
     frame[first : first + 4] = (len(frame)).to_bytes(4, "little")
     with pytest.raises(frames.FrameError, match="runs past"):
-        frames.check_blosc(np.frombuffer(bytes(frame), np.uint8), raw.nbytes, "lz4")
+        frames.check_blosc(np.frombuffer(bytes(frame), np.uint8), raw.nbytes, "lz4", 4, "shuffle")
 
 
 SWEEP = textwrap.dedent(

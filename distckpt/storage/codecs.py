@@ -119,7 +119,7 @@ class Blosc:
         return bytes(self._codec().encode(raw))
 
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
-        frames.check_blosc(stored, out.nbytes, self.cname)
+        frames.check_blosc(stored, out.nbytes, self.cname, self.typesize, self.shuffle)
         _decode_exactly(self._codec(), stored, out)
 
 

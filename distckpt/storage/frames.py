@@ -16,8 +16,9 @@ inner chunk's raw size) first, and decoded only if it passes:
   128 KiB) to end exactly where the stored bytes end, and no larger than zstd's own
   compress bound. zstd then refuses to produce any other number of bytes than the
   declared content size, and numcodecs compares what it produced with that size.
-* **blosc** (c-blosc 1.x format 2): the header's version and flags, its raw size equal to
-  the chunk's, its compressed size equal to the stored length, a block size that divides
+* **blosc** (c-blosc 1.x format 2): the header's version and flags, its element size and
+  shuffle the codec's, its raw size equal to the chunk's, its compressed size equal to
+  the stored length, a block size that divides
   the raw size into blocks whose start table fits, and every block start and every
   split's compressed length inside the stored bytes, as c-blosc itself walks them. Every
   block then decodes to exactly its size or c-blosc fails, so the whole output is
@@ -39,7 +40,10 @@ BLOSC_VERSION = 2
 BLOSC_HEADER = 16
 #: blosc's compressor codes (the flags' top 3 bits) by cname.
 BLOSC_CODES = {"blosclz": 0, "lz4": 1, "lz4hc": 1, "snappy": 2, "zlib": 3, "zstd": 4}
-_BLOSC_SHUFFLE, _BLOSC_MEMCPYED, _BLOSC_FUTURE, _BLOSC_DONT_SPLIT = 0x01, 0x02, 0x08, 0x10
+_BLOSC_MEMCPYED, _BLOSC_FUTURE, _BLOSC_DONT_SPLIT = 0x02, 0x08, 0x10
+#: The header's shuffle bits (byte shuffle 0x01, bit shuffle 0x04) by the codec's shuffle.
+_BLOSC_SHUFFLES = 0x05
+_BLOSC_SHUFFLE_FLAGS = {"noshuffle": 0x00, "shuffle": 0x01, "bitshuffle": 0x04}
 #: c-blosc splits a block into ``typesize`` streams only for a type of at most this size
 #: and blocks of at least MIN_BUFFERSIZE elements (blosc.c).
 _BLOSC_MAX_SPLITS, _BLOSC_MIN_BUFFERSIZE = 16, 128
@@ -112,17 +116,22 @@ def check_zstd(stored: np.ndarray, expected: int) -> None:
         raise FrameError(f"zstd blocks that cannot make {expected} bytes")
 
 
-def check_blosc(stored: np.ndarray, expected: int, cname: str) -> None:
+def check_blosc(
+    stored: np.ndarray, expected: int, cname: str, typesize: int = 1, shuffle: str = "noshuffle"
+) -> None:
     """Raise :class:`FrameError` unless ``stored`` (flat uint8) is one blosc frame of
-    compressor ``cname`` that decompresses to ``expected`` bytes, all of whose block
-    starts and split lengths lie inside the stored bytes."""
+    compressor ``cname``, element size ``typesize`` and ``shuffle`` (the codec's, which
+    c-blosc writes into the header as given) that decompresses to ``expected`` bytes, all
+    of whose block starts and split lengths lie inside the stored bytes. (A header's
+    element size or shuffle decides how the bytes are put back in order: one that another
+    writer changed would give other values from the same checked streams.)"""
     size = stored.nbytes
     if size < BLOSC_HEADER:
         raise FrameError(f"a blosc frame of {size} bytes (its header alone is 16)")
     if size > expected + BLOSC_HEADER:  # blosc stores a block raw rather than grow it
         raise FrameError(f"a blosc frame of {size} bytes for {expected} bytes of content")
     data = stored.reshape(-1).data
-    version, _, flags, typesize, nbytes, blocksize, cbytes = _BLOSC_HEAD.unpack_from(data)
+    version, _, flags, stored_type, nbytes, blocksize, cbytes = _BLOSC_HEAD.unpack_from(data)
     if version != BLOSC_VERSION:
         raise FrameError(f"a blosc frame of format version {version}")
     if flags & _BLOSC_FUTURE:
@@ -131,8 +140,12 @@ def check_blosc(stored: np.ndarray, expected: int, cname: str) -> None:
         raise FrameError(f"a blosc frame of {nbytes} bytes of content, expected {expected}")
     if cbytes != size:
         raise FrameError(f"a blosc frame that says it is {cbytes} bytes, stored in {size}")
-    if typesize == 0 or not 0 < blocksize <= max(nbytes, 1):
-        raise FrameError(f"a blosc frame of type size {typesize} and block size {blocksize}")
+    if not 0 < blocksize <= max(nbytes, 1):
+        raise FrameError(f"a blosc frame of block size {blocksize}")
+    if stored_type != (typesize if typesize <= 255 else 1):
+        raise FrameError(f"a blosc frame of elements of {stored_type} bytes, not {typesize}")
+    if flags & _BLOSC_SHUFFLES != _BLOSC_SHUFFLE_FLAGS.get(shuffle, -1):
+        raise FrameError(f"a blosc frame whose shuffle flags {flags & 5:#x} are not {shuffle}'s")
     if flags & _BLOSC_MEMCPYED:
         if cbytes != nbytes + BLOSC_HEADER:
             raise FrameError("a blosc frame stored raw whose size is not its content's")
@@ -146,10 +159,10 @@ def check_blosc(stored: np.ndarray, expected: int, cname: str) -> None:
     # Each block is ``splits`` streams, each a 4-byte length and that many bytes (the
     # last block, when shorter, is one stream), walked as c-blosc walks them.
     splits = (
-        typesize
+        stored_type
         if not flags & _BLOSC_DONT_SPLIT
-        and typesize <= _BLOSC_MAX_SPLITS
-        and blocksize // typesize >= _BLOSC_MIN_BUFFERSIZE
+        and stored_type <= _BLOSC_MAX_SPLITS
+        and blocksize // stored_type >= _BLOSC_MIN_BUFFERSIZE
         else 1
     )
     last_splits = 1 if nbytes % blocksize else splits
