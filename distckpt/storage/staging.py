@@ -118,18 +118,31 @@ class Staging:
         parent, mine, name = self.parent, self.entry, self.final.name
         if overwrite and parent.exists(name):
             if parent.exchange(mine, name):
+                self._placed()
                 parent.persist([name])
                 parent.delete_tree(mine)  # now holds the old checkpoint
                 return
             trash = trash_name(name, self.token)
             parent.rename(name, trash)
             parent.rename(mine, name)
+            self._placed()
             parent.persist([name])
             parent.delete_tree(trash)
             return
         # A rename onto a directory that holds entries fails: no silent overwrite.
         parent.rename(mine, name)
+        self._placed()
         parent.persist([name])
+
+    def _placed(self) -> None:
+        """After the rename: the name holds a directory. A racing process that swapped
+        the staging directory for a link had the link renamed into place; the save then
+        fails rather than report a checkpoint that is not there."""
+        if not self.parent.is_dir(self.final.name):
+            raise UnsafePathError(
+                f"{self.final.url}: its staging directory {self.parent.where(self.entry)} "
+                "was replaced (by a link?) during the commit; not committed"
+            )
 
     def abort(self) -> None:
         self.stop_heartbeat()
