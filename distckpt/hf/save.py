@@ -93,7 +93,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("distckpt")
 
 COORDINATOR = 0
-_OLD_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
+_OLD_WEIGHTS = re.compile(
+    r"^model(-[0-9]+-of-[0-9]+)?\.safetensors$|^model\.safetensors\.index\.json$"
+)
 
 
 @dataclass

@@ -37,7 +37,6 @@ models and their state dicts, and a model whose state dict a hook removes is lef
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from accelerate import Accelerator
@@ -45,8 +44,7 @@ from accelerate.data_loader import SeedableRandomSampler
 from accelerate.utils import DistributedType
 
 import distckpt
-
-_NUMBERED = re.compile(r"^checkpoint_(\d+)$")
+from distckpt.numbering import numbered
 
 
 class DistckptAccelerator(Accelerator):
@@ -184,5 +182,5 @@ def _numbered(parent: str) -> list[tuple[int, str]]:
     """The ``checkpoint_<n>`` entries of ``parent``, oldest first."""
     if not os.path.isdir(parent):
         return []
-    found = [(int(m[1]), name) for name in os.listdir(parent) if (m := _NUMBERED.match(name))]
-    return sorted(found)
+    found = [(numbered(name, "checkpoint_"), name) for name in os.listdir(parent)]
+    return sorted((n, name) for n, name in found if n is not None)

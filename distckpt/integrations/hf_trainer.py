@@ -32,7 +32,6 @@ same. The model is not written in the Hugging Face format inside checkpoints (us
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from typing import Any
@@ -41,10 +40,10 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import distckpt
+from distckpt.numbering import numbered
 
 STATE = "distckpt"  # the checkpoint's subdirectory that holds the distckpt checkpoint
 TRAINER_STATE = "trainer_state.json"
-_NUMBERED = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def complete_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
@@ -53,10 +52,10 @@ def complete_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
         return []
     found = []
     for name in os.listdir(output_dir):
-        match = _NUMBERED.match(name)
+        step = numbered(name, f"{PREFIX_CHECKPOINT_DIR}-")
         path = os.path.join(output_dir, name)
-        if match and os.path.isfile(os.path.join(path, TRAINER_STATE)):
-            found.append((int(match[1]), path))
+        if step is not None and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            found.append((step, path))
     return [path for _, path in sorted(found)]
 
 

@@ -33,7 +33,14 @@ import uuid
 from pathlib import Path
 
 from distckpt.errors import CheckpointExists, StorageError, UnsafePathError
-from distckpt.storage.backend import RenamingStore, Store, WriteHandle, location, resolve
+from distckpt.storage.backend import (
+    RenamingStore,
+    Store,
+    WriteHandle,
+    is_name,
+    location,
+    resolve,
+)
 from distckpt.storage.lease import pid_dead
 from distckpt.storage.strategy import Pending
 from distckpt.storage.zarr_meta import ZARR_JSON
@@ -44,6 +51,8 @@ OWNER_FILE = ".distckpt-owner.json"
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 60.0
 LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
+#: What a staging or trash directory's name looks like, whether or not it parses.
+_LOOKS_LEFTOVER = re.compile(r"^\..*\.(?:staging|trash)-")
 
 
 def staging_name(name: str, token: str) -> str:
@@ -211,10 +220,35 @@ def _complete(staging: Store) -> bool:
     return not staging.exists(OWNER_FILE) and is_committed(staging)
 
 
+def parse_leftover(entry: str) -> re.Match[str] | None:
+    """The parts of a staging or trash directory's name (``name``, ``what``, ``token``),
+    or None when it does not parse, or names no checkpoint (``...trash-0`` would be a
+    trash of ``.``)."""
+    match = LEFTOVER.match(entry)
+    return match if match is not None and is_name(match["name"]) else None
+
+
 def leftover_names(directory: Store) -> list[str]:
     """The staging and trash directories in ``directory`` (live or not), by name. A link
-    or a file with such a name is not one: it is left alone."""
-    return [n for n in directory.list() if LEFTOVER.match(n) and directory.is_dir(n)]
+    or a file with such a name is not one, nor is an entry whose name does not parse:
+    they are left alone (:func:`skipped_names`)."""
+    return [n for n in directory.list() if parse_leftover(n) and directory.is_dir(n)]
+
+
+def skipped_names(directory: Store) -> list[tuple[str, str]]:
+    """The entries of ``directory`` named like staging or trash directories that are not
+    one, and why: what :func:`collect` leaves alone."""
+    found = []
+    for entry in directory.list():
+        if not _LOOKS_LEFTOVER.match(entry):
+            continue
+        if parse_leftover(entry) is None:
+            found.append(
+                (entry, "its name does not parse as .NAME.staging-TOKEN or .NAME.trash-TOKEN")
+            )
+        elif not directory.is_dir(entry):
+            found.append((entry, "not a directory (a link or a file)"))
+    return found
 
 
 def collect(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]:
@@ -223,7 +257,7 @@ def collect(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]
     parent = renaming(directory)
     removed: list[str] = []
     for entry in leftover_names(directory):
-        match = LEFTOVER.match(entry)
+        match = parse_leftover(entry)
         assert match is not None
         staging = directory.child(entry)
         if match["what"] == "staging" and owner_alive(staging, stale_seconds):
@@ -300,7 +334,7 @@ class RenameStrategy:
     def pending(self, directory: Store) -> list[Pending]:
         found = []
         for entry in leftover_names(directory):
-            match = LEFTOVER.match(entry)
+            match = parse_leftover(entry)
             target = match["name"] if match else entry
             staging = directory.child(entry)
             live = ".staging-" in entry and owner_alive(staging)
@@ -317,6 +351,9 @@ class RenameStrategy:
 
     def leftovers(self, directory: Store) -> list[str]:
         return [directory.where(name) for name in leftover_names(directory)]
+
+    def skipped(self, directory: Store) -> list[tuple[str, str]]:
+        return [(directory.where(name), why) for name, why in skipped_names(directory)]
 
 
 #: The commit by rename (see the module): ``commit_strategy = RENAME``.
