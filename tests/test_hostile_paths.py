@@ -420,3 +420,58 @@ def test_saves_racing_a_staging_directory_swapped_for_a_link_never_write_outside
         assert torch.equal(got["w"], torch.full((64,), float(k)))
         assert torch.equal(got["net"]["b"], torch.arange(8.0) + k)
     assert committed, (swaps, failed)
+
+
+# ---------------------------------------------------------------- Hugging Face weights
+
+
+def test_hf_weights_swapped_for_a_link_after_they_were_checked_are_refused(
+    tmp_path: Path, resolution: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights directory is checked once (where each file leads); a file swapped for
+    a link to an outside one of the same layout afterwards is refused when read."""
+    from safetensors.torch import save_file
+
+    from distckpt.hf import load as hf_load
+
+    weights, outside = tmp_path / "weights", tmp_path / "outside.safetensors"
+    weights.mkdir()
+    save_file({"w": torch.zeros(4)}, str(weights / "model.safetensors"))
+    save_file({"w": torch.full((4,), 7.0)}, str(outside))
+    real_open = hf_load.open_weights
+
+    def open_then_swap(path: Any) -> Any:
+        found = real_open(path)
+        (weights / "model.safetensors").unlink()
+        (weights / "model.safetensors").symlink_to(outside)
+        return found
+
+    monkeypatch.setattr(hf_load, "open_weights", open_then_swap)
+    w = torch.full((4,), -1.0)
+    with bounded(BOUND), pytest.raises(UnsafePathError, match="symbolic link"):
+        distckpt.load_hf({"w": w}, weights)
+    assert torch.equal(w, torch.full((4,), -1.0))
+
+
+def test_hf_files_being_written_are_never_written_through_a_link(
+    tmp_path: Path, resolution: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator has created the temporary files; one is then a link to an outside
+    file: the rank writing it refuses, and the outside file keeps its bytes."""
+    from distckpt.hf import save as hf_save
+
+    weights, outside = tmp_path / "weights", tmp_path / "victim"
+    outside.write_bytes(b"victim's bytes")
+    real_prepare = hf_save.Target.prepare
+
+    def prepare_then_swap(target: Any, plan: Any, overwrite: bool) -> None:
+        real_prepare(target, plan, overwrite)
+        (temp,) = weights.glob(".model.safetensors.tmp-*")
+        temp.unlink()
+        temp.symlink_to(outside)
+
+    monkeypatch.setattr(hf_save.Target, "prepare", prepare_then_swap)
+    with bounded(BOUND), pytest.raises(UnsafePathError, match="symbolic link"):
+        distckpt.save_hf({"w": torch.ones(4)}, weights)
+    assert outside.read_bytes() == b"victim's bytes"
+    assert not (weights / "model.safetensors").exists()

@@ -169,7 +169,7 @@ class Beneath:
 
     def where(self, rel: str) -> str:
         """The path of ``rel``, for messages."""
-        return f"{self.top}/{rel}" if rel else self.top
+        return f"{self.top.rstrip('/')}/{rel}" if rel else self.top
 
     # -- the top's descriptor
 
@@ -447,3 +447,14 @@ def rmtree_at(dir_fd: int, name: str) -> None:
                 pass
     with suppress(OSError):  # pragma: no cover
         os.rmdir(name, dir_fd=dir_fd)
+
+
+_ROOT = Beneath("/")
+
+
+def open_resolved(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``: a path resolved earlier
+    (``os.path.realpath``: links the user chose are behind it) and checked by the caller,
+    opened without following a link at any component, so that a directory swapped for a
+    link since the check is refused, never followed."""
+    return _ROOT.open_regular(os.path.abspath(path).lstrip("/"))
