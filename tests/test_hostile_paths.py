@@ -475,3 +475,27 @@ def test_hf_files_being_written_are_never_written_through_a_link(
         distckpt.save_hf({"w": torch.ones(4)}, weights)
     assert outside.read_bytes() == b"victim's bytes"
     assert not (weights / "model.safetensors").exists()
+
+
+def test_a_checkpoint_swapped_for_a_link_while_it_is_removed_is_not_marked(
+    tmp_path: Path, resolution: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``remove`` has seen a directory; then it is a link to another run's checkpoint.
+    The mark that says "being deleted" (which that run's manager would act on) is not
+    written through the link, and the other checkpoint keeps every entry."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    distckpt.save({"w": torch.ones(4)}, run / "ck")
+    distckpt.save({"w": torch.full((4,), 7.0)}, other / "ck")
+    before = snapshot(other)
+    real_is_dir = PosixStore.is_dir
+
+    def is_dir_then_swap(store: PosixStore, key: str) -> bool:
+        found = real_is_dir(store, key)
+        if key == "ck" and Path(store.url) == run and not (run / "ck").is_symlink():
+            swap_for_link(run / "ck", other / "ck")
+        return found
+
+    monkeypatch.setattr(PosixStore, "is_dir", is_dir_then_swap)
+    with bounded(BOUND), pytest.raises(UnsafePathError, match="symbolic link"):
+        distckpt.remove(run / "ck")
+    assert snapshot(other) == before

@@ -45,6 +45,7 @@ from accelerate.utils import DistributedType
 
 import distckpt
 from distckpt.numbering import numbered
+from distckpt.storage.backend import resolve
 
 
 class DistckptAccelerator(Accelerator):
@@ -86,8 +87,9 @@ class DistckptAccelerator(Accelerator):
             if self.is_main_process:
                 parent = self._numbered_dir()
                 numbered = _numbered(parent)
+                checkpoints = resolve(parent)  # an entry swapped for a link: never followed
                 for _, name in numbered[: max(len(numbered) - limit, 0)]:
-                    distckpt.remove(os.path.join(parent, name))
+                    distckpt.remove(checkpoints.child(name))
             self.wait_for_everyone()
         return os.fspath(output_dir)
 

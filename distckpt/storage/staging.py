@@ -315,8 +315,9 @@ class RenameStrategy:
                     f"{checkpoint.url} is not a directory (a link?), not a checkpoint; left alone"
                 )
             return
-        # The mark keeps collect_garbage from restoring it as an interrupted commit.
-        checkpoint.write(OWNER_FILE, json.dumps({"deleting": True}).encode())
+        # The mark keeps collect_garbage from restoring it as an interrupted commit. It is
+        # written below the parent, where the name is never followed if it became a link.
+        parent.child(name).write(OWNER_FILE, json.dumps({"deleting": True}).encode())
         trash = trash_name(name, uuid.uuid4().hex[:16])
         parent.rename(name, trash)
         parent.persist([name])
