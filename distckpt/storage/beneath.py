@@ -59,7 +59,7 @@ DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _STEP = DIRECTORY | os.O_NOFOLLOW
 _PATH = getattr(os, "O_PATH", 0)  # Linux: a directory stepped through, never read
 #: The entry itself, a link included, for ``fstat`` (``lstat`` without a path walk).
-_ENTRY = getattr(os, "O_PATH", os.O_RDONLY | os.O_NONBLOCK) | os.O_NOFOLLOW | os.O_CLOEXEC
+_ENTRY = _PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Retired descriptors of a top kept open (another thread may still be using one).
 _RETIRED = 4
 
@@ -138,6 +138,15 @@ def _close_owned(owned: list[tuple[int, int]]) -> None:
             with suppress(OSError):
                 os.close(fd)
     owned.clear()
+
+
+def _is_plain(dir_fd: int, name: str) -> bool:
+    """Whether the entry is neither a link nor a directory (a file in the way)."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError:
+        return True
+    return not (stat.S_ISLNK(mode) or stat.S_ISDIR(mode))
 
 
 def _is_link(dir_fd: int, name: str) -> bool:
@@ -275,7 +284,11 @@ class Beneath:
             try:
                 return os.open(part, _STEP, dir_fd=at)
             except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(at, part):
+                # ENOTDIR from an entry that is now a link or a directory: a link then,
+                # or swapped meanwhile; either way not a plain file in the way.
+                if exc.errno == errno.ELOOP or (
+                    exc.errno == errno.ENOTDIR and not _is_plain(at, part)
+                ):
                     raise _link_error(self.where(rel), self.where(prefix)) from None
                 raise
         fd = os.open(part, _PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at)
@@ -329,6 +342,8 @@ class Beneath:
         """The entry's own status (a link's, not its target's)."""
         if not rel:
             return os.fstat(self.fd())
+        if not _PATH:  # no O_PATH to open a link itself with: stat it in its directory
+            return self.call(rel, _lstat_at)
         fd = self.open(rel, _ENTRY)
         try:
             return os.fstat(fd)
@@ -407,6 +422,10 @@ class Beneath:
         """Remove ``rel`` and everything below it (a link there: the link alone)."""
         with suppress(FileNotFoundError):
             self.call(rel, rmtree_at)
+
+
+def _lstat_at(dir_fd: int, name: str) -> os.stat_result:
+    return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def _unlink(dir_fd: int, name: str) -> None:
