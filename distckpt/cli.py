@@ -177,13 +177,15 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from distckpt.storage.transaction import collect_garbage
+    from distckpt.storage.transaction import collect_garbage, skipped
 
     removed = collect_garbage(args.directory)
     for path in removed:
         _say(f"removed {path}")
     if not removed:
         print("nothing to remove")
+    for path, why in skipped(args.directory):
+        print(f"skipped {path!r}: {why}")  # the name as stored, escaped
     return OK
 
 

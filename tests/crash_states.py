@@ -47,6 +47,7 @@ from typing import Any
 #: of theirs is built.
 EXHAUSTIVE = int(os.environ.get("DISTCKPT_CRASH_STATES", "65536"))
 
+AT_FDCWD = -100
 NAMESPACE = frozenset({"mkdir", "creat", "link", "unlink", "rename", "exchange"})
 DATA = frozenset({"write", "trunc"})
 
@@ -186,6 +187,8 @@ class Recorder:
         self._lock = threading.RLock()
         self._real: dict[str, Callable[..., Any]] = {}
         self._exchange_owners: list[tuple[Any, Callable[..., Any]]] = []
+        self._dev = os.stat(self.root).st_dev
+        self._openat2: Callable[..., int] | None = None
 
     # -- the initial state (taken as durable)
     def _snapshot(self) -> None:
@@ -211,10 +214,13 @@ class Recorder:
     def _dir_of(self, path: Any, dir_fd: int | None) -> tuple[int, str] | None:
         """(parent id, name) of ``path`` when it lies under the root, else None."""
         p = os.fsdecode(path)
-        if dir_fd is not None and not os.path.isabs(p):
-            if dir_fd not in self._fds:
+        if dir_fd is not None and dir_fd != AT_FDCWD and not os.path.isabs(p):
+            # A directory under the root, however it was opened (a store keeps the
+            # descriptor of its top, perhaps from before the recording).
+            st = os.fstat(dir_fd)
+            if st.st_dev != self._dev or st.st_ino not in self._by_ino:
                 return None
-            parent_ino = os.fstat(dir_fd).st_ino
+            parent_ino = st.st_ino
             head, name = os.path.split(p)
             if head:
                 parent_ino = os.stat(head, dir_fd=dir_fd).st_ino
@@ -235,7 +241,21 @@ class Recorder:
 
     # -- the wrappers
     def _open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        real = self._real["open"]
+        return self._open_with(self._real["open"], path, flags, mode, dir_fd)
+
+    def _open_beneath(self, dir_fd: int, path: str, flags: int, mode: int) -> int:
+        """``openat2`` (called through ctypes by distckpt.storage.beneath)."""
+        real = self._openat2
+        assert real is not None
+
+        def call(path: Any, flags: int, mode: int, *, dir_fd: int | None) -> int:
+            return int(real(dir_fd, path, flags, mode))
+
+        return self._open_with(call, path, flags, mode, dir_fd)
+
+    def _open_with(
+        self, real: Callable[..., int], path: Any, flags: int, mode: int, dir_fd: int | None
+    ) -> int:
         with self._lock:
             where = self._dir_of(path, dir_fd)
             if where is None:
@@ -335,10 +355,10 @@ class Recorder:
         return call
 
     def _exchange(self, real: Callable[..., bool]) -> Callable[..., bool]:
-        def call(a: Any, b: Any) -> bool:
+        def call(a: Any, b: Any, *, src_dir_fd: int = AT_FDCWD, dst_dir_fd: int = AT_FDCWD) -> bool:
             with self._lock:
-                x, y = self._dir_of(a, None), self._dir_of(b, None)
-                done = real(a, b)
+                x, y = self._dir_of(a, src_dir_fd), self._dir_of(b, dst_dir_fd)
+                done = real(a, b, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
                 if done and x is not None and y is not None:
                     self._record("exchange", x[0], x[1], y[0], y[1])
                 return bool(done)
@@ -404,8 +424,13 @@ class Recorder:
         }
         for name, fn in wrapped.items():
             setattr(os, name, fn)
-        # renameat2(RENAME_EXCHANGE) is called through ctypes: wrap it where it is used.
-        from distckpt.storage import fsutil
+        # openat2 and renameat2(RENAME_EXCHANGE) are called through ctypes: wrapped
+        # where they are used.
+        from distckpt.storage import beneath, fsutil
+
+        self._openat2 = beneath.openat2
+        if self._openat2 is not None:
+            beneath.openat2 = self._open_beneath  # type: ignore[assignment]
 
         real_exchange = fsutil.exchange
         for module in list(sys.modules.values()):
@@ -422,6 +447,10 @@ class Recorder:
         for module, fn in self._exchange_owners:
             module.exchange = fn
         self._exchange_owners.clear()
+        if self._openat2 is not None:
+            from distckpt.storage import beneath
+
+            beneath.openat2 = self._openat2  # type: ignore[assignment]
 
     # -- after the recording
     def final(self) -> Tree:

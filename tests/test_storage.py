@@ -32,7 +32,7 @@ from s3_server import S3Server, use
 import distckpt
 from distckpt.comm import SingleComm
 from distckpt.errors import CheckpointNotFoundError, StorageError
-from distckpt.storage import backend, s3_service, transaction
+from distckpt.storage import backend, beneath, s3_service, transaction
 from distckpt.storage import s3 as s3_mod
 from distckpt.storage.backend import (
     Capabilities,
@@ -75,6 +75,16 @@ class TestPosixStore(StoreTests):
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Store:
+        return PosixStore(tmp_path / "store")
+
+
+class TestPosixStoreWithoutOpenat2(TestPosixStore):
+    """Where the kernel (or a seccomp filter) refuses openat2, paths are walked one
+    directory descriptor at a time: the same store."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+        monkeypatch.setattr(beneath, "openat2", None)
         return PosixStore(tmp_path / "store")
 
 

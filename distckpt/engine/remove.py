@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 from distckpt.errors import CheckpointNotFoundError
-from distckpt.storage.backend import location, resolve
+from distckpt.storage.backend import Store, location, resolve
 from distckpt.storage.index import is_committed
 from distckpt.storage.transaction import retire
 
 
-def remove(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
+def remove(path: str | os.PathLike[str] | Store, *, missing_ok: bool = False) -> None:
     """Delete the committed checkpoint at ``path`` so that no reader ever sees half of it
     (on a file system: marked, renamed out of sight, then removed; on an object store: its
     index first, then its data). One process calls it, not every rank.

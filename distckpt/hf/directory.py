@@ -50,7 +50,7 @@ from distckpt.hf.safetensors import (
     read_header,
 )
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.fsutil import open_regular
+from distckpt.storage.beneath import open_resolved
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -136,16 +136,19 @@ def _open_weights(path: str | os.PathLike[str] | Store) -> Weights:
     return _from_files(root, files, None)
 
 
-def _inside(root: Path, file: Path) -> Path:
-    """``file`` of the weights directory ``root``, checked to lead inside it (or, in the
-    hub's cache, inside the snapshot's repository folder)."""
+def _inside(root: Path, file: Path) -> str:
+    """Where ``file`` of the weights directory ``root`` leads (its real path), checked to
+    be inside it (or, in the hub's cache, inside the snapshot's repository folder). It
+    is opened by that path alone, refusing any link on it
+    (:func:`~distckpt.storage.beneath.open_resolved`): a directory swapped for a link
+    after this check is never followed."""
     top = Path(os.path.realpath(root))
     if top.parent.name == "snapshots" and "--" in top.parent.parent.name:
         top = top.parent.parent
-    real = Path(os.path.realpath(file))
-    if not real.is_relative_to(top):
+    real = os.path.realpath(file)
+    if not Path(real).is_relative_to(top):
         raise UnsafePathError(f"{root}: {file.name} leads outside the weights directory")
-    return file
+    return real
 
 
 def _open_in_store(store: Store) -> Weights:
@@ -274,7 +277,7 @@ def _weight_map(scan: Scanner) -> dict[str, str]:
 
 def _read_index(root: Path, path: Path) -> dict[str, str]:
     try:
-        with os.fdopen(open_regular(os.path.realpath(_inside(root, path))), "rb") as f:
+        with os.fdopen(open_resolved(_inside(root, path)), "rb") as f:
             raw = f.read(MAX_INDEX_BYTES + 1)  # read no more than is accepted
     except (CorruptCheckpointError, FileNotFoundError):
         raise

@@ -33,7 +33,7 @@ from typing import Any
 from distckpt import dtypes
 from distckpt.errors import ConversionError, CorruptCheckpointError
 from distckpt.hf.bounded_json import MAX_KEY_BYTES, MAX_STRING_BYTES, Scanner
-from distckpt.storage.fsutil import open_regular
+from distckpt.storage.beneath import open_resolved
 from distckpt.storage.wellformed import MAX_BYTES, MAX_NDIM
 
 #: distckpt dtype names and their safetensors names. complex128 has none.
@@ -143,10 +143,12 @@ def header(tensors: Sequence[TensorHeader], metadata: dict[str, str]) -> bytes:
 def read_header(path: str | os.PathLike[str]) -> tuple[list[StoredTensor], dict[str, str]]:
     """Every tensor of the safetensors file at ``path`` (in file order) and its
     ``__metadata__``, checked against the file (see the module doc); reads the header only.
+    ``path`` is where the file leads, as :func:`~distckpt.hf.directory.open_weights`
+    resolved and checked it: a link on it now is refused, never followed.
     """
     path = os.fspath(path)
     try:
-        with os.fdopen(open_regular(os.path.realpath(path)), "rb") as f:
+        with os.fdopen(open_resolved(path), "rb") as f:  # as open_weights checked it
             size = os.fstat(f.fileno()).st_size
             length = header_length(path, f.read(8), size)
             raw = f.read(length)

@@ -72,7 +72,7 @@ from distckpt.hf.write import (
     Piece,
     Sink,
     Work,
-    temporary,
+    temporary_name,
     unit_bytes,
     write_boxes,
 )
@@ -82,7 +82,8 @@ from distckpt.planning.save_plan import Balancer
 from distckpt.planning.validate import owners, validate
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import Store, resolve
-from distckpt.storage.fsutil import atomic_write, fsync_dir
+from distckpt.storage.beneath import Beneath
+from distckpt.storage.fsutil import atomic_write, fsync_fd
 from distckpt.transfer import workers as transfer_workers
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("distckpt")
 
 COORDINATOR = 0
-_OLD_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$|^model\.safetensors\.index\.json$")
+_OLD_WEIGHTS = re.compile(
+    r"^model(-[0-9]+-of-[0-9]+)?\.safetensors$|^model\.safetensors\.index\.json$"
+)
 
 
 @dataclass
@@ -262,6 +265,8 @@ class Target:
         self.store = store
         self.files = store.capabilities.local_files
         self.root = Path(store.url)
+        # Its files: created, renamed and removed in the directory, never through a link.
+        self.dir = Beneath(store.url)
 
     def existing(self) -> list[str]:
         """The weights files (and index) the directory holds now."""
@@ -293,11 +298,10 @@ class Target:
             if INDEX in old:
                 self.store.delete(INDEX)
             return
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.dir.makedirs("")
         try:
             for f in plan.files:
-                path = temporary(self.root, f.name, plan.token)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = self.dir.create(temporary_name(f.name, plan.token))
                 try:
                     os.pwrite(fd, f.header, 0)
                     os.ftruncate(fd, f.size)
@@ -309,7 +313,7 @@ class Target:
 
     def sink(self, work: Work, token: str) -> Sink:
         """Where this rank writes its work."""
-        return Files(self.root, token) if self.files else Objects(self.store, work.create)
+        return Files(self.dir, token) if self.files else Objects(self.store, work.create)
 
     def finish(self, plan: Plan, overwrite: bool) -> None:
         """Coordinator, every rank's writes done: the files under their names, then the
@@ -317,15 +321,17 @@ class Target:
         new = {f.name for f in plan.files}
         for old in self.existing() if overwrite else []:
             if self.files:
-                (self.root / old).unlink()
+                self.dir.unlink(old)
             elif old not in new:
                 self.store.delete(old)
         if self.files:
+            top = self.dir.fd()
             for f in plan.files:
-                os.replace(temporary(self.root, f.name, plan.token), self.root / f.name)
+                temp = temporary_name(f.name, plan.token)
+                os.replace(temp, f.name, src_dir_fd=top, dst_dir_fd=top)
             if len(plan.files) > 1:
-                atomic_write(self.root / INDEX, index_document(plan.files))
-            fsync_dir(self.root)
+                atomic_write(INDEX, index_document(plan.files), dir_fd=top)
+            fsync_fd(top, self.root)
         elif len(plan.files) > 1:
             self.store.write(INDEX, index_document(plan.files))
 
@@ -334,7 +340,7 @@ class Target:
         failure in a store, the objects it created, unless they replaced old ones)."""
         if self.files:
             for f in plan.files:
-                temporary(self.root, f.name, plan.token).unlink(missing_ok=True)
+                self.dir.unlink(temporary_name(f.name, plan.token))
         elif failed and not overwrite:
             for f in plan.files:
                 self.store.delete(f.name)

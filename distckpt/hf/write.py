@@ -20,7 +20,6 @@ import os
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,8 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import Store, WriteHandle
+from distckpt.storage.beneath import Beneath
+from distckpt.storage.fsutil import regular
 from distckpt.storage.shard_io import as_bytes
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer.sources import HostData, StagedData, source_for
@@ -86,16 +87,18 @@ class Work:
 
 class Files:
     """The weights files as this rank writes them at offsets: ``.<name>.tmp-<token>``,
-    created by the coordinator; each opened at first use, fsynced and closed by
-    :meth:`close`."""
+    created by the coordinator; each opened at first use (never through a link, and a
+    regular file only), fsynced and closed by :meth:`close`."""
 
-    def __init__(self, root: Path, token: str) -> None:
+    def __init__(self, root: Beneath, token: str) -> None:
         self.root, self.token = root, token
         self.fds: dict[str, int] = {}
 
     def open(self, name: str) -> None:
         if name not in self.fds:
-            self.fds[name] = os.open(temporary(self.root, name, self.token), os.O_WRONLY)
+            temp = temporary_name(name, self.token)
+            fd = self.root.open(temp, os.O_WRONLY | os.O_NONBLOCK)
+            self.fds[name] = regular(fd, self.root.where(temp))
 
     def write(self, name: str, runs: list[ranges.Run], data: np.ndarray) -> int:
         return ranges.write_runs(self.fds[name], runs, data)
@@ -111,9 +114,9 @@ class Files:
             self.fds.clear()
 
 
-def temporary(root: Path, name: str, token: str) -> Path:
-    """Where a weights file is written before it is renamed to ``name``."""
-    return root / f".{name}.tmp-{token}"
+def temporary_name(name: str, token: str) -> str:
+    """The name a weights file is written under before it is renamed to ``name``."""
+    return f".{name}.tmp-{token}"
 
 
 class Objects:

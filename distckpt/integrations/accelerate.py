@@ -37,7 +37,6 @@ models and their state dicts, and a model whose state dict a hook removes is lef
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from accelerate import Accelerator
@@ -45,8 +44,8 @@ from accelerate.data_loader import SeedableRandomSampler
 from accelerate.utils import DistributedType
 
 import distckpt
-
-_NUMBERED = re.compile(r"^checkpoint_(\d+)$")
+from distckpt.numbering import numbered
+from distckpt.storage.backend import resolve
 
 
 class DistckptAccelerator(Accelerator):
@@ -88,8 +87,9 @@ class DistckptAccelerator(Accelerator):
             if self.is_main_process:
                 parent = self._numbered_dir()
                 numbered = _numbered(parent)
+                checkpoints = resolve(parent)  # an entry swapped for a link: never followed
                 for _, name in numbered[: max(len(numbered) - limit, 0)]:
-                    distckpt.remove(os.path.join(parent, name))
+                    distckpt.remove(checkpoints.child(name))
             self.wait_for_everyone()
         return os.fspath(output_dir)
 
@@ -184,5 +184,5 @@ def _numbered(parent: str) -> list[tuple[int, str]]:
     """The ``checkpoint_<n>`` entries of ``parent``, oldest first."""
     if not os.path.isdir(parent):
         return []
-    found = [(int(m[1]), name) for name in os.listdir(parent) if (m := _NUMBERED.match(name))]
-    return sorted(found)
+    found = [(numbered(name, "checkpoint_"), name) for name in os.listdir(parent)]
+    return sorted((n, name) for n, name in found if n is not None)

@@ -31,9 +31,8 @@ same. The model is not written in the Hugging Face format inside checkpoints (us
 
 from __future__ import annotations
 
+import logging
 import os
-import re
-import shutil
 import tempfile
 from typing import Any
 
@@ -41,10 +40,13 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import distckpt
+from distckpt.numbering import numbered
+from distckpt.storage.backend import resolve
+
+log = logging.getLogger("distckpt")
 
 STATE = "distckpt"  # the checkpoint's subdirectory that holds the distckpt checkpoint
 TRAINER_STATE = "trainer_state.json"
-_NUMBERED = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def complete_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
@@ -53,10 +55,10 @@ def complete_checkpoints(output_dir: str | os.PathLike[str]) -> list[str]:
         return []
     found = []
     for name in os.listdir(output_dir):
-        match = _NUMBERED.match(name)
+        step = numbered(name, f"{PREFIX_CHECKPOINT_DIR}-")
         path = os.path.join(output_dir, name)
-        if match and os.path.isfile(os.path.join(path, TRAINER_STATE)):
-            found.append((int(match[1]), path))
+        if step is not None and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            found.append((step, path))
     return [path for _, path in sorted(found)]
 
 
@@ -133,11 +135,16 @@ class DistckptTrainerMixin:
         if trainer.state.best_model_checkpoint is not None:
             protected.add(os.path.normpath(trainer.state.best_model_checkpoint))
         doomed = [c for c in checkpoints if c not in protected]
+        # Through the run directory: an entry of it swapped for a link is never followed.
+        run = resolve(run_dir)
         for path in doomed[: len(checkpoints) - max(limit, len(protected))]:
-            os.remove(os.path.join(path, TRAINER_STATE))  # incomplete from here on
-            distckpt.remove(os.path.join(path, STATE), missing_ok=True)
-            if not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)  # what else was put there
+            name = os.path.basename(path)
+            try:
+                run.delete(f"{name}/{TRAINER_STATE}")  # incomplete from here on
+                distckpt.remove(run.child(f"{name}/{STATE}"), missing_ok=True)
+                run.delete_tree(name)  # what else was put there
+            except distckpt.CheckpointError as exc:
+                log.warning("not removing %s: %s", path, exc)
 
     # ---------------------------------------------------------------- loading
 

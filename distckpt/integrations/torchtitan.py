@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +36,11 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpointer import MODEL, CheckpointManager
 
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
+from distckpt.numbering import numbered
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import resolve
 
 log = logging.getLogger("distckpt")
-
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 class DistckptCheckpointManager(CheckpointManager):
@@ -114,8 +112,8 @@ class DistckptCheckpointManager(CheckpointManager):
 
     @staticmethod
     def _steps(folder: str) -> list[tuple[int, str]]:
-        found = [(_STEP.match(name), name) for name in resolve(folder).list()]
-        return sorted((int(m[1]), name) for m, name in found if m)
+        found = [(numbered(name, "step-"), name) for name in resolve(folder).list()]
+        return sorted((n, name) for n, name in found if n is not None)
 
 
 def with_distckpt(config: Any, **changes: Any) -> Any:

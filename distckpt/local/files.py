@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distckpt.errors import CorruptCheckpointError
+from distckpt.numbering import number, numbered
 from distckpt.storage import seal
 from distckpt.storage.backend import Store
 
@@ -41,17 +42,25 @@ log = logging.getLogger("distckpt")
 FORMAT = "distckpt-local"
 VERSION = 1
 
-_STEP = re.compile(r"^step-(\d+)$")
-_MARK = re.compile(r"^done\.([0-9a-f]+)\.r(\d+)$")
-_MANIFEST = re.compile(r"^o(\d+)\.([0-9a-f]+)\.json$")
+_MARK = re.compile(r"^done\.([0-9a-f]+)\.r([0-9]+)$")
+_MANIFEST = re.compile(r"^o([0-9]+)\.([0-9a-f]+)\.json$")
 
 
 def step_dir(step: int) -> str:
     return f"step-{step}"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a step directory's name ``step-N`` (:mod:`distckpt.numbering`)."""
+    return numbered(name, "step-")
+
+
+def data_name(owner: int, token: str) -> str:
+    return f"o{owner}.{token}.data"
+
+
 def data_key(step: int, owner: int, token: str) -> str:
-    return f"{step_dir(step)}/o{owner}.{token}.data"
+    return f"{step_dir(step)}/{data_name(owner, token)}"
 
 
 def manifest_key(step: int, owner: int, token: str) -> str:
@@ -104,10 +113,9 @@ def survey(store: Store, run: str) -> list[Held]:
     except Exception:
         return []
     for name in steps:
-        match = _STEP.match(name)
-        if not match:
+        step = step_of(name)
+        if step is None:
             continue
-        step = int(match.group(1))
         try:
             entries = store.list(name)
         except Exception:
@@ -124,8 +132,11 @@ def survey(store: Store, run: str) -> list[Held]:
             owners = []
             for entry in entries:
                 m = _MANIFEST.match(entry)
-                if m and m.group(2) == token and f"o{m.group(1)}.{token}.data" in present:
-                    owners.append(int(m.group(1)))
+                if m is None or m.group(2) != token:
+                    continue
+                owner = number(m.group(1))
+                if owner is not None and data_name(owner, token) in present:
+                    owners.append(owner)
             found.append(Held(step, token, mark[0], run, sorted(owners)))
     found.sort(key=lambda h: (h.step, h.token), reverse=True)
     return found
@@ -190,10 +201,9 @@ def retain(store: Store, keep: int, run: str, below: int) -> list[int]:
         oldest = min(kept)
         removed = []
         for name in store.list():
-            match = _STEP.match(name)
-            if not match:
+            step = step_of(name)
+            if step is None:
                 continue
-            step = int(match.group(1))
             if step < oldest:
                 store.delete_tree(name)
                 removed.append(step)
@@ -216,8 +226,8 @@ def drop_newer(store: Store, step: int) -> None:
     except Exception:
         return
     for name in names:
-        match = _STEP.match(name)
-        if match and int(match.group(1)) > step:
+        found = step_of(name)
+        if found is not None and found > step:
             try:
                 store.delete_tree(name)
             except Exception as exc:

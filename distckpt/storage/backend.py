@@ -75,6 +75,15 @@ def check_name(name: Any, what: str = "a name") -> str:
     return check_key(name, what, "its directory")
 
 
+def is_name(name: Any) -> bool:
+    """Whether ``name`` is one entry of a directory (:func:`check_name` passes)."""
+    try:
+        check_name(name)
+    except UnsafePathError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a store can do, declared by its class (``capabilities = Capabilities(...)``).

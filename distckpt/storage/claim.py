@@ -47,7 +47,7 @@ from typing import Any
 
 from distckpt.errors import CheckpointExists
 from distckpt.storage import seal
-from distckpt.storage.backend import ConditionFailed, Store
+from distckpt.storage.backend import ConditionFailed, Store, is_name
 from distckpt.storage.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
 from distckpt.storage.strategy import Pending
 from distckpt.storage.zarr_meta import ZARR_JSON
@@ -184,7 +184,17 @@ def live(claim: tuple[dict[str, Any], str, float], stale_seconds: float = STALE_
 def leftovers(directory: Store) -> list[str]:
     """The checkpoint names in ``directory`` that have a claim beside them (saves running
     or abandoned, retirements unfinished), from one listing."""
-    return [m["name"] for m in map(_CLAIM.match, directory.list()) if m]
+    return [m["name"] for m in map(_CLAIM.match, directory.list()) if m and is_name(m["name"])]
+
+
+def skipped(directory: Store) -> list[tuple[str, str]]:
+    """The claims in ``directory`` whose name does not name a checkpoint (``..distckpt-save``
+    would be a claim on ``.``): what :func:`collect_garbage` leaves alone."""
+    return [
+        (directory.where(n), "its name does not parse as .NAME.distckpt-save")
+        for n in directory.list()
+        if n.endswith(SUFFIX) and ((m := _CLAIM.match(n)) is None or not is_name(m["name"]))
+    ]
 
 
 def pending(directory: Store) -> list[Pending]:
@@ -238,6 +248,9 @@ class ClaimStrategy:
 
     def leftovers(self, directory: Store) -> list[str]:
         return [directory.where(name) for name in leftovers(directory)]
+
+    def skipped(self, directory: Store) -> list[tuple[str, str]]:
+        return skipped(directory)
 
 
 #: The commit by claim (see the module): ``commit_strategy = CLAIM``.

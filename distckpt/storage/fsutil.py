@@ -23,22 +23,29 @@ log = logging.getLogger(__name__)
 _TOLERATED = {errno.EINVAL, errno.ENOTSUP, errno.EACCES, errno.EPERM, errno.EBADF, errno.EISDIR}
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so the entries created or renamed in it survive a crash."""
+def fsync_dir(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+    """fsync a directory so the entries created or renamed in it survive a crash
+    (``path`` relative to ``dir_fd`` when given)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in _TOLERATED:
             return
         raise
     try:
+        fsync_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def fsync_fd(fd: int, what: str | os.PathLike[str] = "") -> None:
+    """fsync the open directory (or file) ``fd``, tolerating file systems that refuse it."""
+    try:
         os.fsync(fd)
     except OSError as exc:
         if exc.errno not in _TOLERATED:
             raise
-        log.debug("directory fsync refused on %s: %s", path, exc)
-    finally:
-        os.close(fd)
+        log.debug("directory fsync refused on %s: %s", what or fd, exc)
 
 
 _KINDS = {
@@ -57,14 +64,27 @@ def _not_followed(exc: OSError, path: str | os.PathLike[str]) -> OSError:
     return exc
 
 
-def open_regular(path: str | os.PathLike[str]) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file. Never blocks and never
-    follows a link at the last component: a link, a FIFO, a device or a directory is an
-    :class:`~distckpt.errors.UnsafePathError` (a missing file a ``FileNotFoundError``)."""
+#: How a file is opened to be read: never blocking (a FIFO), never through a link.
+READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: How a new file is created (see :func:`create_new`).
+CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of ``path`` (relative to ``dir_fd`` when given) if it is a
+    regular file. Never blocks and never follows a link at the last component: a link, a
+    FIFO, a device or a directory is an :class:`~distckpt.errors.UnsafePathError` (a
+    missing file a ``FileNotFoundError``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, READ, dir_fd=dir_fd)
     except OSError as exc:
         raise _not_followed(exc, path) from None
+    return regular(fd, path)
+
+
+def regular(fd: int, path: str | os.PathLike[str]) -> int:
+    """``fd`` if it is a regular file; else it is closed and an
+    :class:`~distckpt.errors.UnsafePathError` naming ``path`` raised."""
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -73,38 +93,41 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def read_regular(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of the regular file ``path`` (see :func:`open_regular`)."""
-    with os.fdopen(open_regular(path), "rb") as f:
+def read_fd(fd: int) -> bytes:
+    """The bytes of the open file ``fd`` (closed after)."""
+    with os.fdopen(fd, "rb") as f:
         return f.read()
 
 
-def create_new(path: str | os.PathLike[str]) -> int:
-    """A write-only descriptor of a new file at ``path``, replacing the entry there: a
-    new inode, never the old one truncated. A file may be a hard link shared with
-    another checkpoint (an incremental save's, :mod:`distckpt.engine.reuse`): writing it
-    in place would change both. A symbolic link at ``path`` is refused
-    (:class:`~distckpt.errors.UnsafePathError`), never written through."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+def read_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`)."""
+    return read_fd(open_regular(path, dir_fd=dir_fd))
+
+
+def create_new(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A write-only descriptor of a new file at ``path`` (relative to ``dir_fd`` when
+    given), replacing the entry there: a new inode, never the old one truncated. A file
+    may be a hard link shared with another checkpoint (an incremental save's,
+    :mod:`distckpt.engine.reuse`): writing it in place would change both. A symbolic link
+    at ``path`` is refused (:class:`~distckpt.errors.UnsafePathError`), never written
+    through."""
     for _ in range(3):
         try:
-            return os.open(path, flags, 0o644)
+            return os.open(path, CREATE, 0o644, dir_fd=dir_fd)
         except FileExistsError:
-            if stat.S_ISLNK(os.lstat(path).st_mode):
+            if stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                 raise UnsafePathError(
                     f"{os.fspath(path)} is a symbolic link; distckpt never follows one"
                 ) from None
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(path, dir_fd=dir_fd)
         except OSError as exc:
             raise _not_followed(exc, path) from None
     raise FileExistsError(f"{os.fspath(path)} keeps being created by another process")
 
 
-def write_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
-    """Create or replace ``path`` with ``data`` (a new file, :func:`create_new`); fsync it
-    when asked."""
-    fd = create_new(path)
+def write_all(fd: int, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to the new file ``fd``; fsync it when asked; close it."""
     try:
         view = memoryview(data)
         while view:
@@ -115,21 +138,44 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True)
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably (temp file, fsync, rename, fsync)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_file(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def write_file(
+    path: str | os.PathLike[str], data: bytes, *, fsync: bool = True, dir_fd: int | None = None
+) -> None:
+    """Create or replace ``path`` with ``data`` (a new file, :func:`create_new`); fsync it
+    when asked."""
+    write_all(create_new(path, dir_fd=dir_fd), data, fsync=fsync)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes, *, dir_fd: int | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (temp file, fsync, rename,
+    fsync). With ``dir_fd`` (a directory open for reading), ``path`` is a name in it."""
+    if dir_fd is None:
+        full = Path(path)
+        tmp = full.with_name(f".{full.name}.tmp-{os.getpid()}")
+        write_file(tmp, data)
+        os.replace(tmp, full)
+        fsync_dir(full.parent)
+        return
+    name = os.fspath(path)
+    tmp_name = f".{name}.tmp-{os.getpid()}"
+    write_file(tmp_name, data, dir_fd=dir_fd)
+    os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    fsync_fd(dir_fd, name)
 
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
-    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE).
+def exchange(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    src_dir_fd: int = _AT_FDCWD,
+    dst_dir_fd: int = _AT_FDCWD,
+) -> bool:
+    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE), ``a``
+    relative to ``src_dir_fd`` and ``b`` to ``dst_dir_fd`` when given.
 
     Returns False where the kernel, C library or file system cannot do it; the caller then
     falls back to two renames.
@@ -146,7 +192,7 @@ def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         ctypes.c_char_p,
         ctypes.c_uint,
     ]
-    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = renameat2(src_dir_fd, os.fsencode(a), dst_dir_fd, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True
     err = ctypes.get_errno()

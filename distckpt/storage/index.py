@@ -80,6 +80,7 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
+from distckpt.numbering import number
 from distckpt.storage import seal, wellformed, zarr_meta
 from distckpt.storage.backend import Store, resolve
 from distckpt.storage.stored import Pieces, stored_dtype
@@ -210,7 +211,7 @@ def check_entry(
         values.check(entry["value"], variable)
     elif kind == "per_rank" and isinstance(entry.get("ranks"), dict):
         for rank, sub in entry["ranks"].items():
-            if not (rank.isascii() and rank.isdigit()):
+            if number(rank) is None:
                 raise wellformed.corrupt(variable, f"a per-rank entry of rank {rank!r:.60}")
             if not isinstance(sub, dict) or sub.get("kind") == "per_rank":
                 raise wellformed.corrupt(variable, f"malformed entry of rank {rank}")

@@ -10,6 +10,12 @@ version of a file is the crc32c of its bytes, so it survives a copy of the direc
 Directories rename atomically (``exchange`` with ``renameat2(RENAME_EXCHANGE)`` where
 the file system has it), so a save commits by renaming its staging directory
 (:data:`~distckpt.storage.staging.RENAME`).
+
+Every path below the store's ``root`` is resolved without following a link at any step,
+in the same system call that uses it (:mod:`distckpt.storage.beneath`): a directory of a
+checkpoint swapped for a link by a racing process is an
+:class:`~distckpt.errors.UnsafePathError`, never a read or a write elsewhere. The root
+itself, and what leads to it, is the user's path, followed as the operating system does.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import crc32c as _crc
 
@@ -39,16 +45,20 @@ from distckpt.storage.backend import (
     byte_view,
     check_key,
 )
+from distckpt.storage.beneath import DIRECTORY, Beneath
 from distckpt.storage.fsutil import (
     atomic_write,
-    create_new,
     exchange,
-    fsync_dir,
-    open_regular,
+    fsync_fd,
+    read_fd,
     read_regular,
+    regular,
+    write_all,
     write_file,
 )
 from distckpt.storage.staging import RENAME
+
+T = TypeVar("T")
 
 _IOV_MAX = 1024
 #: Why a hard link cannot be made where a copy can: another file system, no links there,
@@ -79,10 +89,10 @@ def _version(data: bytes) -> str:
 
 
 class PosixReader:
-    """A file open for ranged reads (``preadv``)."""
+    """A file open for ranged reads (``preadv``): ``fd``, a regular file's descriptor."""
 
-    def __init__(self, path: Path) -> None:
-        self._fd = open_regular(path)
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
         self._size: int | None = None
 
     @property
@@ -116,10 +126,11 @@ class PosixReader:
 
 
 class PosixWriter:
-    """A file written at offsets from several threads; opened at the first write."""
+    """A file written at offsets from several threads; created at the first write."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, beneath: Beneath, rel: str) -> None:
+        self.path = Path(beneath.where(rel))
+        self._beneath, self._rel = beneath, rel
         self._fd = -1
         self._lock = threading.Lock()
         self._closed = False
@@ -132,7 +143,7 @@ class PosixWriter:
                 if self._closed:
                     raise ValueError(f"{self.path} is closed")
                 if self._fd < 0:
-                    self._fd = create_new(self.path)
+                    self._fd = self._beneath.create(self._rel)
                     self._opened = True
         return self._fd
 
@@ -154,7 +165,7 @@ class PosixWriter:
         self._close()
         if self._opened and not self._finished:
             with suppress(OSError):
-                self.path.unlink(missing_ok=True)
+                self._beneath.unlink(self._rel)
 
     def _close(self) -> None:
         with self._lock:
@@ -179,16 +190,21 @@ class PosixStore:
     )
     commit_strategy = RENAME
 
-    def __init__(self, path: str | os.PathLike[str], *, root: Path | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        root: Path | None = None,
+        beneath: Beneath | None = None,
+    ) -> None:
         self.path = Path(path)
         self.url = str(self.path)
-        self._root = self.path if root is None else root
-        # The path's components below the root, and the root as a string: _p joins
-        # strings, a hot path (pathlib costs tens of microseconds a key).
-        self._below = self.path.relative_to(self._root).parts
-        self._top = str(self._root)
-        # Directories below the root seen not to be links (lstat once per directory).
-        self._plain: set[str] = set()
+        self._root = self.path if root is None else Path(root)
+        # The store's directory below the root ("": the root), joined with keys as
+        # strings: a hot path (pathlib costs tens of microseconds a key).
+        self._below = "/".join(self.path.relative_to(self._root).parts)
+        # Resolves every path below the root; shared by the stores of one root.
+        self.beneath = beneath if beneath is not None else Beneath(str(self._root))
 
     def __repr__(self) -> str:
         return f"PosixStore({self.url!r})"
@@ -206,129 +222,135 @@ class PosixStore:
     @property
     def parent(self) -> PosixStore:
         up = self.path.parent
-        return PosixStore(up, root=self._root if up.is_relative_to(self._root) else None)
+        if up != self.path and up.is_relative_to(self._root):
+            return PosixStore(up, root=self._root, beneath=self.beneath)
+        return PosixStore(up)
 
     def child(self, key: str) -> PosixStore:
         if not key:
             return self
-        store = PosixStore(self._p(key), root=self._root)
-        store._plain = self._plain
-        return store
+        return PosixStore(self.path / check_key(key), root=self._root, beneath=self.beneath)
 
     def where(self, key: str) -> str:
         return str(self.path / key) if key else self.url
 
-    def _p(self, key: str) -> Path:
-        """The path of ``key``: inside the store, and reached through no link below the
-        root (the last component is the caller's to open without following)."""
-        path = self.path / check_key(key) if key else self.path
-        parts = (*self._below, *key.split("/")) if key else self._below
-        at = self._top
-        for part in parts[:-1]:
-            at = f"{at}/{part}"
-            if at in self._plain:
-                continue
-            try:
-                mode = os.lstat(at).st_mode
-            except (FileNotFoundError, NotADirectoryError):
-                return path  # nothing further exists: nothing can be followed
-            if stat.S_ISLNK(mode):
-                raise UnsafePathError(
-                    f"{path}: {at} is a symbolic link; distckpt never follows one"
-                )
-            self._plain.add(at)
-        return path
-
-    def _entry(self, key: str) -> Path:
-        """:meth:`_p`, and the last component too may not be a link (a directory to read
-        or list is never reached through one)."""
-        path = self._p(key)
-        if path != self._root and path.is_symlink():
-            raise UnsafePathError(f"{path} is a symbolic link; distckpt never follows one")
-        return path
+    def _rel(self, key: str) -> str:
+        """``key`` relative to the root (checked to stay inside the store)."""
+        if not key:
+            return self._below
+        check_key(key)
+        key = key.rstrip("/")  # "dir/": the directory itself
+        return f"{self._below}/{key}" if self._below else key
 
     def read(self, key: str) -> bytes:
-        return read_regular(self._p(key))
+        return read_fd(self.beneath.open_regular(self._rel(key)))
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         data = self.read(key)
         return data, _version(data)
 
     def open(self, key: str, size: int | None = None) -> PosixReader:
-        return PosixReader(self._p(key))
+        return PosixReader(self.beneath.open_regular(self._rel(key)))
 
     def write(self, key: str, data: Buffer) -> None:
-        path = self._p(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_file(path, bytes(data))
+        rel = self._rel(key)
+        try:
+            fd = self.beneath.create(rel)
+        except FileNotFoundError:
+            self.beneath.makedirs(rel.rpartition("/")[0])
+            fd = self.beneath.create(rel)
+        write_all(fd, bytes(data))
 
     def create(self, key: str, size_hint: int | None = None) -> PosixWriter:
-        return PosixWriter(self._p(key))
+        return PosixWriter(self.beneath, self._rel(key))
 
     def put_new(self, key: str, data: Buffer) -> str:
-        path = self._p(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        rel, where = self._rel(key), self.where(key)
         payload = bytes(data)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-        write_file(tmp, payload)
-        try:
-            os.link(tmp, path)  # atomic, and fails if the name exists: the file is whole
-        except FileExistsError:
-            raise ConditionFailed(f"{path} exists") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(path.parent)
+        self.beneath.makedirs(rel.rpartition("/")[0])
+
+        def put(directory: int, name: str) -> None:
+            tmp = f".{name}.tmp-{uuid.uuid4().hex[:12]}"
+            write_file(tmp, payload, dir_fd=directory)
+            try:  # atomic, and fails if the name exists: the file is whole
+                os.link(
+                    tmp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False
+                )
+            except FileExistsError:
+                raise ConditionFailed(f"{where} exists") from None
+            finally:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=directory)
+            fsync_fd(directory, where)
+
+        self.beneath.call(rel, put)
         return _version(payload)
 
     def put_if(self, key: str, data: Buffer, version: str) -> str:
-        path = self._p(key)
+        where = self.where(key)
         payload = bytes(data)
-        with _locked(path):
-            try:
-                current = _version(read_regular(path))
-            except FileNotFoundError:
-                raise ConditionFailed(f"{path} is gone") from None
-            if current != version:
-                raise ConditionFailed(f"{path} changed")
-            atomic_write(path, payload)
+
+        def put(directory: int, name: str) -> None:
+            with _locked(where, directory, name):
+                try:
+                    current = _version(read_regular(name, dir_fd=directory))
+                except FileNotFoundError:
+                    raise ConditionFailed(f"{where} is gone") from None
+                if current != version:
+                    raise ConditionFailed(f"{where} changed")
+                atomic_write(name, payload, dir_fd=directory)
+
+        self.beneath.call(self._rel(key), put)
         return _version(payload)
 
+    def _lstat(self, key: str) -> os.stat_result:
+        return self.beneath.lstat(self._rel(key))
+
     def exists(self, key: str) -> bool:
-        return os.path.lexists(self._p(key))
+        try:
+            self._lstat(key)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
 
     def age(self, key: str) -> float:
-        return time.time() - os.lstat(self._p(key)).st_mtime
+        return time.time() - self._lstat(key).st_mtime
 
     def list(self, key: str = "") -> list[str]:
         try:
-            return sorted(os.listdir(self._entry(key)))
+            return sorted(self.beneath.listdir(self._rel(key)))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
-        top = self._entry(key)
+        try:
+            top = self.beneath.open(self._rel(key), DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
         found = []
-        for dirpath, _dirs, files in os.walk(top):
-            for name in files:
-                full = os.path.join(dirpath, name)
-                try:
-                    st = os.lstat(full)
-                except OSError:
-                    continue  # removed while we looked
-                found.append((os.path.relpath(full, top), st.st_size, st.st_mtime))
+        try:
+            # fwalk opens each directory relative to the last and never enters a link.
+            for dirpath, _dirs, files, fd in os.fwalk(".", dir_fd=top):
+                for name in files:
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue  # removed while we looked
+                    found.append((os.path.normpath(f"{dirpath}/{name}"), st.st_size, st.st_mtime))
+        finally:
+            os.close(top)
         return found
 
     def is_dir(self, key: str) -> bool:
         try:
-            path = self._p(key)
-            mode = os.stat(path).st_mode if path == self._root else os.lstat(path).st_mode
+            mode = self._lstat(key).st_mode
         except (FileNotFoundError, NotADirectoryError):
             return False
         return stat.S_ISDIR(mode)
 
     def stamp(self, key: str) -> str | None:
         """The file's inode, size and modification time: any write to it changes them."""
-        st = os.lstat(self._p(key))
+        st = self._lstat(key)
         return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
     def copy(self, source: Store, source_key: str, key: str, *, expect: str | None = None) -> None:
@@ -339,30 +361,45 @@ class PosixStore:
         can."""
         if not isinstance(source, PosixStore):
             raise TypeError(f"{self.url} copies from a directory, not from {source.url}")
-        src, dst = source._entry(source_key), self._p(key)
-        if not stat.S_ISREG(os.lstat(src).st_mode):
-            raise UnsafePathError(f"{src} is not a regular file; not copied")
+        src, dst = source._rel(source_key), self._rel(key)
+        where = source.where(source_key)
+
+        def link(src_dir: int, src_name: str) -> None:
+            if not stat.S_ISREG(os.stat(src_name, dir_fd=src_dir, follow_symlinks=False).st_mode):
+                raise UnsafePathError(f"{where} is not a regular file; not copied")
+
+            def into(dst_dir: int, dst_name: str) -> None:
+                os.link(
+                    src_name,
+                    dst_name,
+                    src_dir_fd=src_dir,
+                    dst_dir_fd=dst_dir,
+                    follow_symlinks=False,
+                )
+
+            self.beneath.call(dst, into)
+
         try:
-            os.link(src, dst, follow_symlinks=False)
+            source.beneath.call(src, link)
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise
         else:
             if expect is not None and self.stamp(key) != expect:
-                os.unlink(dst)
-                raise ConditionFailed(f"{src} was written again since it was stamped")
+                self.beneath.unlink(dst)
+                raise ConditionFailed(f"{where} was written again since it was stamped")
             return
         if expect is not None and source.stamp(source_key) != expect:
-            raise ConditionFailed(f"{src} was written again since it was stamped")
-        fd_in = open_regular(src)
+            raise ConditionFailed(f"{where} was written again since it was stamped")
+        fd_in = source.beneath.open_regular(src)
         try:
-            fd_out = create_new(dst)
+            fd_out = self.beneath.create(dst)
             try:
                 left = os.fstat(fd_in).st_size
                 while left:
                     done = os.copy_file_range(fd_in, fd_out, left)
                     if not done:
-                        raise OSError(f"{src} ended before its size was copied")
+                        raise OSError(f"{where} ended before its size was copied")
                     left -= done
                 os.fsync(fd_out)
             finally:
@@ -371,51 +408,78 @@ class PosixStore:
             os.close(fd_in)
 
     def delete(self, key: str) -> None:
-        self._p(key).unlink(missing_ok=True)
+        self.beneath.unlink(self._rel(key))
 
     def delete_tree(self, key: str = "") -> None:
-        path = self._p(key)
+        rel = self._rel(key)
+        if rel:
+            self.beneath.rmtree(rel)
+            return
+        # The root itself: the user's path.
+        path = self.path
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+        self.beneath.forget()
+
+    def _pair(self, key: str, other: str, fn: Callable[[int, str, int, str], T]) -> T:
+        """``fn`` of the directory descriptor and name of ``key``, then of ``other``."""
+        b, second = self.beneath, self._rel(other)
+        return b.call(
+            self._rel(key), lambda d1, n1: b.call(second, lambda d2, n2: fn(d1, n1, d2, n2))
+        )
 
     def rename(self, key: str, new_key: str) -> None:
-        os.rename(self._p(key), self._p(new_key))
+        self._pair(
+            key, new_key, lambda d1, n1, d2, n2: os.rename(n1, n2, src_dir_fd=d1, dst_dir_fd=d2)
+        )
 
     def exchange(self, key: str, other: str) -> bool:
-        return exchange(self._p(key), self._p(other))
+        return self._pair(
+            key, other, lambda d1, n1, d2, n2: exchange(n1, n2, src_dir_fd=d1, dst_dir_fd=d2)
+        )
 
     def touch(self, key: str) -> None:
-        os.utime(self._p(key))
+        self.beneath.call(self._rel(key), lambda d, n: os.utime(n, dir_fd=d, follow_symlinks=False))
 
     def prepare(self, keys: Iterable[str]) -> None:
-        made: set[Path] = set()
+        made: set[str] = set()
         for key in keys:
-            parent = self._p(key).parent
+            parent = self._rel(key).rpartition("/")[0]
             if parent not in made:
-                parent.mkdir(parents=True, exist_ok=True)
+                self.beneath.makedirs(parent)
                 made.add(parent)
 
     def persist(self, keys: Iterable[str]) -> None:
-        dirs: set[Path] = set()
+        dirs: set[str] = set()
         for key in keys:
-            parts = Path(check_key(key)).parents
-            dirs.update(self.path / p for p in parts)
-        for d in sorted(dirs, key=lambda p: -len(p.parts)):
-            fsync_dir(d)
+            parts = check_key(key).rstrip("/").split("/")
+            dirs.update("/".join(parts[:k]) for k in range(len(parts)))
+        for d in sorted(dirs, key=lambda p: -p.count("/") - bool(p)):
+            rel = self._rel(d)
+            fd = self.beneath.open(rel, DIRECTORY)
+            try:
+                fsync_fd(fd, self.beneath.where(rel))
+            finally:
+                os.close(fd)
 
 
 @contextmanager
-def _locked(path: Path) -> Any:
-    """An exclusive lock on ``path``: against other processes a ``lockf`` lock on a file
-    beside it (works on NFS v4 too), against other threads of this one a thread lock
-    (``lockf`` locks belong to the process, and closing any descriptor drops them)."""
+def _locked(where: str, directory: int, name: str) -> Iterator[None]:
+    """An exclusive lock on the entry ``name`` of ``directory``: against other processes
+    a ``lockf`` lock on a file beside it (works on NFS v4 too), against other threads of
+    this one a thread lock (``lockf`` locks belong to the process, and closing any
+    descriptor drops them)."""
     with _thread_locks_guard:
-        in_process = _thread_locks.setdefault(path, threading.Lock())
+        in_process = _thread_locks.setdefault(where, threading.Lock())
     with in_process:
-        lock = path.with_name(f".{path.name}.lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        lock = f".{name}.lock"
+        fd = regular(
+            os.open(lock, flags, 0o644, dir_fd=directory),
+            os.path.join(os.path.dirname(where), lock),
+        )
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX)
             yield
@@ -423,5 +487,5 @@ def _locked(path: Path) -> Any:
             os.close(fd)
 
 
-_thread_locks: dict[Path, threading.Lock] = {}
+_thread_locks: dict[str, threading.Lock] = {}
 _thread_locks_guard = threading.Lock()

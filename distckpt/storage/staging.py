@@ -37,7 +37,14 @@ from typing import Any
 
 from distckpt.errors import CheckpointError, CheckpointExists, StorageError, UnsafePathError
 from distckpt.storage import seal
-from distckpt.storage.backend import RenamingStore, Store, WriteHandle, location, resolve
+from distckpt.storage.backend import (
+    RenamingStore,
+    Store,
+    WriteHandle,
+    is_name,
+    location,
+    resolve,
+)
 from distckpt.storage.lease import pid_dead
 from distckpt.storage.strategy import Pending
 from distckpt.storage.zarr_meta import ZARR_JSON
@@ -48,6 +55,8 @@ OWNER_FILE = ".distckpt-owner.json"
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 60.0
 LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
+#: What a staging or trash directory's name looks like, whether or not it parses.
+_LOOKS_LEFTOVER = re.compile(r"^\..*\.(?:staging|trash)-")
 
 
 def staging_name(name: str, token: str) -> str:
@@ -122,18 +131,31 @@ class Staging:
         parent, mine, name = self.parent, self.entry, self.final.name
         if overwrite and parent.exists(name):
             if parent.exchange(mine, name):
+                self._placed()
                 parent.persist([name])
                 parent.delete_tree(mine)  # now holds the old checkpoint
                 return
             trash = trash_name(name, self.token)
             parent.rename(name, trash)
             parent.rename(mine, name)
+            self._placed()
             parent.persist([name])
             parent.delete_tree(trash)
             return
         # A rename onto a directory that holds entries fails: no silent overwrite.
         parent.rename(mine, name)
+        self._placed()
         parent.persist([name])
+
+    def _placed(self) -> None:
+        """After the rename: the name holds a directory. A racing process that swapped
+        the staging directory for a link had the link renamed into place; the save then
+        fails rather than report a checkpoint that is not there."""
+        if not self.parent.is_dir(self.final.name):
+            raise UnsafePathError(
+                f"{self.final.url}: its staging directory {self.parent.where(self.entry)} "
+                "was replaced (by a link?) during the commit; not committed"
+            )
 
     def abort(self) -> None:
         self.stop_heartbeat()
@@ -222,10 +244,35 @@ def _complete(staging: Store) -> bool:
     return not staging.exists(OWNER_FILE) and is_committed(staging)
 
 
+def parse_leftover(entry: str) -> re.Match[str] | None:
+    """The parts of a staging or trash directory's name (``name``, ``what``, ``token``),
+    or None when it does not parse, or names no checkpoint (``...trash-0`` would be a
+    trash of ``.``)."""
+    match = LEFTOVER.match(entry)
+    return match if match is not None and is_name(match["name"]) else None
+
+
 def leftover_names(directory: Store) -> list[str]:
     """The staging and trash directories in ``directory`` (live or not), by name. A link
-    or a file with such a name is not one: it is left alone."""
-    return [n for n in directory.list() if LEFTOVER.match(n) and directory.is_dir(n)]
+    or a file with such a name is not one, nor is an entry whose name does not parse:
+    they are left alone (:func:`skipped_names`)."""
+    return [n for n in directory.list() if parse_leftover(n) and directory.is_dir(n)]
+
+
+def skipped_names(directory: Store) -> list[tuple[str, str]]:
+    """The entries of ``directory`` named like staging or trash directories that are not
+    one, and why: what :func:`collect` leaves alone."""
+    found = []
+    for entry in directory.list():
+        if not _LOOKS_LEFTOVER.match(entry):
+            continue
+        if parse_leftover(entry) is None:
+            found.append(
+                (entry, "its name does not parse as .NAME.staging-TOKEN or .NAME.trash-TOKEN")
+            )
+        elif not directory.is_dir(entry):
+            found.append((entry, "not a directory (a link or a file)"))
+    return found
 
 
 def collect(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]:
@@ -234,7 +281,7 @@ def collect(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]
     parent = renaming(directory)
     removed: list[str] = []
     for entry in leftover_names(directory):
-        match = LEFTOVER.match(entry)
+        match = parse_leftover(entry)
         assert match is not None
         staging = directory.child(entry)
         if match["what"] == "staging" and owner_alive(staging, stale_seconds):
@@ -292,8 +339,9 @@ class RenameStrategy:
                     f"{checkpoint.url} is not a directory (a link?), not a checkpoint; left alone"
                 )
             return
-        # The mark keeps collect_garbage from restoring it as an interrupted commit.
-        checkpoint.write(OWNER_FILE, seal.dumps(seal.sealed({"deleting": True})))
+        # The mark keeps collect_garbage from restoring it as an interrupted commit. It is
+        # written below the parent, where the name is never followed if it became a link.
+        parent.child(name).write(OWNER_FILE, seal.dumps(seal.sealed({"deleting": True})))
         trash = trash_name(name, uuid.uuid4().hex[:16])
         parent.rename(name, trash)
         parent.persist([name])
@@ -311,7 +359,7 @@ class RenameStrategy:
     def pending(self, directory: Store) -> list[Pending]:
         found = []
         for entry in leftover_names(directory):
-            match = LEFTOVER.match(entry)
+            match = parse_leftover(entry)
             target = match["name"] if match else entry
             staging = directory.child(entry)
             live = ".staging-" in entry and owner_alive(staging)
@@ -328,6 +376,9 @@ class RenameStrategy:
 
     def leftovers(self, directory: Store) -> list[str]:
         return [directory.where(name) for name in leftover_names(directory)]
+
+    def skipped(self, directory: Store) -> list[tuple[str, str]]:
+        return [(directory.where(name), why) for name, why in skipped_names(directory)]
 
 
 #: The commit by rename (see the module): ``commit_strategy = RENAME``.

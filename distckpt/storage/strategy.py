@@ -90,3 +90,7 @@ class CommitStrategy(Protocol):
     def leftovers(self, directory: Store) -> list[str]:
         """The locations of the saves in ``directory`` that are running or were
         abandoned, and of unfinished retirements."""
+
+    def skipped(self, directory: Store) -> list[tuple[str, str]]:
+        """The entries of ``directory`` named like leftovers that are not (a name that
+        does not parse, a link), with why: :meth:`collect_garbage` leaves them alone."""

@@ -30,6 +30,7 @@ __all__ = [
     "retire",
     "retiring",
     "save_root",
+    "skipped",
     "strategy",
 ]
 
@@ -72,6 +73,13 @@ def collect_garbage(directory: str | os.PathLike[str] | Store) -> list[str]:
     """Remove abandoned saves in ``directory`` (never a live one); return what went."""
     store = resolve(directory)
     return strategy(store).collect_garbage(store)
+
+
+def skipped(directory: str | os.PathLike[str] | Store) -> list[tuple[str, str]]:
+    """Entries of ``directory`` named like leftovers of saves that are not (never
+    removed, never fatal), with why."""
+    store = resolve(directory)
+    return strategy(store).skipped(store)
 
 
 def pending(directory: Store) -> list[Pending]:

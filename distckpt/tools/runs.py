@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from distckpt.errors import CheckpointError, CheckpointNotFoundError
+from distckpt.numbering import number
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, location, resolve
 from distckpt.storage.transaction import Pending, pending
 from distckpt.storage.zarr_meta import ZARR_JSON
 from distckpt.training.pointer import read_pointer
 
-_STEP = re.compile(r"(?:^|[-_.])(\d+)$")  # ckpt-10, step_10, 10
+_STEP = re.compile(r"(?:^|[-_.])([0-9]+)$")  # ckpt-10, step_10, 10
 #: Index values that hold the step when a checkpoint's name does not end in a number.
 STEP_VARIABLES = ("step", "save_counter")
 
@@ -119,7 +120,7 @@ def _leftover(save: Pending) -> Entry:
 
 def _step_from_name(name: str) -> int | None:
     match = _STEP.search(name)
-    return int(match[1]) if match else None
+    return number(match[1]) if match else None
 
 
 def _step_from_index(index: dict[str, Any]) -> int | None:

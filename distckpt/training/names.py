@@ -21,6 +21,7 @@ from typing import Any
 
 from distckpt.errors import UnsupportedValueError
 from distckpt.naming import escape_key
+from distckpt.numbering import number, signed
 
 _ESCAPED = re.compile(r"%(25|2F)")
 
@@ -85,12 +86,14 @@ def descend(value: Any, keys: Iterable[str]) -> Any:
             if key in value:
                 value = value[key]
                 continue
-            if key.lstrip("-").isdigit() and int(key) in value:
-                value = value[int(key)]
+            as_int = signed(key)
+            if as_int is not None and as_int in value:
+                value = value[as_int]
                 continue
             return MISSING
-        if isinstance(value, (list, tuple)) and key.isdigit() and int(key) < len(value):
-            value = value[int(key)]
+        index = number(key) if isinstance(value, (list, tuple)) else None
+        if index is not None and index < len(value):
+            value = value[index]
             continue
         return MISSING
     return value

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,7 @@ from distckpt.errors import (
     PointerConflictError,
     UnsupportedFormatError,
 )
+from distckpt.numbering import numbered
 from distckpt.storage import index as index_mod
 from distckpt.storage import seal
 from distckpt.storage.backend import ConditionFailed, Store, check_name, child_location, resolve
@@ -122,16 +122,14 @@ def move(directory: str | os.PathLike[str] | Store, doc: bytes, version: str | N
         ) from None
 
 
-_NUMBERED = re.compile(r"^(.*)-(\d+)$")
-
-
 def _older(name: str, than: str, listed: list[str]) -> bool:
     """Whether checkpoint ``name`` is older than ``than``: listed before it in the
     pointer's ``all``, or numbered lower under the same prefix (``ckpt-6``, ``ckpt-7``)."""
     if name in listed and than in listed:
         return listed.index(name) < listed.index(than)
-    a, b = _NUMBERED.match(name), _NUMBERED.match(than)
-    return a is not None and b is not None and a[1] == b[1] and int(a[2]) < int(b[2])
+    prefix, _, _ = name.rpartition("-")
+    a, b = numbered(name, f"{prefix}-"), numbered(than, f"{prefix}-")
+    return bool(prefix) and a is not None and b is not None and a < b
 
 
 def advance_pointer(checkpoint: str | os.PathLike[str] | Store) -> Pointer:

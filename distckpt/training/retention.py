@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from distckpt.numbering import numbered
 from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store, child_location
 from distckpt.storage.transaction import retire, retiring
@@ -108,7 +108,6 @@ class Retention:
         self.max_to_keep = max_to_keep
         self.keep_hours = keep_hours
         self.clock = clock
-        self.pattern = re.compile(rf"^{re.escape(name)}-(\d+)$")
         self.pointer_version: str | None = None  # rank 0: the pointer as last read or written
         self.set_state({"managed": [], "preserved": [], "times": {}, "last_preserved": 0.0})
 
@@ -127,8 +126,12 @@ class Retention:
 
     def number(self, path: str) -> int:
         """The ``N`` of the checkpoint at ``path`` (0 if its name is not ``<name>-N``)."""
-        match = self.pattern.match(os.path.basename(path.rstrip("/")))
-        return int(match.group(1)) if match else 0
+        found = self.numbered(os.path.basename(path.rstrip("/")))
+        return 0 if found is None else found
+
+    def numbered(self, name: str) -> int | None:
+        """N of a name ``<name>-N`` (:mod:`distckpt.numbering`), else None."""
+        return numbered(name, f"{self.name}-")
 
     def latest(self) -> str | None:
         names = self.managed or self.preserved
@@ -215,7 +218,7 @@ class Retention:
 
         adopted = []
         for name in directory.list():
-            if not self.pattern.match(name) or name in known:
+            if self.numbered(name) is None or name in known:
                 continue
             path = directory.child(name)
             when = created(path)

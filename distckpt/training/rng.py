@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from distckpt.items import PerRank
+from distckpt.numbering import number
 
 
 def _unwrap(value: Any) -> Any:
@@ -55,6 +56,6 @@ class RNGState:
         cuda = sorted(k for k in state if k.startswith("cuda"))
         if cuda and torch.cuda.is_available():
             for key in cuda:
-                index = int(key[4:])
-                if index < torch.cuda.device_count():
+                index = number(key[4:])
+                if index is not None and index < torch.cuda.device_count():
                     torch.cuda.set_rng_state(_unwrap(state[key]), index)

@@ -17,7 +17,7 @@ import numpy as np
 
 from distckpt.errors import CorruptCheckpointError
 from distckpt.storage.backend import Store
-from distckpt.storage.fsutil import open_regular
+from distckpt.storage.beneath import open_resolved
 
 #: Bytes one task moves.
 TASK_BYTES = 8 << 20
@@ -51,8 +51,10 @@ def split(
 def read_runs(path: str, runs: list[Run], out: np.ndarray, what: str) -> int:
     """Read every run of ``path`` into ``out`` (a flat uint8 array) at its position;
     returns the bytes read. A file that ends early is a :class:`CorruptCheckpointError`
-    naming ``what`` and the file."""
-    fd = open_regular(os.path.realpath(path))  # the caller checked where it leads
+    naming ``what`` and the file. ``path`` is where the file leads, resolved and checked
+    by the caller (:func:`~distckpt.hf.directory.open_weights`): a link on it now is
+    refused, never followed."""
+    fd = open_resolved(path)  # resolved and checked by the caller: no link followed now
     try:
         if hasattr(os, "posix_fadvise"):
             for offset, length, _ in runs:

@@ -215,7 +215,7 @@ def overwrite(root: Path, *, fallback: bool = False) -> tuple[Violations, int]:
     distckpt.save(nest(values(1)), target)
     real_exchange = posix.exchange
     if fallback:
-        posix.exchange = lambda a, b: False  # type: ignore[assignment]
+        posix.exchange = lambda *names, **dir_fds: False  # type: ignore[assignment]
     try:
         with recording(root / "d") as rec:
             distckpt.save(nest(values(2)), target, overwrite=True, io_workers=1)

@@ -51,7 +51,8 @@ def hold(directory: Path) -> None:
                 returned.set()
 
     threading.Thread(target=listen, daemon=True).start()
-    with posix._locked(pointer):
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    with posix._locked(str(pointer), fd, pointer.name):
         print("held", flush=True)
         lock = pointer.with_name(f".{pointer.name}.lock")
         deadline = time.monotonic() + DEADLINE
