@@ -9,6 +9,8 @@ with that rank's traceback.
 
 from __future__ import annotations
 
+import errno
+
 
 class CheckpointError(Exception):
     """Base of every error distckpt raises on purpose."""
@@ -86,6 +88,30 @@ class StorageError(CheckpointError, OSError):
     """The storage service refused or failed an operation for good (no such bucket, access
     denied, no credentials, retries exhausted); the message names the location and the
     operation, never a credential."""
+
+
+#: What a file system answers when an entry distckpt made was moved, removed or replaced
+#: by another process (a staging directory renamed away, swapped for a link).
+_INTERFERENCE = {errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.ELOOP, errno.EXDEV}
+
+
+def interfered(exc: BaseException, where: str) -> BaseException:
+    """``exc``, or, when it is a file system's answer to an entry of a save in progress
+    being moved or replaced by another process, a :class:`StorageError` that says so (its
+    errno and file name kept); other errors (a full disk, no permission) are left as
+    they are."""
+    if isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
+        return exc
+    if exc.errno not in _INTERFERENCE:
+        return exc
+    error = StorageError(
+        exc.errno,
+        f"{where}: an entry of the save was moved or replaced by another process "
+        f"({exc.strerror or exc})",
+        exc.filename,
+    )
+    error.__cause__ = exc
+    return error
 
 
 class ConditionFailed(CheckpointError, FileExistsError):

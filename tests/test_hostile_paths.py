@@ -150,6 +150,30 @@ def test_a_staging_directory_swapped_for_a_link_is_never_written_through(
     assert not (run / "ck").exists()
 
 
+def test_a_staging_directory_moved_away_fails_the_save_with_a_checkpoint_error(
+    tmp_path: Path, resolution: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging directory renamed away by another process (its name missing for a
+    while): the save's next use of the name fails; that is a StorageError saying what
+    happened (a raw FileNotFoundError escaped before), and nothing is committed."""
+    run = tmp_path / "run"
+    real_prepare = PosixStore.prepare
+    moved: list[Path] = []
+
+    def prepare_then_move(store: PosixStore, keys: Any) -> None:
+        keys = list(keys)
+        real_prepare(store, keys)
+        if ".staging-" in store.name and OWNER_FILE not in keys and not moved:
+            path = Path(store.url)
+            path.rename(tmp_path / "elsewhere")
+            moved.append(path)
+
+    monkeypatch.setattr(PosixStore, "prepare", prepare_then_move)
+    with bounded(BOUND), pytest.raises(distckpt.StorageError, match="moved or replaced"):
+        distckpt.save({"net": {"w": torch.arange(6.0), "b": torch.ones(3)}}, run / "ck")
+    assert moved and not (run / "ck").exists()
+
+
 OPERATIONS: dict[str, Callable[[PosixStore], object]] = {
     "read": lambda s: s.read("d/f"),
     "open": lambda s: s.open("d/f").read(0, 1),

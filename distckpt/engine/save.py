@@ -52,6 +52,7 @@ from distckpt.engine.options import (
     resolve,
 )
 from distckpt.engine.results import SaveResult
+from distckpt.errors import interfered
 from distckpt.items import gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
@@ -382,12 +383,15 @@ def _protocol(
         coordinate(comm, report, commit_all, error=local_error, settle=abort_unless_committed)
         if job.options.incremental:
             reuse.remember_saved(final, index_version, stored)
-    except BaseException:
+    except BaseException as exc:
         # A collective that failed (a dead rank, a time-out) skips the normal abort: never
         # leave a staging directory whose heartbeat would keep it looking alive.
         if staging is not None:
             staging.abort()
-        raise
+        error = interfered(exc, f"saving {final.url}")
+        if error is exc:
+            raise
+        raise error from exc
     t_end = time.perf_counter()
     result.plan_reused = agreed.reused
     result.timings = {

@@ -24,6 +24,7 @@ and the three of :class:`~distckpt.storage.backend.RenamingStore` (``rename``,
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -95,6 +96,7 @@ class Staging:
             "world_size": world_size,
             "target": self.final.name,
         }
+        self.owner = owner
         handle: WriteHandle | None = None
         try:
             handle = self.store.create(OWNER_FILE)
@@ -119,6 +121,21 @@ class Staging:
     def stop_heartbeat(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def check_mine(self) -> None:
+        """Raise :class:`StorageError` unless the staging directory is still the one this
+        save made (its owner file as written): one that another process moved away, whose
+        name the save's later writes made again, holds only what was written since."""
+        try:
+            found: dict[str, Any] | None = read_owner(self.store)
+        except OSError:
+            found = None
+        if found != self.owner:
+            raise StorageError(
+                errno.ENOENT,
+                f"{self.path}: the staging directory of this save was moved or replaced by "
+                "another process; not committed",
+            )
 
     def commit(self, *, overwrite: bool) -> None:
         """Rename the finished staging directory to its final name (coordinator only).
@@ -189,6 +206,7 @@ class RenameCommit:
     def commit(self, files: dict[str, bytes], index: bytes) -> None:
         from distckpt.storage.index import is_committed
 
+        self._staging.check_mine()
         for key, data in files.items():
             self.root.write(key, data)
         self.root.persist(files)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -105,9 +106,11 @@ def export(
 @contextmanager
 def _replacing(target: Path) -> Iterator[IO[bytes]]:
     """A file written beside ``target`` and renamed onto it once complete."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(8)}")
     try:
-        with open(tmp, "w+b") as f:
+        # A fresh name, created here and never through a link another process put there.
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(tmp, flags, 0o644), "w+b") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
