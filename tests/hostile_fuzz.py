@@ -53,7 +53,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,12 @@ import torch
 
 import distckpt
 from distckpt import cli
-from distckpt.testing.hostile import Crafted, crc32c, reseal
+from distckpt.testing.hostile import DEEP, HOSTILE_VALUES, Crafted, crc32c, edit_json, reseal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_golden  # noqa: E402
+from hostile_util import run_manager as manager  # noqa: E402
+from hostile_util import run_model as model  # noqa: E402
 
 FAMILIES = ("frame", "boxes", "index", "safetensors", "race", "values")
 #: Seconds one reader may take (a loaded machine included); the example's child is
@@ -105,21 +107,6 @@ def hf_state(seed: int) -> dict[str, torch.Tensor]:
         "layer.0.bias": torch.randn(8, generator=g),
         "head.weight": torch.randn(4, 8, generator=g),
     }
-
-
-def model() -> distckpt.Checkpoint:
-    return distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(40, 30))
-
-
-def manager(root: Path, ckpt: distckpt.Checkpoint) -> distckpt.CheckpointManager:
-    return distckpt.CheckpointManager(
-        ckpt,
-        root / "run",
-        max_to_keep=1,
-        checkpoint_interval=3,
-        step_counter=ckpt.step,
-        local=distckpt.LocalTier(str(root / "local" / "{node}"), interval=1, max_to_keep=1),
-    )
 
 
 def build(root: Path) -> None:
@@ -395,46 +382,6 @@ def _damage_manifest_boxes(rng: random.Random, root: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- family: index
 
-DEEP = "__deep__"
-HOSTILE: list[Any] = [
-    "../outside/victim/w/c.0.0", "../../outside/victim", "/etc/hostname", "", ".",
-    "a/../../b", 10**15, -1, 2**64, 0, True, 1.5, "7", None, [], {}, {"a": 1},
-    [[0], [10**15]], DEEP, "grow", "delete", "ckpt-\u0664", "\x1b[31mred\x07",
-]  # fmt: skip
-
-
-def _json_paths(doc: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    yield at
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _json_paths(v, (*at, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _json_paths(v, (*at, i))
-
-
-def edit_json(path: Path, rng: random.Random, what: Any) -> str:
-    """Replace a node of the JSON document at ``path`` by ``what`` and reseal it."""
-    doc = json.loads(path.read_bytes())
-    paths = [p for p in _json_paths(doc) if p and p[-1:] != ("checksum",)]
-    at = rng.choice(paths)
-    parent = doc
-    for k in at[:-1]:
-        parent = parent[k]
-    key = at[-1]
-    if what == "delete":
-        del parent[key]
-    elif what == "grow":
-        old = parent[key]
-        parent[key] = old * 2**40 + 1 if type(old) is int else [old] * 3
-    else:
-        parent[key] = what
-    text = json.dumps(doc)
-    if what == DEEP:
-        text = text.replace(json.dumps(DEEP), "[" * 100_000 + "]" * 100_000)
-    path.write_bytes(reseal(text.encode()))
-    return "/".join(map(str, at))
-
 
 def damage_index(rng: random.Random, root: Path) -> dict[str, Any]:
     target = rng.choice(["ck/zarr.json", "golden/zarr.json", "run/latest", "run/ckpt-4/zarr.json",
@@ -443,8 +390,8 @@ def damage_index(rng: random.Random, root: Path) -> dict[str, Any]:
         path = rng.choice(sorted((root / "local").rglob("o*.json")))
     else:
         path = root / target
-    what = rng.choice(HOSTILE)
-    where = edit_json(path, rng, what)
+    what = rng.choice(HOSTILE_VALUES)
+    where = edit_json(path, rng.randrange(1 << 30), what)
     parts = set(where.split("/"))
     changed = "*" if parts & {"value", "values", "per_rank_values", "name", "cfg"} else None
     if what == "delete" or what in ([], {}):

@@ -24,16 +24,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hostile_util import run_manager, run_model
 from launch_util import bounded
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -43,7 +43,7 @@ from hypothesis import strategies as st  # noqa: E402
 import distckpt  # noqa: E402
 from distckpt import cli  # noqa: E402
 from distckpt.storage import seal  # noqa: E402
-from distckpt.testing.hostile import reseal  # noqa: E402
+from distckpt.testing.hostile import HOSTILE_VALUES, edit_json  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DISTCKPT_FUZZ_EXAMPLES", "40"))
 #: Seconds any one reader may take on a damaged checkpoint (generous: a loaded machine).
@@ -63,21 +63,6 @@ def _state(seed: int) -> dict[str, Any]:
     }
 
 
-def _model() -> distckpt.Checkpoint:
-    return distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(40, 30))
-
-
-def _manager(root: Path, ckpt: distckpt.Checkpoint) -> distckpt.CheckpointManager:
-    return distckpt.CheckpointManager(
-        ckpt,
-        root / "run",
-        max_to_keep=1,
-        checkpoint_interval=3,
-        step_counter=ckpt.step,
-        local=distckpt.LocalTier(str(root / "local" / "{node}"), interval=1, max_to_keep=1),
-    )
-
-
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pristine")
@@ -89,8 +74,8 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
         _state(1), outside / "victim", small_bytes=64, inner_bytes=1024, compression={"z": "zstd"}
     )
     (outside / "precious.txt").write_text("not the run's")
-    ckpt = _model()
-    manager = _manager(root, ckpt)
+    ckpt = run_model()
+    manager = run_manager(root, ckpt)
     for step in range(1, 6):  # persistent at 1 and 4, local at 2, 3, 5
         ckpt.step.fill_(step)
         ckpt.w.fill_(step)
@@ -114,68 +99,6 @@ def _fingerprint(top: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- damage
-
-
-def _json_paths(doc: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    yield at
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _json_paths(v, (*at, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _json_paths(v, (*at, i))
-
-
-DEEP = "__deep__"
-HOSTILE: list[Any] = [
-    "../outside/victim/w/c.0.0",
-    "../../outside/victim",
-    "/etc/hostname",
-    "",
-    ".",
-    "a/../../b",
-    10**15,
-    -1,
-    2**64,
-    0,
-    True,
-    1.5,
-    "7",
-    None,
-    [],
-    {},
-    {"a": 1},
-    [[0], [10**15]],
-    DEEP,
-    "grow",
-    "delete",
-]
-
-
-def _edit_json(path: Path, pick: int, what: Any) -> str:
-    """Replace the ``pick``-th node of the JSON document at ``path`` by ``what``; returns
-    where it was (a ``/``-joined path of keys)."""
-    doc = json.loads(path.read_bytes())
-    paths = list(_json_paths(doc))
-    at = paths[pick % len(paths)]
-    if not at:
-        return ""
-    parent = doc
-    for k in at[:-1]:
-        parent = parent[k]
-    key = at[-1]
-    if what == "delete":
-        del parent[key]
-    elif what == "grow":
-        old = parent[key]
-        parent[key] = old * 2**40 + 1 if type(old) is int else [old] * 3
-    else:
-        parent[key] = what
-    text = json.dumps(doc)
-    if what == DEEP:
-        text = text.replace(json.dumps(DEEP), "[" * 100_000 + "]" * 100_000)
-    path.write_bytes(reseal(text.encode()))  # as an attacker would
-    return "/".join(map(str, at))
 
 
 def _seal_holds(raw: bytes) -> bool:
@@ -262,7 +185,7 @@ damage = st.one_of(
         st.just("json"),
         st.sampled_from(["ck/zarr.json", "run/latest", "run/ckpt-4/zarr.json", "manifest"]),
         st.integers(0, 10_000),
-        st.sampled_from(HOSTILE),
+        st.sampled_from(HOSTILE_VALUES),
     ),
     st.tuples(
         st.just("file"),
@@ -297,7 +220,7 @@ def _apply(root: Path, kind: str, target: str, at: int, how: Any) -> str | None:
             return None  # reached through a link another damage made: that is outside
         # Resealing a document that an earlier damage flipped hides that flip too.
         laundered = not _seal_holds(path.read_bytes())
-        where = _edit_json(path, at, how)
+        where = edit_json(path, at, how)
         if laundered:
             return "*"
         parts = where.split("/")
@@ -376,12 +299,12 @@ def _check_load(root: Path, value_changed: str | None) -> None:
         assert got["cfg"] == want["cfg"] and got["step"] == want["step"]
 
 
-def _check_manager(root: Path, changed: str | None) -> None:
-    ckpt = _model()
+def _checkrun_manager(root: Path, changed: str | None) -> None:
+    ckpt = run_model()
     holder: list[distckpt.CheckpointManager] = []
 
     def restore() -> Any:
-        manager = _manager(root, ckpt)
+        manager = run_manager(root, ckpt)
         holder.append(manager)
         return manager.restore_or_initialize()
 
@@ -435,7 +358,7 @@ def test_damaged_storage_gives_right_values_or_one_clear_error(
             ("gc", str(root / "run")),
         ):
             _cli(*argv)
-        _check_manager(root, changed)
+        _checkrun_manager(root, changed)
         assert _fingerprint(root / "outside") == outside, "something outside the run changed"
     finally:
         shutil.rmtree(root, ignore_errors=True)

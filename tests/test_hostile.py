@@ -5,36 +5,23 @@ regular files are opened. Each test is a recipe that misled or crashed distckpt 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hostile_util import BOUND, cli, local_manager
 from launch_util import bounded
 
 import distckpt
 from distckpt import CheckpointError, CorruptCheckpointError, UnsafePathError
-from distckpt.cli import main
 from distckpt.testing.hostile import reseal
-
-BOUND = 30  # seconds: nothing here may hang
-
-
-def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``distckpt ARGS``, run in this process (bounded in time), as a finished process."""
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with bounded(BOUND, f"distckpt {' '.join(argv)}"), redirect_stdout(out), redirect_stderr(err):
-        rc = main(argv)
-    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
 def cli_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -332,13 +319,7 @@ def test_a_local_step_with_a_fifo_or_link_falls_back_to_the_shared_directory(
     tmp_path: Path,
 ) -> None:
     def manager(ckpt: distckpt.Checkpoint) -> distckpt.CheckpointManager:
-        return distckpt.CheckpointManager(
-            ckpt,
-            tmp_path / "run",
-            step_counter=ckpt.step,
-            checkpoint_interval=10,
-            local=distckpt.LocalTier(str(tmp_path / "local"), interval=1),
-        )
+        return local_manager(tmp_path, ckpt)
 
     ckpt = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8))
     with manager(ckpt) as m:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hostile_util import local_manager
 from launch_util import bounded
 from test_hostile import BOUND, cli, one_error_line
 
@@ -173,13 +174,7 @@ def local_job(tmp_path: Path) -> tuple[Any, Path]:
     managers of it, and step 2's manifest."""
 
     def manager(ckpt: distckpt.Checkpoint) -> distckpt.CheckpointManager:
-        return distckpt.CheckpointManager(
-            ckpt,
-            tmp_path / "run",
-            step_counter=ckpt.step,
-            checkpoint_interval=10,
-            local=distckpt.LocalTier(str(tmp_path / "local"), interval=1),
-        )
+        return local_manager(tmp_path, ckpt)
 
     ckpt = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8, 4))
     with manager(ckpt) as m:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from hostile_util import local_manager
 from launch_util import job_env
 
 import distckpt
@@ -37,16 +38,6 @@ def values_at(step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def manager(root: Path, ckpt: distckpt.Checkpoint) -> distckpt.CheckpointManager:
-    return distckpt.CheckpointManager(
-        ckpt,
-        root / "run",
-        step_counter=ckpt.step,
-        checkpoint_interval=10,
-        local=distckpt.LocalTier(str(root / "local"), interval=1),
-    )
-
-
 def fresh(strided: bool) -> distckpt.Checkpoint:
     """Targets to restore into: contiguous (read straight into), or a transposed view
     (read through a copy of each piece)."""
@@ -58,7 +49,7 @@ def fresh(strided: bool) -> distckpt.Checkpoint:
 
 def saved(root: Path) -> None:
     ckpt = fresh(strided=False)
-    with manager(root, ckpt) as m:
+    with local_manager(root, ckpt) as m:
         for step in STEPS:
             ckpt.step.fill_(step)
             for name, value in values_at(step).items():
@@ -97,7 +88,7 @@ def restore_racing(root: Path, change: str, strided: bool) -> dict[str, Any]:
 
     restore.crc32c = checked_then_changed  # (this process restores once, then exits)
     ckpt = fresh(strided)
-    with manager(root, ckpt) as m:
+    with local_manager(root, ckpt) as m:
         m.restore_or_initialize()
         restored = m.restored
     assert restored is not None

@@ -5,18 +5,15 @@ Arabic-Indic four) is not step 4, ``ckpt-05`` is not step 5."""
 
 from __future__ import annotations
 
-import io
 import os
-import subprocess
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
+from hostile_util import cli
 from launch_util import bounded
 
 import distckpt
-from distckpt.cli import main
 from distckpt.local import files
 from distckpt.numbering import number, numbered, signed
 from distckpt.storage.backend import resolve
@@ -35,14 +32,6 @@ ODD_LEFTOVERS = [
 ]
 #: Entries named like a manager's checkpoints, none of which is one of its steps.
 ODD_STEPS = ["ckpt-\u0664", "ckpt-05", "ckpt-1e3", "ckpt-+5", "ckpt- 5", "ckpt-5_0", "ckpt-"]
-
-
-def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with bounded(BOUND, f"distckpt {' '.join(argv)}"), redirect_stdout(out), redirect_stderr(err):
-        rc = main(argv)
-    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
 def listing(tree: Path) -> dict[str, tuple[int, int]]:

@@ -20,6 +20,7 @@ from typing import Any
 import crc32c
 import pytest
 import torch
+from hostile_util import local_manager
 from launch_util import bounded
 from make_golden import SEALED, TWO_RANKS, sealed_state
 
@@ -292,20 +293,10 @@ def test_a_flipped_pointer_step_is_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the node-local tier
 
 
-def _local_manager(tmp_path: Path, ckpt: distckpt.Checkpoint) -> distckpt.CheckpointManager:
-    return distckpt.CheckpointManager(
-        ckpt,
-        tmp_path / "run",
-        step_counter=ckpt.step,
-        checkpoint_interval=10,
-        local=distckpt.LocalTier(str(tmp_path / "local"), interval=1),
-    )
-
-
 def _two_steps(tmp_path: Path) -> None:
     """Step 1 in the shared directory, step 2 in the local tier only."""
     ckpt = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8))
-    with _local_manager(tmp_path, ckpt) as m:
+    with local_manager(tmp_path, ckpt) as m:
         for step in (1, 2):
             ckpt.step.fill_(step)
             ckpt.w.fill_(step)
@@ -317,7 +308,7 @@ def test_a_flipped_local_manifest_falls_back_to_the_shared_directory(tmp_path: P
     (manifest,) = (tmp_path / "local" / "step-2").glob("o0.*.json")
     flip(manifest, b'"save_counter":2', b'"save_counter":7')  # read as written before
     again = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8))
-    with bounded(BOUND), _local_manager(tmp_path, again) as m:
+    with bounded(BOUND), local_manager(tmp_path, again) as m:
         m.restore_or_initialize()
         assert m.restored is not None and m.restored.tier == "persistent", m.restored
         assert CHECKSUM in m.restored.reason and manifest.name in m.restored.reason
@@ -333,7 +324,7 @@ def test_a_flipped_local_mark_is_ignored(tmp_path: Path, caplog: pytest.LogCaptu
     with (
         bounded(BOUND),
         caplog.at_level(logging.WARNING, "distckpt"),
-        _local_manager(tmp_path, again) as m,
+        local_manager(tmp_path, again) as m,
     ):
         m.restore_or_initialize()
         assert m.restored is not None and m.restored.tier == "persistent", m.restored
@@ -424,7 +415,7 @@ def test_an_unsealed_pointer_and_manifest_still_load(tmp_path: Path) -> None:
     for path in (tmp_path / "run" / "latest", manifest, mark):
         unseal(path)
     again = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8))
-    with bounded(BOUND), _local_manager(tmp_path, again) as m:
+    with bounded(BOUND), local_manager(tmp_path, again) as m:
         m.restore_or_initialize()
         assert m.restored is not None and m.restored.tier == "local", m.restored
     assert int(again.step) == 2 and torch.equal(again.w, torch.full((8,), 2.0))

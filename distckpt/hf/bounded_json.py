@@ -81,6 +81,17 @@ class Scanner:
             return True
         return False
 
+    def member_end(self, matched: bytes | None, what: str) -> bool:
+        """After a member of an object: whether the object closed. ``matched`` is the
+        ``}`` or ``,`` a caller's fast path already consumed (empty or None: none)."""
+        if matched:
+            return matched == b"}"
+        if self.take("}"):
+            return True
+        if not self.take(","):
+            raise self.bad(f"expected ',' or '}}' in {what}")
+        return False
+
     def expect(self, char: str) -> None:
         if not self.take(char):
             raise self.bad(f"expected {char!r}")

@@ -266,12 +266,7 @@ def _weight_map(scan: Scanner) -> dict[str, str]:
         weight_map[name] = files.setdefault(file, file)
         if len(files) > MAX_FILES:
             raise scan.fail(f"weight_map names more than {MAX_FILES} files")
-        if plain is not None and plain[3]:
-            closed = plain[3] == b"}"
-        else:
-            closed = scan.take("}")
-            if not closed and not scan.take(","):
-                raise scan.bad("expected ',' or '}' in weight_map")
+        closed = scan.member_end(None if plain is None else plain[3], "weight_map")
     return weight_map
 
 

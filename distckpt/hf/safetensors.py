@@ -218,12 +218,7 @@ def parse_header(path: str, raw: bytes, size: int) -> tuple[list[StoredTensor], 
             kept += sys.getsizeof(name)
         if kept > len(raw) + MAX_EXPANSION:
             raise scan.fail("the safetensors header's names take more memory than its bytes")
-        if fast is not None and fast[6]:
-            closed = fast[6] == b"}"
-        else:
-            closed = scan.take("}")
-            if not closed and not scan.take(","):
-                raise scan.bad("expected ',' or '}' in the safetensors header")
+        closed = scan.member_end(None if fast is None else fast[6], "the safetensors header")
     scan.end()
     tensors.sort(key=lambda t: (t.offset, t.nbytes))
     for a, b in zip(tensors, tensors[1:]):

@@ -19,7 +19,7 @@ import base64
 import itertools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,16 @@ from distckpt.storage import seal
 EMPTY = 2**64 - 1
 #: Pieces of a regular entry listed inline (more: a base64 column).
 INLINE_PIECES = 64
+#: :func:`edit_json`'s stand-in for an array nested 100,000 deep.
+DEEP = "__deep__"
+#: Values an attacker puts in a metadata document: paths out, huge, negative and
+#: ill-typed counts, empty containers, deep nesting, a non-ASCII digit, terminal control
+#: characters; "grow" and "delete" are edits (see :func:`edit_json`).
+HOSTILE_VALUES: list[Any] = [
+    "../outside/victim/w/c.0.0", "../../outside/victim", "/etc/hostname", "", ".",
+    "a/../../b", 10**15, -1, 2**64, 0, True, 1.5, "7", None, [], {}, {"a": 1},
+    [[0], [10**15]], DEEP, "grow", "delete", "ckpt-\u0664", "\x1b[31mred\x07",
+]  # fmt: skip
 
 
 def reseal(raw: bytes) -> bytes:
@@ -49,6 +59,44 @@ def reseal(raw: bytes) -> bytes:
         return seal.seal(raw)
     except ValueError:
         return raw
+
+
+def json_paths(doc: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """The path (keys and indices) of every node of a JSON document, the root first."""
+    yield at
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from json_paths(v, (*at, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from json_paths(v, (*at, i))
+
+
+def edit_json(path: Path, pick: int, what: Any) -> str:
+    """Replace the ``pick``-th node (modulo their number; never the root nor a checksum)
+    of the JSON document at ``path`` by ``what`` (``"delete"``: remove it; ``"grow"``: an
+    int times 2**40 plus one, anything else thrice in a list; :data:`DEEP`: an array
+    nested 100,000 deep), and reseal it as an attacker would. Returns where it was (a
+    ``/``-joined path of keys)."""
+    doc = json.loads(path.read_bytes())
+    paths = [p for p in json_paths(doc) if p and p[-1] != "checksum"]
+    at = paths[pick % len(paths)]
+    parent = doc
+    for k in at[:-1]:
+        parent = parent[k]
+    key = at[-1]
+    if what == "delete":
+        del parent[key]
+    elif what == "grow":
+        old = parent[key]
+        parent[key] = old * 2**40 + 1 if type(old) is int else [old] * 3
+    else:
+        parent[key] = what
+    text = json.dumps(doc)
+    if what == DEEP:
+        text = text.replace(json.dumps(DEEP), "[" * 100_000 + "]" * 100_000)
+    path.write_bytes(reseal(text.encode()))
+    return "/".join(map(str, at))
 
 
 def crc32c(data: bytes) -> int:
