@@ -263,12 +263,21 @@ class Bench:
 # --------------------------------------------------------------------------- driver
 
 
+def _takes(distckpt: Any, f: Any, name: str) -> bool:
+    """Whether ``f`` takes the keyword ``name``: a parameter of its own, or, through its
+    ``**keywords``, a field of ``CheckpointOptions`` (each may be given as a keyword)."""
+    params = inspect.signature(f).parameters.values()
+    if any(p.name == name and p.kind is not p.VAR_KEYWORD for p in params):
+        return True
+    options = getattr(distckpt, "CheckpointOptions", None)
+    fields = getattr(options, "__dataclass_fields__", {})
+    return name in fields and any(p.kind is p.VAR_KEYWORD for p in params)
+
+
 def io_workers_api(distckpt: Any) -> tuple[bool, int]:
     """Whether ``save`` and ``load`` take ``io_workers=``, and the library's default count
     (while the library has none: the CPUs this process may use)."""
-    keyword = all(
-        "io_workers" in inspect.signature(f).parameters for f in (distckpt.save, distckpt.load)
-    )
+    keyword = all(_takes(distckpt, f, "io_workers") for f in (distckpt.save, distckpt.load))
     try:
         from distckpt.transfer import default_io_workers
     except ImportError:

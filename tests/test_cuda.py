@@ -78,10 +78,16 @@ def test_every_dtype_to_and_from_the_gpu(tmp_path: Path, io_workers: int) -> Non
 
 
 def test_gpu_views_as_sources_and_targets(tmp_path: Path) -> None:
-    base = on_device(random_tensor(torch.float32, (300, 200), 1))
-    cplx = on_device(random_tensor(torch.complex64, (40, 30), 2))
-    state = {"t": base.t(), "strided": base[::7, 3::5], "conj": cplx.conj(), "row": base[17]}
-    want = {k: v.resolve_conj().contiguous().clone() for k, v in state.items()}
+    def views(base: torch.Tensor, cplx: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"t": base.t(), "strided": base[::7, 3::5], "conj": cplx.conj(), "row": base[17]}
+
+    host = views(
+        random_tensor(torch.float32, (300, 200), 1), random_tensor(torch.complex64, (40, 30), 2)
+    )
+    # resolved on the host: a conjugate is a sign flip there, NaN payloads kept, as distckpt
+    # stores it on any device (CUDA's conj kernel, .cpu() of a view included, does not)
+    want = {k: v.resolve_conj().contiguous() for k, v in host.items()}
+    state = views(on_device(host["t"].t()), on_device(host["conj"].conj()))
     save1(state, tmp_path / "ck", small_bytes=256, inner_bytes=4096, io_workers=3)
     big = torch.zeros(400, 400, device=DEVICE)
     target = {
@@ -94,6 +100,45 @@ def test_gpu_views_as_sources_and_targets(tmp_path: Path) -> None:
     for k, v in want.items():
         same_bits(target[k].contiguous(), v, k)
     assert not big[200:250].any()  # nothing written outside the targets
+
+
+def test_conjugate_and_negative_views_are_sign_flips(tmp_path: Path) -> None:
+    """Conjugate and negative views, as sources (blocking and background saves) and as
+    targets, are sign flips: every NaN keeps its payload, as on the host. (CUDA's
+    conjugation kernels make NaNs canonical: a checkpoint would depend on the device.)"""
+    cplx = random_tensor(torch.complex64, (64, 48), 3)
+    real = random_tensor(torch.float32, (64, 48), 4)
+    assert cplx.imag.isnan().any() and real.isnan().any()
+
+    def views(c: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            "conj": c.conj(),
+            "neg": torch._neg_view(r),
+            "imag": c.conj().imag,  # a negative view of a conjugate's imaginary parts
+            "small": c[:2, :3].conj(),  # small: comes over whole
+        }
+
+    want = {k: v.resolve_conj().resolve_neg().clone() for k, v in views(cplx, real).items()}
+    state = views(on_device(cplx), on_device(real))
+    kw: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 4096}
+    save1(state, tmp_path / "a", **kw)
+    save1(state, tmp_path / "b", async_save=True, **kw).wait()
+    for ck in ("a", "b"):
+        flat = {k: torch.zeros_like(v, device=DEVICE) for k, v in want.items()}
+        load1(flat, tmp_path / ck)
+        for k, v in want.items():
+            same_bits(flat[k], v, f"{ck} {k}")
+        # targets with the bits (each its own memory): the memory gets the stored values
+        c = [torch.zeros_like(cplx, device=DEVICE) for _ in range(3)]
+        r = torch.zeros_like(real, device=DEVICE)
+        targets = views(c[0], r)
+        targets["imag"] = views(c[1], r)["imag"]
+        targets["small"] = views(c[2], r)["small"]
+        load1(targets, tmp_path / ck)
+        same_bits(c[0], cplx, f"{ck} conj target")
+        same_bits(c[1].imag, cplx.imag, f"{ck} imag target")
+        same_bits(c[2][:2, :3], cplx[:2, :3], f"{ck} small target")
+        same_bits(r, real, f"{ck} negative target")
 
 
 def test_background_save_keeps_the_values_of_the_call(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from distckpt.items import Leaf
-from distckpt.transfer.arrays import numpy_view
+from distckpt.transfer.arrays import copy_exact, numpy_view
 
 
 class BufferPool:
@@ -105,7 +105,7 @@ def take(leaves: list[Leaf], pool: BufferPool, lazy: Callable[[str], bool]) -> S
             continue
         cuda = src.device.type == "cuda"
         on_gpu = on_gpu or cuda
-        buf.copy_(src, non_blocking=cuda)
+        copy_exact(buf, src, non_blocking=cuda)
         snap.arrays[leaf.name] = numpy_view(buf, leaf.name)
     pool.keep_only({leaf.name for leaf in leaves if leaf.tensor is not None})
     if on_gpu:
@@ -127,7 +127,7 @@ def finish(snap: Snapshot) -> None:
         stream.wait_event(snap.ready)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for name, src, buf in snap.pending:
-            buf.copy_(src, non_blocking=src.device.type == "cuda")
+            copy_exact(buf, src, non_blocking=src.device.type == "cuda")
             snap.arrays[name] = numpy_view(buf, name)
     if stream is not None:
         stream.synchronize()

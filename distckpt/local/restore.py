@@ -49,7 +49,7 @@ from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.storage.shard_io import crc32c
 from distckpt.tiling import tiling_problem
-from distckpt.transfer.arrays import writable_view
+from distckpt.transfer.arrays import copy_exact, writable_view
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
 
@@ -451,5 +451,4 @@ def _put(t: ReadTarget, box: Box, data: np.ndarray, itemsize: int) -> None:
     region = t.tensor[rel]
     # (data is this process's own writable memory: a checked copy, or a message received)
     values = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(region.dtype)
-    with torch.no_grad():
-        region.copy_(values.reshape(region.shape))
+    copy_exact(region, values.reshape(region.shape))

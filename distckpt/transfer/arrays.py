@@ -17,10 +17,76 @@ def host_array(t: torch.Tensor, name: str = "") -> np.ndarray:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    t = t.resolve_conj().resolve_neg()
+    t = resolved(t)
     if not t.is_contiguous():
         t = t.contiguous()
     return numpy_view(t, name)
+
+
+_SIGN_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, its conjugate and negative bits applied by flipping sign bits: the
+    same bits on every device. (Arithmetic conjugation makes NaNs canonical on CUDA but
+    keeps their payload on the host.) ``t`` itself when it has neither bit."""
+    conj, neg = t.is_conj(), t.is_neg()
+    if not (conj or neg):
+        return t
+    stored = t.conj() if conj else t  # a view of the same memory, the bit cleared
+    stored = torch._neg_view(stored) if neg else stored
+    return with_bits(stored, conj, neg)
+
+
+def stored_view(t: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    """The memory of ``t`` as a tensor without conjugate or negative bits, and the bits:
+    a value ``v`` is written into ``t`` as ``with_bits(v, conj, neg)`` into the view."""
+    conj, neg = t.is_conj(), t.is_neg()
+    stored = t.conj() if conj else t
+    return (torch._neg_view(stored) if neg else stored), conj, neg
+
+
+def with_bits(t: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """A new tensor: ``t`` conjugated if ``conj``, negated if ``neg``, by sign bits
+    (each is its own inverse, so this also undoes them)."""
+    if not (conj or neg):
+        return t
+    out = t.clone(memory_format=torch.contiguous_format)
+    flip_signs(out, conj, neg)
+    return out
+
+
+def flip_signs(t: torch.Tensor, conj: bool, neg: bool) -> None:
+    """Conjugate (``conj``) and negate (``neg``) ``t`` in place, where it is, by flipping
+    sign bits. ``t`` has neither bit itself."""
+    if not (conj or neg):
+        return
+    cplx = t.is_complex()
+    parts = torch.view_as_real(t) if cplx else t
+    ints = parts.view(_SIGN_INT[parts.element_size()])
+    sign = torch.iinfo(ints.dtype).min  # the sign bit alone
+    if not cplx:
+        ints ^= sign
+        return
+    if neg:
+        ints[..., 0] ^= sign
+    if conj != neg:
+        ints[..., 1] ^= sign
+
+
+def copy_exact(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst[...] = src``, conjugate and negative bits on either side applied by sign bits
+    where the tensors are: ``copy_`` would apply them arithmetically (CUDA makes NaNs
+    canonical), and for an asynchronous copy between devices on the host before the bytes
+    arrive."""
+    src = resolved(src)
+    stored, conj, neg = stored_view(dst)
+    flip = conj or neg
+    with torch.no_grad():
+        if flip and stored.device.type == "cpu":
+            non_blocking = False  # flipped on the host: the bytes must be there first
+        stored.copy_(src, non_blocking=non_blocking)
+        flip_signs(stored, conj, neg)
 
 
 def numpy_view(t: torch.Tensor, name: str = "") -> np.ndarray:

@@ -42,7 +42,7 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.slices import Box
-from distckpt.transfer.arrays import writable_view
+from distckpt.transfer.arrays import copy_exact, writable_view
 from distckpt.transfer.reader import ReadTarget
 
 #: Largest unit, and largest pack of small units, in bytes.
@@ -209,8 +209,7 @@ def _put(t: ReadTarget, unit: Unit, data: np.ndarray) -> None:
     region = _region(t, unit)
     if isinstance(region, torch.Tensor):
         values = torch.from_numpy(data).view(region.dtype).reshape(region.shape)
-        with torch.no_grad():
-            region.copy_(values)
+        copy_exact(region, values)
     else:
         region[...] = data.view(region.dtype).reshape(region.shape)
 

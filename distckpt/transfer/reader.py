@@ -35,7 +35,7 @@ from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.storage.shard_io import EMPTY
 from distckpt.storage.stored import Pieces, StoredPiece
 from distckpt.transfer import slabs
-from distckpt.transfer.arrays import writable_view
+from distckpt.transfer.arrays import copy_exact, writable_view
 from distckpt.transfer.sources import copy_context, follow_current, record_event
 from distckpt.transfer.workers import TaskGroup, interleaved
 
@@ -330,7 +330,7 @@ class Landing:
                 tensor, band = self._tensor, self._band
                 source = self.region.typed(0, tensor.dtype, band.lengths)
                 with copy_context(tensor.device, wait=False), torch.no_grad():
-                    tensor[band.slices()].copy_(source, non_blocking=tensor.device.type == "cuda")
+                    copy_exact(tensor[band.slices()], source, tensor.device.type == "cuda")
                     fence = record_event(tensor.device)
         finally:
             self.region.release(fence)

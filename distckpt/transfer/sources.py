@@ -25,7 +25,7 @@ from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.transfer import ranges, slabs
-from distckpt.transfer.arrays import numpy_view
+from distckpt.transfer.arrays import copy_exact, numpy_view, resolved
 from distckpt.transfer.slabs import Region
 
 _streams: dict[torch.device, Any] = {}
@@ -102,7 +102,7 @@ class StagedData:
 
     def host(self) -> np.ndarray:
         """A whole host copy (small tensors only: those gathered to a writer)."""
-        t = self.tensor.resolve_conj().resolve_neg().to("cpu").contiguous()
+        t = resolved(self.tensor).to("cpu").contiguous()
         return numpy_view(t, self.name)
 
     def fill(self, region: Region, parts: Sequence[ChunkPart]) -> Any:
@@ -122,23 +122,16 @@ class StagedData:
                 offset = 0
                 for p in parts:
                     dst = region.typed(offset, self.tensor.dtype, p.lengths)
-                    dst.copy_(self._values(p.slices), non_blocking=cuda)
+                    copy_exact(dst, self.tensor[p.slices], non_blocking=cuda)
                     offset += p.nbytes
             return record_event(self.device)
-
-    def _values(self, index: tuple[Any, ...]) -> torch.Tensor:
-        """The values of ``tensor[index]``, conjugate and negative views resolved where
-        the tensor is: an asynchronous device-to-host ``copy_`` from such a view would
-        resolve it on the host before the bytes arrive."""
-        part = self.tensor[index]
-        return part.resolve_conj().resolve_neg() if part.is_conj() or part.is_neg() else part
 
     def stage(self, region: Region, band: Box) -> Any:
         """Copy the box ``band`` of the tensor into ``region``, C order; returns the event
         after which the region holds it (None: it does now)."""
         with copy_context(self.device):
             dst = region.typed(0, self.tensor.dtype, band.lengths)
-            dst.copy_(self._values(band.slices()), non_blocking=True)
+            copy_exact(dst, self.tensor[band.slices()], non_blocking=True)
             return record_event(self.device)
 
     def crc(self) -> int:
