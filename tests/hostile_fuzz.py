@@ -894,6 +894,8 @@ def main() -> int:
     args = parser.parse_args()
     import tempfile
 
+    if args.work:
+        os.makedirs(args.work, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         began = time.monotonic()
         records = campaign(Path(tmp), args.seed, args.examples, tuple(args.family or FAMILIES))

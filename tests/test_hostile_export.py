@@ -218,13 +218,18 @@ def test_a_pt_export_is_the_file_torch_save_writes(tmp_path: Path, compression: 
             if not x.filename.endswith("serialization_id"):  # drawn anew by each save
                 assert (x.header_offset, x.CRC) == (y.header_offset, y.CRC), x.filename
                 assert a.read(x) == b.read(y), x.filename
-    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert_pt_holds(tmp_path / "o.pt", state)
+    assert report.largest_buffer <= 100 and report.tensors == 7 and report.values == 2
+
+
+def assert_pt_holds(path: Path, state: dict[str, Any]) -> None:
+    """The ``.pt`` file at ``path`` loads (weights only) as ``state`` flattened, bit for bit."""
+    loaded = torch.load(path, weights_only=True)
     for name, value in flat(state).items():
         if isinstance(value, torch.Tensor):
             assert loaded[name].view(torch.uint8).equal(value.view(torch.uint8)), name
         else:
             assert loaded[name] == value, name
-    assert report.largest_buffer <= 100 and report.tensors == 7 and report.values == 2
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -261,12 +266,7 @@ def test_a_pt_export_without_skip_data_is_built_in_memory(
     monkeypatch.setattr(torch_file, "supported", lambda: False)
     report = export(tmp_path / "ck", tmp_path / "o.pt")
     assert report.tensors == 7 and report.largest_buffer == 300 * 7 * 4
-    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
-    for name, value in flat(state).items():
-        if isinstance(value, torch.Tensor):
-            assert loaded[name].view(torch.uint8).equal(value.view(torch.uint8)), name
-        else:
-            assert loaded[name] == value, name
+    assert_pt_holds(tmp_path / "o.pt", state)
 
 
 class Holder:

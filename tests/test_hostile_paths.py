@@ -60,6 +60,26 @@ def swap_for_link(directory: Path, target: Path) -> None:
     directory.symlink_to(target, target_is_directory=True)
 
 
+def after_staging_prepared(
+    monkeypatch: pytest.MonkeyPatch, action: Callable[[Path], object]
+) -> list[Path]:
+    """Once a save has made its staging directory and every directory it will write in,
+    ``action(staging directory)``, once; returns the list that records it."""
+    real_prepare = PosixStore.prepare
+    done: list[Path] = []
+
+    def prepare_then_act(store: PosixStore, keys: Any) -> None:
+        keys = list(keys)
+        real_prepare(store, keys)
+        if ".staging-" in store.name and OWNER_FILE not in keys and not done:
+            path = Path(store.url)
+            action(path)
+            done.append(path)
+
+    monkeypatch.setattr(PosixStore, "prepare", prepare_then_act)
+    return done
+
+
 def reseal_index(ck: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     doc = json.loads((ck / "zarr.json").read_bytes())
     edit(doc["attributes"]["distckpt"]["variables"])
@@ -131,18 +151,7 @@ def test_a_staging_directory_swapped_for_a_link_is_never_written_through(
     sentinel.mkdir()
     (sentinel / "keep").write_bytes(b"untouched")
     before = snapshot(sentinel)
-    real_prepare = PosixStore.prepare
-    swapped: list[Path] = []
-
-    def prepare_then_swap(store: PosixStore, keys: Any) -> None:
-        keys = list(keys)
-        real_prepare(store, keys)
-        if ".staging-" in store.name and OWNER_FILE not in keys and not swapped:
-            path = Path(store.url)
-            swap_for_link(path, sentinel)
-            swapped.append(path)
-
-    monkeypatch.setattr(PosixStore, "prepare", prepare_then_swap)
+    swapped = after_staging_prepared(monkeypatch, lambda path: swap_for_link(path, sentinel))
     with bounded(BOUND), pytest.raises(UnsafePathError, match="symbolic link"):
         distckpt.save({"net": {"w": torch.arange(6.0), "b": torch.ones(3)}}, run / "ck")
     assert swapped
@@ -157,18 +166,7 @@ def test_a_staging_directory_moved_away_fails_the_save_with_a_checkpoint_error(
     while): the save's next use of the name fails; that is a StorageError saying what
     happened (a raw FileNotFoundError escaped before), and nothing is committed."""
     run = tmp_path / "run"
-    real_prepare = PosixStore.prepare
-    moved: list[Path] = []
-
-    def prepare_then_move(store: PosixStore, keys: Any) -> None:
-        keys = list(keys)
-        real_prepare(store, keys)
-        if ".staging-" in store.name and OWNER_FILE not in keys and not moved:
-            path = Path(store.url)
-            path.rename(tmp_path / "elsewhere")
-            moved.append(path)
-
-    monkeypatch.setattr(PosixStore, "prepare", prepare_then_move)
+    moved = after_staging_prepared(monkeypatch, lambda path: path.rename(tmp_path / "elsewhere"))
     with bounded(BOUND), pytest.raises(distckpt.StorageError, match="moved or replaced"):
         distckpt.save({"net": {"w": torch.arange(6.0), "b": torch.ones(3)}}, run / "ck")
     assert moved and not (run / "ck").exists()
