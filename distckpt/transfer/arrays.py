@@ -1,4 +1,5 @@
-"""Zero-copy NumPy views of torch tensors, ml_dtypes included."""
+"""Zero-copy NumPy views of torch tensors, ml_dtypes included; exact copies through
+conjugate and negative views (sign bits flipped, never arithmetic)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ _NO_NUMPY = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 def host_array(t: torch.Tensor, name: str = "") -> np.ndarray:
     """A C-contiguous NumPy array with ``t``'s values: a view when ``t`` is a contiguous CPU
     tensor, else a copy (device tensors come to host memory)."""
-    t = t.detach()
+    t = resolved(t.detach())  # where it is: ``to`` would resolve a view arithmetically
     if t.device.type != "cpu":
         t = t.to("cpu")
-    t = resolved(t)
     if not t.is_contiguous():
         t = t.contiguous()
     return numpy_view(t, name)
