@@ -215,6 +215,17 @@ class Beneath:
             self._fd, self._ident, self._gen = fd, (st.st_dev, st.st_ino), _generation
             return fd
 
+    def _again_if_replaced(self, op: Callable[[int], T]) -> T:
+        """``op(top's descriptor)``; once more with the new top if it found nothing because
+        the top directory was replaced meanwhile (see :meth:`_replaced`)."""
+        top = self.fd()
+        try:
+            return op(top)
+        except FileNotFoundError:
+            if not self._replaced(top):
+                raise
+        return op(self.fd())
+
     def _replaced(self, fd: int) -> bool:
         """After an operation relative to ``fd`` found nothing: whether the top is now
         another directory (the one held was removed or renamed); if so it is opened
@@ -307,25 +318,21 @@ class Beneath:
     def open(self, rel: str, flags: int, mode: int = 0o644) -> int:
         """A descriptor of ``rel`` opened with ``flags`` (``O_CLOEXEC`` added), no link
         followed on the way or at the end."""
-        top = self.fd()
+        return self._again_if_replaced(lambda top: self._open(top, rel, flags, mode))
+
+    def _with_open(self, rel: str, flags: int, fn: Callable[[int], T]) -> T:
+        """``fn(descriptor of rel opened with flags)``, the descriptor closed after."""
+        fd = self.open(rel, flags)
         try:
-            return self._open(top, rel, flags, mode)
-        except FileNotFoundError:
-            if not self._replaced(top):
-                raise
-        return self._open(self.fd(), rel, flags, mode)
+            return fn(fd)
+        finally:
+            os.close(fd)
 
     def call(self, rel: str, fn: Callable[[int, str], T]) -> T:
         """``fn(descriptor of rel's directory, rel's last component)``: what an ``*at``
         system call needs to act on the entry ``rel`` (not the top) itself."""
         head, _, name = rel.rpartition("/")
-        top = self.fd()
-        try:
-            return self._call(top, head, name, fn)
-        except FileNotFoundError:
-            if not self._replaced(top):
-                raise
-        return self._call(self.fd(), head, name, fn)
+        return self._again_if_replaced(lambda top: self._call(top, head, name, fn))
 
     def _call(self, top: int, head: str, name: str, fn: Callable[[int, str], T]) -> T:
         if not head:
@@ -344,11 +351,7 @@ class Beneath:
             return os.fstat(self.fd())
         if not _PATH:  # no O_PATH to open a link itself with: stat it in its directory
             return self.call(rel, _lstat_at)
-        fd = self.open(rel, _ENTRY)
-        try:
-            return os.fstat(fd)
-        finally:
-            os.close(fd)
+        return self._with_open(rel, _ENTRY, os.fstat)
 
     def open_regular(self, rel: str) -> int:
         """A read-only descriptor of the regular file ``rel`` (never blocking: a FIFO, a
@@ -407,11 +410,7 @@ class Beneath:
 
     def listdir(self, rel: str) -> list[str]:
         """The names in the directory ``rel``."""
-        fd = self.open(rel, DIRECTORY)
-        try:
-            return os.listdir(fd)
-        finally:
-            os.close(fd)
+        return self._with_open(rel, DIRECTORY, os.listdir)
 
     def unlink(self, rel: str) -> None:
         """Remove the entry ``rel`` (not a directory; nothing there: nothing happens)."""
