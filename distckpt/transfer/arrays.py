@@ -23,24 +23,17 @@ def host_array(t: torch.Tensor, name: str = "") -> np.ndarray:
     return numpy_view(t, name)
 
 
-_SIGN_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def resolved(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values, its conjugate and negative bits applied by flipping sign bits: the
     same bits on every device. (Arithmetic conjugation makes NaNs canonical on CUDA but
     keeps their payload on the host.) ``t`` itself when it has neither bit."""
-    conj, neg = t.is_conj(), t.is_neg()
-    if not (conj or neg):
-        return t
-    stored = t.conj() if conj else t  # a view of the same memory, the bit cleared
-    stored = torch._neg_view(stored) if neg else stored
+    stored, conj, neg = stored_view(t)
     return with_bits(stored, conj, neg)
 
 
 def stored_view(t: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
-    """The memory of ``t`` as a tensor without conjugate or negative bits, and the bits:
-    a value ``v`` is written into ``t`` as ``with_bits(v, conj, neg)`` into the view."""
+    """The memory of ``t`` as a tensor without conjugate or negative bits (a view), and
+    the bits: ``t``'s values are that memory with the bits applied (:func:`with_bits`)."""
     conj, neg = t.is_conj(), t.is_neg()
     stored = t.conj() if conj else t
     return (torch._neg_view(stored) if neg else stored), conj, neg
@@ -63,7 +56,7 @@ def flip_signs(t: torch.Tensor, conj: bool, neg: bool) -> None:
         return
     cplx = t.is_complex()
     parts = torch.view_as_real(t) if cplx else t
-    ints = parts.view(_SIGN_INT[parts.element_size()])
+    ints = parts.view(_SAME_SIZE_INT[parts.element_size()])
     sign = torch.iinfo(ints.dtype).min  # the sign bit alone
     if not cplx:
         ints ^= sign
