@@ -25,8 +25,9 @@ def host_array(t: torch.Tensor, name: str = "") -> np.ndarray:
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values, its conjugate and negative bits applied by flipping sign bits: the
-    same bits on every device. (Arithmetic conjugation makes NaNs canonical on CUDA but
-    keeps their payload on the host.) ``t`` itself when it has neither bit."""
+    same bits on every device, every NaN's payload kept (IEEE negation). Arithmetic would
+    change NaNs: CUDA's kernels make them canonical, the host's complex negation quiets
+    them. ``t`` itself when it has neither bit."""
     stored, conj, neg = stored_view(t)
     return with_bits(stored, conj, neg)
 
