@@ -174,12 +174,7 @@ def mark(store: Store, held: Held, rank: int) -> None:
         "world": held.world,
         "run": held.run,
     }
-    store.write(mark_key(held.step, held.token, rank), dumps(doc))
-
-
-def dumps(doc: dict[str, Any]) -> bytes:
-    """The bytes of a manifest or a mark, sealed with its checksum."""
-    return seal.dumps(seal.sealed(doc))
+    store.write(mark_key(held.step, held.token, rank), seal.encode(doc))
 
 
 def retain(store: Store, keep: int, run: str, below: int) -> list[int]:

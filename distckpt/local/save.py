@@ -48,6 +48,7 @@ from distckpt.engine.results import SaveResult
 from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
 from distckpt.local.nodes import Topology, node_identity
+from distckpt.storage import seal
 from distckpt.storage.backend import Store
 from distckpt.storage.shard_io import as_bytes, crc32c
 from distckpt.transfer.exchange import aligned
@@ -332,7 +333,7 @@ def _protocol(
             manifests = [(rank, layout.manifest), *received.items()]
             for o, manifest in manifests:
                 key = files.manifest_key(step.number, o, step.token)
-                store.write(key, files.dumps(manifest))
+                store.write(key, seal.encode(manifest))
             store.persist(
                 keys + [files.manifest_key(step.number, o, step.token) for o, _ in manifests]
             )

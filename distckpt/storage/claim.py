@@ -140,7 +140,7 @@ def retire(checkpoint: Store) -> None:
     goes stale and :func:`collect_garbage` finishes the job."""
     doc = {"token": "retire", "deleting": True, "host": socket.gethostname(), "pid": os.getpid()}
     key = claim_key(checkpoint.name)
-    checkpoint.parent.write(key, seal.dumps(seal.sealed({**doc, "beat": time.time()})))
+    checkpoint.parent.write(key, seal.encode({**doc, "beat": time.time()}))
     checkpoint.delete(ZARR_JSON)
     checkpoint.delete_tree()
     checkpoint.parent.delete(key)

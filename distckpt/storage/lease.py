@@ -15,7 +15,6 @@ system and on an object store.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -24,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from distckpt.errors import CheckpointError
 from distckpt.storage import seal
 from distckpt.storage.backend import ConditionFailed, Store, require
 
@@ -41,20 +39,9 @@ def read_lease(store: Store, key: str) -> tuple[dict[str, Any], str, float] | No
         age = store.age(key)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    try:
-        info = json.loads(raw)
-    except (ValueError, RecursionError):
-        info = {}
-    if not isinstance(info, dict):
-        info = {}
-    try:
-        seal.check(raw, store.where(key), info)
-    except CheckpointError as exc:
-        # A damaged lease names nobody: its holder is judged by its heartbeat alone, so
-        # a flipped pid can never make a live save look dead.
-        log.warning("%s; taking its holder for unknown", exc)
-        info = {}
-    return seal.strip(info), version, age
+    # A damaged lease names nobody: its holder is judged by its heartbeat alone, so a
+    # flipped pid can never make a live save look dead.
+    return seal.load_or_unknown(raw, store.where(key), "holder"), version, age
 
 
 def pid_dead(info: dict[str, Any]) -> bool:
@@ -120,7 +107,7 @@ class Lease:
         holder has it. A store without atomic conditional writes cannot hold one: a
         :class:`~distckpt.errors.StorageError` says so."""
         require(self.store, "conditional_create", "conditional_update", doing=f"lease {self.key}")
-        data = seal.dumps(seal.sealed(self._doc))
+        data = seal.encode(self._doc)
         for _ in range(3):
             try:
                 self._version = self.store.put_new(self.key, data)
@@ -154,9 +141,7 @@ class Lease:
         while not self._stop.wait(self.heartbeat_seconds):
             self._doc["beat"] = time.time()
             try:
-                self._version = self.store.put_if(
-                    self.key, seal.dumps(seal.sealed(self._doc)), self._version
-                )
+                self._version = self.store.put_if(self.key, seal.encode(self._doc), self._version)
             except (ConditionFailed, FileNotFoundError):
                 if self._landed_late():
                     continue

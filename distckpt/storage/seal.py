@@ -62,7 +62,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from distckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from distckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,31 @@ def dumps(doc: Any, *, indent: int | None = None) -> bytes:
         crc = _crc32c.crc32c(tail, _crc32c.crc32c(_ZEROS, _crc32c.crc32c(head)))
         return head + f"{crc:08x}".encode() + tail
     return seal(json.dumps(doc, indent=indent, allow_nan=False, check_circular=False).encode())
+
+
+def encode(obj: dict[str, Any], *, indent: int | None = None) -> bytes:
+    """The sealed bytes of the document ``obj`` (its checksum member first): what
+    ``dumps(sealed(obj))`` gives."""
+    return dumps(sealed(obj), indent=indent)
+
+
+def load_or_unknown(raw: bytes, where: str, role: str) -> dict[str, Any]:
+    """The JSON object in ``raw`` (stored at ``where``) without its checksum member, or {}
+    when it is none or its seal fails (logged, naming ``role``, such as "holder"): for a
+    document that only informs a judgement (a lease, an owner file), where a damaged
+    one must count as naming nobody rather than stop anything."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    try:
+        check(raw, where, obj)
+    except CheckpointError as exc:
+        log.warning("%s; taking its %s for unknown", exc, role)
+        return {}
+    return strip(obj)
 
 
 def crc_of(raw: bytes, at: int) -> int:

@@ -25,7 +25,6 @@ and the three of :class:`~distckpt.storage.backend.RenamingStore` (``rename``,
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -36,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from distckpt.errors import CheckpointError, CheckpointExists, StorageError, UnsafePathError
+from distckpt.errors import CheckpointExists, StorageError, UnsafePathError
 from distckpt.storage import seal
 from distckpt.storage.backend import (
     RenamingStore,
@@ -100,7 +99,7 @@ class Staging:
         handle: WriteHandle | None = None
         try:
             handle = self.store.create(OWNER_FILE)
-            handle.write([seal.dumps(seal.sealed(owner))], 0)
+            handle.write([seal.encode(owner)], 0)
             handle.finish(durable=False)  # the commit removes it; a crash leaves a stale one
         except BaseException:
             if handle is not None:
@@ -224,19 +223,7 @@ class RenameCommit:
 def read_owner(staging: Store) -> dict[str, Any]:
     """The owner file of ``staging`` ({} when it is damaged: its seal fails, or it is not
     a JSON object). Raises OSError when there is none."""
-    raw = staging.read(OWNER_FILE)
-    try:
-        info = json.loads(raw)
-    except (ValueError, RecursionError):
-        return {}
-    if not isinstance(info, dict):
-        return {}
-    try:
-        seal.check(raw, staging.where(OWNER_FILE), info)
-    except CheckpointError as exc:
-        log.warning("%s; taking its owner for unknown", exc)
-        return {}
-    return seal.strip(info)
+    return seal.load_or_unknown(staging.read(OWNER_FILE), staging.where(OWNER_FILE), "owner")
 
 
 def owner_alive(staging: Store, stale_seconds: float = STALE_SECONDS) -> bool:
@@ -359,7 +346,7 @@ class RenameStrategy:
             return
         # The mark keeps collect_garbage from restoring it as an interrupted commit. It is
         # written below the parent, where the name is never followed if it became a link.
-        parent.child(name).write(OWNER_FILE, seal.dumps(seal.sealed({"deleting": True})))
+        parent.child(name).write(OWNER_FILE, seal.encode({"deleting": True}))
         trash = trash_name(name, uuid.uuid4().hex[:16])
         parent.rename(name, trash)
         parent.persist([name])

@@ -60,8 +60,8 @@ class Pointer:
 
 
 def dumps(doc: dict[str, Any]) -> bytes:
-    """The bytes of the pointer document ``doc``, sealed with its checksum."""
-    return seal.dumps(seal.sealed(doc), indent=1)
+    """The bytes of the pointer document ``doc`` (this class's or the manager's), sealed."""
+    return seal.encode(doc, indent=1)
 
 
 def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str, Any], str] | None:
