@@ -25,6 +25,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from distckpt.storage.posix import pwrite_all
+
 _EOCD = b"PK\x05\x06"
 _ZIP64_LOCATOR = b"PK\x06\x07"
 _ZIP64_EOCD = b"PK\x06\x06"
@@ -149,11 +151,8 @@ def fill(fd: int, record: Record, slabs: Iterable[np.ndarray]) -> int:
     offset, crc = record.offset, 0
     for slab in slabs:
         view = slab.reshape(-1).view(np.uint8).data
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
+        offset += pwrite_all(fd, [view], offset)
         crc = zlib.crc32(view, crc)
-        offset += len(view)
     written = offset - record.offset
     if written != record.size:
         raise LayoutError(f"{record.name}: {written} bytes for a record of {record.size}")
