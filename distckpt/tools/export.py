@@ -153,9 +153,9 @@ def tensor_slabs(
 ) -> Iterator[np.ndarray]:
     """The C-order bytes of the stored tensor ``var``, as consecutive flat uint8 arrays of
     at most ``max_slab_bytes`` (or one element), read and verified a slab at a time into
-    one buffer that each next slab reuses: use each before asking for the next. Refuses
-    a tensor whose slabs stored bytes cannot fill alone (:func:`check_slabs`)."""
-    check_slabs(catalog, var, max_slab_bytes)
+    one buffer that each next slab reuses: use each before asking for the next. The
+    caller has refused, before writing anything, a tensor whose slabs stored bytes cannot
+    fill alone (:func:`check_slabs`), as :func:`export` and ``export_hf`` do."""
     itemsize = var.numpy_dtype.itemsize
     buffer = np.empty(0, dtype=np.uint8)
     for box in slabs(var.shape, itemsize, max_slab_bytes):
