@@ -8,8 +8,9 @@ Values are therefore encoded with a tag where JSON alone would lose something::
     >>> decode(encode((1, 2.5)))
     (1, 2.5)
 
-Only ``None``, ``bool``, ``int``, ``float``, ``str`` and lists, tuples and dicts of them
-are accepted; anything else raises :class:`~distckpt.errors.UnsupportedValueError`, unless
+Only ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``io.BytesIO`` (its whole
+contents; ``{"bytes": <base64>}`` and ``{"bytesio": <base64>}``) and lists, tuples and dicts
+of them are accepted; anything else raises :class:`~distckpt.errors.UnsupportedValueError`, unless
 the caller opts in with ``allow_pickle=True``: the object is then stored pickled
 (``{"pickle": <base64>}``), and reading it back needs ``allow_pickle=True`` again, since
 unpickling runs code from the checkpoint. Nothing is unpickled otherwise.
@@ -18,6 +19,7 @@ unpickling runs code from the checkpoint. Nothing is unpickled otherwise.
 from __future__ import annotations
 
 import base64
+import io
 import math
 import pickle
 from typing import Any
@@ -29,9 +31,13 @@ JSON = Any
 SCALARS = (type(None), bool, int, float, str)
 
 
+#: Binary values, stored base64-encoded in the index (no pickle).
+BINARY = (bytes, io.BytesIO)
+
+
 def is_value(obj: object) -> bool:
     """Whether ``obj`` is a value distckpt stores in the index (checked shallowly)."""
-    return isinstance(obj, (*SCALARS, list, tuple, dict))
+    return isinstance(obj, (*SCALARS, *BINARY, list, tuple, dict))
 
 
 #: Containers nested deeper than this are refused when saved and corrupt when read: a
@@ -49,6 +55,10 @@ def encode(value: object, name: str = "", *, allow_pickle: bool = False, depth: 
         if math.isfinite(value):
             return float(value)
         return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, bytes):
+        return {"bytes": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, io.BytesIO):
+        return {"bytesio": base64.b64encode(value.getvalue()).decode("ascii")}
     if isinstance(value, (list, tuple, dict)) and depth >= MAX_DEPTH:
         raise UnsupportedValueError(
             f"variable {name or 'value'!r}: containers nested more than {MAX_DEPTH} deep "
@@ -77,7 +87,7 @@ def encode(value: object, name: str = "", *, allow_pickle: bool = False, depth: 
     where = f"variable {name!r}: " if name else ""
     raise UnsupportedValueError(
         f"{where}cannot store a {type(value).__module__}.{type(value).__qualname__}; distckpt "
-        "stores tensors, Shard, PerRank, and None/bool/int/float/str with lists, tuples and dicts "
+        "stores tensors, Shard, PerRank, and None/bool/int/float/str/bytes/BytesIO with lists, tuples and dicts "
         "of them (pass allow_pickle=True to store other objects pickled)"
     )
 
@@ -139,6 +149,9 @@ class _Decoder:
                 except TypeError:  # a list or dict as a key
                     raise self.corrupt(f"dict key {pair[0]!r:.60}") from None
             return out
+        if tag in ("bytes", "bytesio") and isinstance(body, str):
+            raw = self.base64(body, tag)
+            return raw if tag == "bytes" else io.BytesIO(raw)
         if tag == "pickle" and isinstance(body, str):
             return self.unpickle(body)
         raise self.corrupt(f"{tag!r:.60} of {type(body).__name__}")
@@ -152,8 +165,10 @@ class _Decoder:
                 f"{where} holds a pickled Python object; unpickling runs code from the "
                 "checkpoint, so it needs allow_pickle=True (only for checkpoints you trust)"
             )
+        return pickle.loads(self.base64(body, "pickle"))
+
+    def base64(self, body: str, what: str) -> bytes:
         try:
-            raw = base64.b64decode(body, validate=True)
+            return base64.b64decode(body, validate=True)
         except ValueError:
-            raise self.corrupt("a pickle that is not base64") from None
-        return pickle.loads(raw)
+            raise self.corrupt(f"{what} that is not base64") from None

@@ -1,60 +1,38 @@
-"""distckpt under ``torch.distributed.checkpoint`` (DCP): a ``StorageWriter`` that makes
-``dcp.save`` write a committed distckpt checkpoint, and a ``StorageReader`` that makes
-``dcp.load`` read any distckpt checkpoint (whatever wrote it, on any world size)::
+"""``DistckptReader``: DCP's ``StorageReader`` of any distckpt checkpoint, whatever world
+size or entry point wrote it.
 
-    from distckpt.integrations.dcp import DistckptReader, DistckptWriter
-
-    dcp.save(state, storage_writer=DistckptWriter("s3://bucket/run/step-100"))
-    dcp.load(state, storage_reader=DistckptReader("s3://bucket/run/step-100"))
-
-**Writing.** DCP calls, on every rank: ``reset`` (with ``checkpoint_id`` when given),
-``set_up_storage_writer``, ``prepare_local_plan``; on the coordinator
-``prepare_global_plan``; then on every rank ``write_data``, and on the coordinator
-``finish``. :meth:`DistckptWriter.write_data` is where the checkpoint is made: every rank
-calls :func:`distckpt.save` (a collective) with the state the planner holds, nested again
-as the caller gave it (DCP's flattening undone with the planner's mappings). distckpt
-plans, deduplicates replicas, writes each rank's boxes (DTensor shards as they lie) and
-commits atomically before ``write_data`` returns on any rank, so ``finish`` has nothing
-left to do. DCP's own write plan (its dedup and its file layout) is not used: the
-result is an ordinary distckpt checkpoint that ``distckpt.load``, ``distckpt verify``
-and zarr readers open. Python values in the state are stored as typed JSON; an object
-that is not one is stored pickled, as DCP itself stores every non-tensor (and reading it
-back needs ``allow_pickle=True``).
-
-**Reading.** DCP calls, on every rank: ``reset``, ``read_metadata``,
-``set_up_storage_reader``, ``prepare_local_plan``; on the coordinator
-``prepare_global_plan``; then on every rank ``read_data``. :meth:`DistckptReader.read_metadata`
-translates distckpt's index: each tensor is one whole chunk (so DCP asks each rank for
-exactly the box its target holds, and distckpt reads only the stored chunks that box
-touches), and each Python value is spread into the entries DCP's flattening makes of it
-(``optim.param_groups.0.lr``). :meth:`~DistckptReader.read_data` loads each rank's boxes
-with :func:`distckpt.load` into DCP's destination tensors in place, and hands DCP each
+DCP calls, on every rank: ``reset``, ``read_metadata``, ``set_up_storage_reader``,
+``prepare_local_plan``; on the coordinator ``prepare_global_plan``; then on every rank
+``read_data``. :meth:`DistckptReader.read_metadata` translates distckpt's index: each
+tensor is one whole chunk (so DCP asks each rank for exactly the box its target holds, and
+distckpt reads only the stored chunks that box touches), each Python value is spread into
+the entries DCP's flattening makes of it (``optim.param_groups.0.lr``), and
+``planner_data`` maps each DCP key to its path in the nested state (what
+``_load_state_dict_from_keys`` and DCP's load planner unflatten with).
+:meth:`~DistckptReader.read_data` loads each rank's boxes with :func:`distckpt.load` into
+DCP's destination tensors in place (through a buffer of the stored dtype where DCP's
+destination has another: the copy casts, as DCP's own reader does), and hands DCP each
 value it asks for; a value stored pickled is refused unless the reader was made with
 ``allow_pickle=True``.
-
-Names: distckpt names a nested entry ``model/layer.weight``; DCP's flattened key for it is
-``model.layer.weight``. Two distckpt names that flatten to one DCP key are an error.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import (
     LoadPlan,
     LoadPlanner,
     Metadata,
-    SavePlan,
-    SavePlanner,
     StorageReader,
-    StorageWriter,
 )
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -63,95 +41,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import distckpt
 from distckpt import dtypes
-from distckpt.comm import Communicator, SingleComm
+from distckpt.comm import SingleComm
+from distckpt.integrations.dcp.common import Location, done, location, rank_location
 from distckpt.tools.catalog import open_catalog
 from distckpt.training.names import nest, parts
 from distckpt.values import decode
 
-T = TypeVar("T")
-
-
-def _done(value: T) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
-
-
-Location = str | os.PathLike[str]
-
-
-def _location(checkpoint_id: Location | None) -> Location:
-    if checkpoint_id is None:
-        raise ValueError("no checkpoint location: pass one to the constructor or as checkpoint_id")
-    return checkpoint_id
-
-
-class DistckptWriter(StorageWriter):
-    """A DCP ``StorageWriter`` that saves a committed distckpt checkpoint at ``path`` (a
-    directory or any store's URL). ``comm``: the ranks of the save (default: those of
-    the default process group, as DCP's). ``options`` and keywords: as for
-    :func:`distckpt.save` (``overwrite``, ``compression``, ``io_workers``, ...)."""
-
-    def __init__(
-        self,
-        path: Location | None = None,
-        *,
-        comm: Communicator | None = None,
-        options: distckpt.CheckpointOptions | None = None,
-        **keywords: Any,
-    ) -> None:
-        super().__init__()
-        self.path = path
-        self.comm = comm
-        self.options = (options or distckpt.CheckpointOptions()).replace(
-            allow_pickle=True, **keywords
-        )
-        self.result: distckpt.SaveResult | None = None
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = checkpoint_id
-        self.result = None
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        _location(self.path)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Collective: ``distckpt.save`` of the planner's state, committed on return."""
-        state = getattr(planner, "state_dict", None)
-        if not isinstance(state, dict):
-            raise TypeError(
-                f"{type(planner).__name__} keeps no state_dict: DistckptWriter saves the state "
-                "a DefaultSavePlanner (or a subclass of it) holds"
-            )
-        mappings = getattr(planner, "mappings", None)
-        if getattr(planner, "flatten_state_dict", False) and mappings:
-            state = unflatten_state_dict(state, mappings)
-        saved = distckpt.save(state, _location(self.path), self.comm, options=self.options)
-        assert isinstance(saved, distckpt.SaveResult)
-        self.result = saved
-        return _done([])
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Nothing: every rank's ``write_data`` returned after the commit."""
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.path)) if self.path is not None else None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+#: The version DCP's own writer stamps on its metadata (``filesystem.CURRENT_DCP_VERSION``).
+DCP_VERSION = "1.0.0"
 
 
 @dataclass(frozen=True)
@@ -179,35 +80,47 @@ class DistckptReader(StorageReader):
         self.path = path
         self.allow_pickle = allow_pickle
         self.io_workers = io_workers
+        self.load_id = uuid.uuid4().hex
+        self.source: Location | None = None  # what read_metadata read: path or a rank's
         self.tensors: dict[str, str] = {}  # DCP key: distckpt name
+        self.dtypes: dict[str, torch.dtype] = {}  # DCP key: the stored dtype
         self.values: dict[str, _Value] = {}
         self.found: dict[str, Any] = {}  # distckpt name: its value
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_id
-        self.tensors, self.values, self.found = {}, {}, {}
+        self.load_id = uuid.uuid4().hex
+        self.source = None
+        self.tensors, self.dtypes, self.values, self.found = {}, {}, {}, {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata, from distckpt's index: a tensor is one whole chunk; a value
-        becomes the entries DCP's flattening makes of it."""
-        if kwargs.get("rank") is not None:
-            raise FileNotFoundError("a distckpt checkpoint has no per-rank metadata")
-        location = _location(self.path)
-        catalog = open_catalog(location)
+        becomes the entries DCP's flattening makes of it. ``rank=r`` (DCP's fallback when
+        a checkpoint saved without collectives has no global metadata): the checkpoint
+        rank ``r`` committed at ``path/rank-<r>``."""
+        rank = kwargs.get("rank")
+        source = location(self.path)
+        if rank is not None:
+            source = rank_location(source, rank)
+        catalog = open_catalog(source)
         entries: dict[str, Any] = {}
+        paths: dict[str, tuple[str | int, ...]] = {}
         tensors: dict[str, str] = {}
+        stored_dtypes: dict[str, torch.dtype] = {}
         values: dict[str, _Value] = {}
         found: dict[str, Any] = {}
         for name, var in catalog.tensors.items():
             key = ".".join(parts(name))
             _claim(entries, key, name)
+            stored_dtypes[key] = dtypes.torch_dtype(var.dtype)
             entries[key] = TensorStorageMetadata(
-                TensorProperties(dtype=dtypes.torch_dtype(var.dtype)),
+                TensorProperties(dtype=stored_dtypes[key]),
                 torch.Size(var.shape),
                 [ChunkStorageMetadata(torch.Size([0] * len(var.shape)), torch.Size(var.shape))],
             )
             tensors[key] = name
+            paths[key] = tuple(parts(name))
         for name, stored in catalog.values.items():
             try:
                 found[name] = decode(stored.value, allow_pickle=self.allow_pickle, name=name)
@@ -218,8 +131,16 @@ class DistckptReader(StorageReader):
                 _claim(entries, key, name)
                 entries[key] = BytesStorageMetadata()
                 values[key] = _Value(name, path)
-        self.tensors, self.values, self.found = tensors, values, found
-        return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(str(location)))
+                paths[key] = (*parts(name), *path)
+        self.source = source
+        self.tensors, self.dtypes, self.values, self.found = tensors, stored_dtypes, values, found
+        meta = StorageMeta(checkpoint_id=str(source), load_id=self.load_id)
+        return Metadata(
+            state_dict_metadata=entries,
+            planner_data=paths,
+            storage_meta=meta,
+            version=DCP_VERSION,
+        )
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -235,22 +156,27 @@ class DistckptReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """This rank's boxes, each read into DCP's destination in place (``distckpt.load``
         on this rank alone), and the values it asks for."""
-        location = _location(self.path)
+        source = self.source if self.source is not None else location(self.path)
         tensors = [item for item in plan.items if item.type == LoadItemType.TENSOR]
         for batch in _batches(tensors, lambda item: self.tensors[item.storage_index.fqn]):
             flat: dict[str, Any] = {}
             targets = []
             for item in batch:
-                name = self.tensors[item.storage_index.fqn]
-                target = planner.resolve_tensor(item)
+                key = item.storage_index.fqn
+                target = planner.resolve_tensor(item).detach()
+                stored = self.dtypes[key]
+                # DCP copies into whatever the planner resolves (the copy casts): a
+                # destination of another dtype is filled through a buffer of the stored one
+                into = target if target.dtype == stored else torch.empty_like(target, dtype=stored)
                 shape = torch.Size(distckpt_shape(planner, item))
-                shard = distckpt.Shard(target.detach(), shape, tuple(item.storage_offsets))
-                flat[name] = shard
-                targets.append((item, target))
+                flat[self.tensors[key]] = distckpt.Shard(into, shape, tuple(item.storage_offsets))
+                targets.append((item, target, into))
             distckpt.load(
-                nest(flat), location, SingleComm(), strict=False, io_workers=self.io_workers
+                nest(flat), source, SingleComm(), strict=False, io_workers=self.io_workers
             )
-            for item, target in targets:
+            for item, target, into in targets:
+                if into is not target:
+                    target.copy_(into)
                 planner.commit_tensor(item, target)
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
@@ -259,7 +185,7 @@ class DistckptReader(StorageReader):
             value = self.found[where.name]
             if value is _Pickled:
                 raise distckpt.UnsupportedValueError(
-                    f"{location}: variable {where.name!r} was stored pickled; reading it runs "
+                    f"{source}: variable {where.name!r} was stored pickled; reading it runs "
                     "code from the checkpoint: pass allow_pickle=True to DistckptReader if you "
                     "trust it"
                 )
@@ -267,7 +193,7 @@ class DistckptReader(StorageReader):
             torch.save(_get(value, where.path), buffer)  # made here, from typed JSON
             buffer.seek(0)
             planner.load_bytes(item, buffer)
-        return _done(None)
+        return done(None)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

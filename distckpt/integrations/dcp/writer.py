@@ -1,0 +1,230 @@
+"""``DistckptWriter``: DCP's ``StorageWriter`` that writes what DCP's plan says as one
+committed distckpt checkpoint.
+
+DCP calls, on every rank: ``reset`` (with ``checkpoint_id`` when given),
+``set_up_storage_writer`` and ``prepare_local_plan``; on the coordinator
+``prepare_global_plan``; then on every rank ``write_data``, and on the coordinator
+``finish``. Each step's part here:
+
+* ``prepare_local_plan`` tags this rank's plan with its rank in the default process group
+  (``torch.distributed``'s global rank; 0 without one);
+* ``prepare_global_plan`` (coordinator, every rank's plan in hand) tells each rank who
+  takes part in this save (the global ranks of the plans: DCP's ``process_group``, one rank
+  with ``no_dist=True`` or ``use_collectives=False``) and which values any rank's plan
+  holds;
+* ``write_data`` builds this rank's share from its final plan: each tensor item is
+  ``planner.resolve_data(item)`` (so a planner that transforms what is saved, as the FP16
+  planner of ``SavePlanner``'s docstring does, is obeyed) placed at the item's chunk; each
+  value DCP's plans hold is this rank's own value (``planner.lookup_object``). Every rank
+  of the save then calls :func:`distckpt.save` over a communicator of exactly those ranks;
+  distckpt writes and commits atomically before ``write_data`` returns, so ``finish``
+  has nothing left to do. With ``use_collectives=False`` each rank commits its own
+  checkpoint at ``path/rank-<r>``, which :class:`~distckpt.integrations.dcp.DistckptReader`
+  finds as DCP's own reader finds per-rank metadata.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+import distckpt
+from distckpt.comm import Communicator, SingleComm, auto
+from distckpt.comm.base import resolve_timeout
+from distckpt.integrations.dcp.common import Location, done, location, rank_location
+
+#: The communicator of each set of global ranks a save ran on, created once (a process
+#: group is created by its members alone, see ``use_local_synchronization``).
+_GROUPS: dict[tuple[int, ...], Communicator] = {}
+
+
+@dataclass(frozen=True)
+class _Member:
+    """A local plan's tag: the global rank of the rank that made it."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class _Save:
+    """What the coordinator tells each rank: the global ranks of the save (in the order of
+    DCP's group) and the keys of the values any rank's plan holds."""
+
+    ranks: tuple[int, ...]
+    values: tuple[str, ...]
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _comm_of(ranks: tuple[int, ...]) -> Communicator:
+    """A communicator over the global ``ranks`` (this rank among them): one rank needs
+    none; the whole default group is :func:`distckpt.comm.auto`'s; another set gets a
+    gloo group its members create, once."""
+    import torch.distributed as dist
+
+    if len(ranks) == 1:
+        return SingleComm()
+    if ranks == tuple(range(dist.get_world_size())):
+        return auto()
+    comm = _GROUPS.get(ranks)
+    if comm is None:
+        from distckpt.comm.torch_dist import TorchComm
+
+        group = dist.new_group(
+            list(ranks),
+            backend="gloo",
+            timeout=timedelta(seconds=resolve_timeout(None)),
+            use_local_synchronization=True,
+            group_desc="distckpt_dcp",
+        )
+        comm = _GROUPS[ranks] = TorchComm(group)
+    return comm
+
+
+class DistckptWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that saves a committed distckpt checkpoint at ``path`` (a
+    directory or any store's URL) from DCP's plan.
+
+    ``comm``: the ranks of the save (default: the ranks DCP saves with, from its
+    ``process_group``, ``no_dist`` and ``use_collectives``). ``options`` and keywords: as
+    for :func:`distckpt.save` (``compression``, ``io_workers``, ...). ``overwrite``
+    defaults to True, as DCP's ``FileSystemWriter`` does; distckpt's overwrite is atomic
+    (the old checkpoint stays whole until the new one commits). With
+    ``overwrite=False`` an existing checkpoint is refused with
+    :class:`~distckpt.errors.CheckpointExists` (a ``FileExistsError``), which DCP wraps in
+    its ``CheckpointException`` as it wraps its own refusal. Objects that are not typed
+    values are stored pickled (as DCP stores every non-tensor)."""
+
+    def __init__(
+        self,
+        path: Location | None = None,
+        *,
+        comm: Communicator | None = None,
+        options: distckpt.CheckpointOptions | None = None,
+        **keywords: Any,
+    ) -> None:
+        super().__init__()
+        self.path = path
+        self.comm = comm
+        keywords.setdefault("overwrite", True)
+        self.options = (options or distckpt.CheckpointOptions()).replace(
+            allow_pickle=True, **keywords
+        )
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.use_collectives = True
+        self.result: distckpt.SaveResult | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self.save_id = uuid.uuid4().hex
+        self.result = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        location(self.path)
+        self.rank = kwargs.get("rank") or 0
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return replace(plan, storage_data=_Member(_global_rank()))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        ranks = tuple(
+            p.storage_data.rank if isinstance(p.storage_data, _Member) else i
+            for i, p in enumerate(plans)
+        )
+        values = sorted(
+            {i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO}
+        )
+        told = _Save(ranks, tuple(values))
+        return [replace(p, storage_data=told) for p in plans]
+
+    @property
+    def target(self) -> Location:
+        """Where this rank's save commits: ``path``, or with ``use_collectives=False``
+        this rank's own checkpoint in it."""
+        path = location(self.path)
+        return path if self.use_collectives else rank_location(path, self.rank)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Collective over the ranks of the save: ``distckpt.save`` of what this rank's
+        plan holds, committed on return."""
+        told = plan.storage_data
+        if not isinstance(told, _Save):  # a plan that did not pass prepare_global_plan
+            told = _Save((_global_rank(),), ())
+        comm = self.comm or _comm_of(told.ranks)
+        state = planned_state(plan, planner, told.values)
+        saved = distckpt.save(state, self.target, comm, options=self.options)
+        self.result = saved
+        return done([])
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing: every rank's ``write_data`` returned after the commit."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        path = None if self.path is None else str(self.path)
+        return StorageMeta(checkpoint_id=path, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def planned_state(plan: SavePlan, planner: SavePlanner, values: tuple[str, ...]) -> dict[str, Any]:
+    """This rank's state for :func:`distckpt.save`, nested as the caller gave it: each
+    tensor item of ``plan`` as the planner resolves it, placed at its chunk, and each of
+    ``values`` this rank holds."""
+    mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+    if not mappings and getattr(planner, "flatten_state_dict", False):
+        mappings = getattr(planner, "mappings", None) or {}
+    flat: dict[str, Any] = {}
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        fqn = item.index.fqn
+        if fqn in flat:
+            raise distckpt.UnsupportedValueError(
+                f"{fqn}: this rank's plan holds several chunks of it; DistckptWriter saves "
+                "at most one box of a tensor per rank"
+            )
+        flat[fqn] = _shard(item, planner.resolve_data(item))
+    lookup = getattr(planner, "lookup_object", None)
+    held = getattr(planner, "state_dict", None)
+    for fqn in values:
+        if isinstance(held, dict) and fqn not in held:
+            continue  # another rank's value (a pipeline stage this rank is not)
+        if lookup is None:
+            raise TypeError(
+                f"{type(planner).__name__} has no lookup_object: DistckptWriter stores the "
+                "values a DefaultSavePlanner (or a subclass of it) holds"
+            )
+        flat[fqn] = lookup(MetadataIndex(fqn))
+    paths = {fqn: mappings.get(fqn, (fqn,)) for fqn in flat}
+    return unflatten_state_dict(flat, paths)
+
+
+def _shard(item: WriteItem, data: Any) -> distckpt.Shard:
+    """A tensor item's data at its chunk of the global tensor."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(
+            f"{item.index.fqn}: the planner resolved a tensor item to a {type(data).__name__}"
+        )
+    meta = item.tensor_data
+    assert meta is not None
+    return distckpt.Shard(data.detach(), tuple(meta.size), tuple(meta.chunk.offsets))
