@@ -193,7 +193,7 @@ def test_overwrite_is_dcps_default_and_atomic(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as caught:
         dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=DistckptWriter(path, overwrite=False))
     (wrapped,) = caught.value.failures.values()
-    failure = wrapped.exception  # DCP keeps each rank's exception with its traceback
+    failure = wrapped[0]  # DCP keeps each rank's exception with its traceback
     assert isinstance(failure, FileExistsError) and isinstance(failure, distckpt.CheckpointExists)
     got = {"w": torch.zeros(3)}
     dcp.load(got, storage_reader=DistckptReader(path))
