@@ -91,6 +91,16 @@ class Leaf:
         return dtypes.zarr_name(self.tensor.dtype, self.name)
 
 
+class Branch(dict):  # type: ignore[type-arg]
+    """A dict whose entries are named leaves even where it holds no tensor on this rank
+    (another rank holds tensors under it), so each entry is named as it is there. A plain
+    dict without a tensor would be stored whole, as one value."""
+
+
+class BranchList(list):  # type: ignore[type-arg]
+    """A list whose items are named leaves, as :class:`Branch` for a dict."""
+
+
 def is_dtensor(obj: object) -> bool:
     # A DTensor can only exist once its module is imported; importing it costs a second.
     module = sys.modules.get("torch.distributed.tensor")
@@ -98,7 +108,7 @@ def is_dtensor(obj: object) -> bool:
 
 
 def has_tensor(obj: object) -> bool:
-    if isinstance(obj, (torch.Tensor, Shard, PerRank)):
+    if isinstance(obj, (torch.Tensor, Shard, PerRank, Branch, BranchList)):
         return True
     if isinstance(obj, dict):
         return any(has_tensor(v) for v in obj.values())

@@ -87,8 +87,8 @@ def encode(value: object, name: str = "", *, allow_pickle: bool = False, depth: 
     where = f"variable {name!r}: " if name else ""
     raise UnsupportedValueError(
         f"{where}cannot store a {type(value).__module__}.{type(value).__qualname__}; distckpt "
-        "stores tensors, Shard, PerRank, and None/bool/int/float/str/bytes/BytesIO with lists, tuples and dicts "
-        "of them (pass allow_pickle=True to store other objects pickled)"
+        "stores tensors, Shard, PerRank, and None/bool/int/float/str/bytes/BytesIO with lists, "
+        "tuples and dicts of them (pass allow_pickle=True to store other objects pickled)"
     )
 
 

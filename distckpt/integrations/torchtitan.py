@@ -20,8 +20,9 @@ What changes against torchtitan's own:
   stored tensors; a resume on another world size reshards, as with DCP.
 
 Hugging Face exports and loads (``last_save_in_hf``, ``initial_load_in_hf``) stay
-torchtitan's. ``async_mode`` must stay ``disabled`` (DCP's asynchronous save runs its
-own process group).
+torchtitan's. ``async_mode`` is torchtitan's: ``async`` saves through ``dcp.async_save``
+in a thread, ``async_with_pinned_mem`` in DCP's checkpoint process with torchtitan's
+stager, both over torchtitan's gloo group, as its own checkpointer does.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import MODEL, CheckpointManager
+from torchtitan.components.checkpointer.dcp import AsyncMode
 
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 from distckpt.numbering import numbered
@@ -53,17 +56,13 @@ class DistckptCheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.async_mode != "disabled":
-                raise ValueError(
-                    "distckpt checkpoints are saved synchronously: set checkpoint.async_mode "
-                    f"to disabled (got {self.async_mode!r})"
-                )
             if self.compression == "none":
                 self.compression = None
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         CheckpointManager.__init__(self, config, **kwargs)
         self.compression = config.compression
+        self.in_flight: str | None = None  # the step an asynchronous save is writing
 
     def dcp_save(
         self,
@@ -77,7 +76,18 @@ class DistckptCheckpointManager(CheckpointManager):
             return super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
-        writer = DistckptWriter(checkpoint_id, overwrite=True, compression=self.compression)
+        writer = DistckptWriter(checkpoint_id, compression=self.compression)
+        self.in_flight = None if async_mode == AsyncMode.DISABLED else checkpoint_id
+        if async_mode == AsyncMode.ASYNC:
+            return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            return dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
         dcp.save(state_dict, storage_writer=writer)
         return None
 
@@ -102,11 +112,18 @@ class DistckptCheckpointManager(CheckpointManager):
         return max(committed, default=-1)
 
     def _purge_stale_checkpoints(self) -> None:
-        """Rank 0: delete all but the newest ``keep_latest_k`` steps, through the store."""
+        """Rank 0: delete all but the newest ``keep_latest_k`` steps, through the store; a
+        step an asynchronous save is still writing counts as one of them (torchtitan's
+        own, writing in place, counts it too)."""
         if self.keep_latest_k <= 0 or (dist.is_initialized() and dist.get_rank() != 0):
             return
         store = resolve(self.folder)
-        for _, name in self._steps(self.folder)[: -self.keep_latest_k]:
+        steps = self._steps(self.folder)
+        writing = self.in_flight.rstrip("/").rsplit("/", 1)[-1] if self.in_flight else ""
+        n = numbered(writing, "step-")
+        if n is not None and writing not in {name for _, name in steps}:
+            steps = sorted([*steps, (n, writing)])
+        for _, name in steps[: -self.keep_latest_k]:
             log.info("removing %s (keep_latest_k=%d)", store.where(name), self.keep_latest_k)
             store.delete_tree(name)
 

@@ -90,6 +90,25 @@ def async_thread(directory: Path, rank: int) -> None:
     check(load(path), 50, "async_save (thread)")
 
 
+def async_process(directory: Path, rank: int) -> None:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    state = state_of(60)
+    path = directory / "async-process"
+    stager = DefaultStager(StagingOptions(False, True, True, False))
+    response = dcp.async_save(
+        state,
+        storage_writer=DistckptWriter(path),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        async_stager=stager,
+    )
+    response.staging_completion.result()
+    state["w"].add_(1000)
+    response.upload_completion.result()
+    stager.close()
+    check(load(path), 60, "async_save (process, shared-memory staging)")
+
+
 def sharded_tensor(directory: Path, rank: int) -> None:
     from torch.distributed._shard import sharded_tensor as st
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
@@ -121,7 +140,15 @@ def main() -> None:
     directory = Path(sys.argv[1])
     rank, world = job.start()
     assert world == 3, world
-    for case in (groups, no_dist, no_collectives, async_thread, sharded_tensor, differing):
+    for case in (
+        groups,
+        no_dist,
+        no_collectives,
+        async_thread,
+        async_process,
+        sharded_tensor,
+        differing,
+    ):
         case(directory, rank)
         job.say(f"CASE {case.__name__} {rank}")
     job.finish(rank)

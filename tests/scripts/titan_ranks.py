@@ -24,6 +24,7 @@ from typing import Any
 
 import job
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -61,7 +62,7 @@ class TrainState:
         torch.set_rng_state(state["rng"])
 
 
-def build(seed: int, mesh: Any, directory: Path) -> tuple[Any, ...]:
+def build(seed: int, mesh: Any, directory: Path, folder: str) -> tuple[Any, ...]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4))
     for layer in model:
@@ -76,7 +77,12 @@ def build(seed: int, mesh: Any, directory: Path) -> tuple[Any, ...]:
     )
     cursor, train = Cursor(), TrainState()
     config = DistckptCheckpointManager.Config(
-        enable=True, folder="ckpt", interval=1, keep_latest_k=2, compression="zstd"
+        enable=True,
+        folder=folder,
+        interval=1,
+        keep_latest_k=2,
+        compression="zstd",
+        async_mode="async" if folder.endswith("async") else "disabled",
     )
     manager = config.build(
         dataloader=cursor,
@@ -109,45 +115,58 @@ def others(schedulers: Any, cursor: Cursor, train: TrainState) -> dict[str, Any]
     }
 
 
+#: Trained and saved identically, synchronously and with dcp.async_save.
+FOLDERS = ("ckpt", "ckpt-async")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     mode, directory = sys.argv[1], Path(sys.argv[2])
     rank, world = job.start()
     mesh = init_device_mesh("cpu", (world,))
-    if mode == "save":
-        model, optimizers, schedulers, cursor, train, manager = build(0, mesh, directory)
-        for step in range(1, 5):
-            batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(cursor.position))
-            model(batch).square().mean().backward()
-            optimizers.step()
-            optimizers.zero_grad()
-            schedulers.step()
-            cursor.position += 8
-            train.step = step
-            torch.manual_seed(1000 + step)  # the RNG moves on, as sampling would
-            assert manager.save(step)
-        manager.close()
-        expected = everything(model, optimizers)
-        if rank == 0:
-            save_file(expected, str(directory / "expected.safetensors"))
-            state = others(schedulers, cursor, train)
-            (directory / "expected.json").write_text(json.dumps(state))
-    else:
-        model, optimizers, schedulers, cursor, train, manager = build(7, mesh, directory)
-        torch.manual_seed(99)
-        assert manager.load(), "nothing to resume from"
-        manager.close()
-        got = others(schedulers, cursor, train)
-        want = json.loads((directory / "expected.json").read_text())
-        for key in ("schedulers", "position", "step", "rng"):
-            assert got[key] == want[key], (key, got[key], want[key])
-        expected = load_file(str(directory / "expected.safetensors"))
-        found = everything(model, optimizers)
-        assert sorted(found) == sorted(expected), sorted(set(found) ^ set(expected))
-        for name, value in expected.items():
-            same = found[name].dtype == value.dtype and found[name].shape == value.shape
-            assert same and torch.equal(found[name], value), name
+    for folder in FOLDERS:
+        if mode == "save":
+            save(mesh, directory, folder, write_expected=folder == FOLDERS[0])
+        else:
+            resume(mesh, directory, folder)
     job.finish(rank)
+
+
+def save(mesh: Any, directory: Path, folder: str, write_expected: bool) -> None:
+    model, optimizers, schedulers, cursor, train, manager = build(0, mesh, directory, folder)
+    for step in range(1, 5):
+        batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(cursor.position))
+        model(batch).square().mean().backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        schedulers.step()
+        cursor.position += 8
+        train.step = step
+        torch.manual_seed(1000 + step)  # the RNG moves on, as sampling would
+        assert manager.save(step)
+    manager.close()
+    expected = everything(model, optimizers)
+    if write_expected and dist.get_rank() == 0:
+        save_file(expected, str(directory / "expected.safetensors"))
+        state = others(schedulers, cursor, train)
+        (directory / "expected.json").write_text(json.dumps(state))
+
+
+def resume(mesh: Any, directory: Path, folder: str) -> None:
+    model, optimizers, schedulers, cursor, train, manager = build(7, mesh, directory, folder)
+    torch.manual_seed(99)
+    assert manager.load(), "nothing to resume from"
+    manager.close()
+    got = others(schedulers, cursor, train)
+    want = json.loads((directory / "expected.json").read_text())
+    for key in ("schedulers", "position", "step", "rng"):
+        assert got[key] == want[key], (key, got[key], want[key])
+    expected = load_file(str(directory / "expected.safetensors"))
+    found = everything(model, optimizers)
+    assert sorted(found) == sorted(expected), sorted(set(found) ^ set(expected))
+    for name, value in expected.items():
+        same = found[name].dtype == value.dtype and found[name].shape == value.shape
+        assert same and torch.equal(found[name], value), (folder, name)
 
 
 if __name__ == "__main__":

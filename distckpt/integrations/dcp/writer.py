@@ -26,6 +26,7 @@ DCP calls, on every rank: ``reset`` (with ``checkpoint_id`` when given),
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -41,8 +42,9 @@ from torch.futures import Future
 
 import distckpt
 from distckpt.comm import Communicator, SingleComm, auto
-from distckpt.comm.base import resolve_timeout
+from distckpt.comm.base import background, resolve_timeout
 from distckpt.integrations.dcp.common import Location, done, location, rank_location
+from distckpt.items import Branch, BranchList
 
 #: The communicator of each set of global ranks a save ran on, created once (a process
 #: group is created by its members alone, see ``use_local_synchronization``).
@@ -56,13 +58,18 @@ class _Member:
     rank: int
 
 
+Path = tuple[str | int, ...]
+
+
 @dataclass(frozen=True)
 class _Save:
     """What the coordinator tells each rank: the global ranks of the save (in the order of
-    DCP's group) and the keys of the values any rank's plan holds."""
+    DCP's group), the keys of the values any rank's plan holds, and the paths of the
+    containers that hold a tensor on some rank."""
 
     ranks: tuple[int, ...]
     values: tuple[str, ...]
+    branches: frozenset[Path] = frozenset()
 
 
 def _global_rank() -> int:
@@ -152,7 +159,15 @@ class DistckptWriter(StorageWriter):
         values = sorted(
             {i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO}
         )
-        told = _Save(ranks, tuple(values))
+        branches = {
+            path[:n]
+            for p in plans
+            for item in p.items
+            if item.type != WriteItemType.BYTE_IO
+            for path in [_path_of(p, item.index.fqn)]
+            for n in range(1, len(path))
+        }
+        told = _Save(ranks, tuple(values), frozenset(branches))
         return [replace(p, storage_data=told) for p in plans]
 
     @property
@@ -169,7 +184,10 @@ class DistckptWriter(StorageWriter):
         if not isinstance(told, _Save):  # a plan that did not pass prepare_global_plan
             told = _Save((_global_rank(),), ())
         comm = self.comm or _comm_of(told.ranks)
-        state = planned_state(plan, planner, told.values)
+        if threading.current_thread() is not threading.main_thread():
+            # dcp.async_save's thread: never mix with the collectives training runs
+            comm = background(comm)
+        state = planned_state(plan, planner, told)
         saved = distckpt.save(state, self.target, comm, options=self.options)
         self.result = saved
         return done([])
@@ -186,13 +204,17 @@ class DistckptWriter(StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-def planned_state(plan: SavePlan, planner: SavePlanner, values: tuple[str, ...]) -> dict[str, Any]:
-    """This rank's state for :func:`distckpt.save`, nested as the caller gave it: each
-    tensor item of ``plan`` as the planner resolves it, placed at its chunk, and each of
-    ``values`` this rank holds."""
+def _path_of(plan: SavePlan, fqn: str) -> Path:
+    """Where DCP's key ``fqn`` lies in the nested state (the planner's flattening)."""
     mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
-    if not mappings and getattr(planner, "flatten_state_dict", False):
-        mappings = getattr(planner, "mappings", None) or {}
+    return tuple(mappings.get(fqn, (fqn,)))
+
+
+def planned_state(plan: SavePlan, planner: SavePlanner, told: _Save) -> dict[str, Any]:
+    """This rank's state for :func:`distckpt.save`, nested as the caller gave it: each
+    tensor item of ``plan`` as the planner resolves it, placed at its chunk, and each
+    value of the save this rank holds. A container that holds a tensor on any rank is a
+    :class:`~distckpt.items.Branch` here, so every rank names its values alike."""
     flat: dict[str, Any] = {}
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
@@ -206,7 +228,7 @@ def planned_state(plan: SavePlan, planner: SavePlanner, values: tuple[str, ...])
         flat[fqn] = _shard(item, planner.resolve_data(item))
     lookup = getattr(planner, "lookup_object", None)
     held = getattr(planner, "state_dict", None)
-    for fqn in values:
+    for fqn in told.values:
         if isinstance(held, dict) and fqn not in held:
             continue  # another rank's value (a pipeline stage this rank is not)
         if lookup is None:
@@ -215,8 +237,19 @@ def planned_state(plan: SavePlan, planner: SavePlanner, values: tuple[str, ...])
                 "values a DefaultSavePlanner (or a subclass of it) holds"
             )
         flat[fqn] = lookup(MetadataIndex(fqn))
-    paths = {fqn: mappings.get(fqn, (fqn,)) for fqn in flat}
-    return unflatten_state_dict(flat, paths)
+    nested = unflatten_state_dict(flat, {fqn: _path_of(plan, fqn) for fqn in flat})
+    return _branched(nested, (), told.branches)
+
+
+def _branched(node: Any, path: Path, branches: frozenset[Path]) -> Any:
+    """``node`` with the containers at ``branches`` (and above them) made branches."""
+    if isinstance(node, dict):
+        kids = {k: _branched(v, (*path, k), branches) for k, v in node.items()}
+        return Branch(kids) if path in branches else kids
+    if isinstance(node, list):
+        items = [_branched(v, (*path, i), branches) for i, v in enumerate(node)]
+        return BranchList(items) if path in branches else items
+    return node
 
 
 def _shard(item: WriteItem, data: Any) -> distckpt.Shard:
