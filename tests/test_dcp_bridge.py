@@ -198,3 +198,27 @@ def test_overwrite_is_dcps_default_and_atomic(tmp_path: Path) -> None:
     got = {"w": torch.zeros(3)}
     dcp.load(got, storage_reader=DistckptReader(path))
     assert torch.equal(got["w"], torch.ones(3))
+
+
+def test_filesystem_writer_arguments(tmp_path: Path) -> None:
+    """A script written for ``FileSystemWriter``/``FileSystemReader`` runs with the bridge
+    unchanged: ``thread_count`` is ``io_workers``, ``_extensions=[ZStandard()]`` is zstd,
+    the layout settings are taken and change nothing; another extension is refused."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    writer = DistckptWriter(
+        tmp_path / "z",
+        thread_count=2,
+        sync_files=False,
+        single_file_per_rank=False,
+        per_thread_copy_ahead=1,
+        _extensions=[ZStandard.__new__(ZStandard)],  # its module (zstandard) is not needed
+    )
+    assert writer.options.io_workers == 2 and writer.options.compression == "zstd"
+    state = {"w": torch.zeros(4096)}
+    dcp.save(state, storage_writer=writer)
+    got = {"w": torch.ones(4096)}
+    dcp.load(got, storage_reader=DistckptReader(tmp_path / "z", _extension_registry=None))
+    assert torch.equal(got["w"], state["w"])
+    with pytest.raises(ValueError, match="has no distckpt equivalent"):
+        DistckptWriter(tmp_path / "x", _extensions=[object()])

@@ -67,7 +67,8 @@ class DistckptReader(StorageReader):
     """A DCP ``StorageReader`` of the distckpt checkpoint at ``path`` (a directory or any
     store's URL), whatever world size wrote it. ``allow_pickle=True`` lets values that
     were stored pickled be read (unpickling runs code from the checkpoint). ``io_workers``
-    as for :func:`distckpt.load`."""
+    as for :func:`distckpt.load`. ``_extension_registry`` (``FileSystemReader``'s) is
+    accepted and unused: the checkpoint's index names its codecs."""
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class DistckptReader(StorageReader):
         *,
         allow_pickle: bool = False,
         io_workers: int | None = None,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
         self.path = path

@@ -46,6 +46,17 @@ from distckpt.comm.base import background, resolve_timeout
 from distckpt.integrations.dcp.common import Location, done, location, rank_location
 from distckpt.items import Branch, BranchList
 
+#: ``FileSystemWriter`` settings that distckpt's own layout makes moot (it writes its
+#: pieces with its I/O workers and always syncs before the commit): accepted and unused, so
+#: a script written for DCP's writer runs unchanged.
+MOOT = (
+    "single_file_per_rank",
+    "sync_files",
+    "per_thread_copy_ahead",
+    "cache_staged_state_dict",
+    "serialization_format",
+)
+
 #: The communicator of each set of global ranks a save ran on, created once (a process
 #: group is created by its members alone, see ``use_local_synchronization``).
 _GROUPS: dict[tuple[int, ...], Communicator] = {}
@@ -115,7 +126,11 @@ class DistckptWriter(StorageWriter):
     ``overwrite=False`` an existing checkpoint is refused with
     :class:`~distckpt.errors.CheckpointExists` (a ``FileExistsError``), which DCP wraps in
     its ``CheckpointException`` as it wraps its own refusal. Objects that are not typed
-    values are stored pickled (as DCP stores every non-tensor)."""
+    values are stored pickled (as DCP stores every non-tensor).
+
+    ``FileSystemWriter``'s arguments are taken too: ``thread_count`` sets ``io_workers``,
+    ``_extensions=[ZStandard()]`` sets ``compression="zstd"``, and those of :data:`MOOT`
+    change nothing."""
 
     def __init__(
         self,
@@ -123,11 +138,24 @@ class DistckptWriter(StorageWriter):
         *,
         comm: Communicator | None = None,
         options: distckpt.CheckpointOptions | None = None,
+        thread_count: int | None = None,
+        _extensions: Any = None,
         **keywords: Any,
     ) -> None:
         super().__init__()
         self.path = path
         self.comm = comm
+        for name in MOOT:
+            keywords.pop(name, None)
+        if thread_count is not None:
+            keywords.setdefault("io_workers", thread_count)
+        for extension in _extensions or ():
+            if type(extension).__name__ != "ZStandard":
+                raise ValueError(
+                    f"DCP extension {type(extension).__name__} has no distckpt equivalent; "
+                    "ZStandard maps to compression='zstd'"
+                )
+            keywords.setdefault("compression", "zstd")
         keywords.setdefault("overwrite", True)
         self.options = (options or distckpt.CheckpointOptions()).replace(
             allow_pickle=True, **keywords
