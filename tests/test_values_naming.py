@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -29,6 +30,8 @@ from distckpt.values import MAX_DEPTH, decode, encode
         {1: "x", (1, 2): [3.0]},
         (float("inf"), -float("inf")),
         {"k": (1,)},
+        b"\x00\xffbytes",
+        {"blob": b""},
     ],
 )
 def test_values_round_trip_with_types(value):
@@ -42,14 +45,27 @@ def test_nan_round_trips():
     assert math.isnan(back[0])
 
 
-@pytest.mark.parametrize("value", [{1, 2}, object(), b"bytes", {frozenset(): 1}])
+def test_bytesio_round_trips_its_contents():
+    back = decode(json.loads(json.dumps(encode({"loader": io.BytesIO(b"pos=17")}))))
+    assert isinstance(back["loader"], io.BytesIO) and back["loader"].getvalue() == b"pos=17"
+
+
+@pytest.mark.parametrize("value", [{1, 2}, object(), bytearray(b"x"), {frozenset(): 1}])
 def test_unsupported_values_are_refused_by_name(value):
     with pytest.raises(UnsupportedValueError, match="opt/x"):
         encode(value, "opt/x")
 
 
 def test_decode_rejects_malformed():
-    for stored in ({"unknown-tag": 1}, {"float": "7"}, {"dict": [[[1], 2]]}, {"tuple": 5}):
+    malformed = (
+        {"unknown-tag": 1},
+        {"float": "7"},
+        {"dict": [[[1], 2]]},
+        {"tuple": 5},
+        {"bytes": "not base64!"},
+        {"bytesio": 5},
+    )
+    for stored in malformed:
         with pytest.raises(CorruptCheckpointError, match="malformed stored value"):
             decode(stored, name="v")
 
