@@ -92,6 +92,23 @@ def encode(value: object, name: str = "", *, allow_pickle: bool = False, depth: 
     )
 
 
+def has_binary(data: JSON) -> bool:
+    """Whether the stored value ``data`` holds a binary value (which older distckpt, of
+    format versions up to 3, cannot read)."""
+    if isinstance(data, list):
+        return any(has_binary(v) for v in data)
+    if not isinstance(data, dict) or len(data) != 1:
+        return False
+    ((tag, body),) = data.items()
+    if tag in ("bytes", "bytesio"):
+        return True
+    if tag == "map" and isinstance(body, dict):
+        return any(has_binary(v) for v in body.values())
+    if tag in ("tuple", "dict") and isinstance(body, list):
+        return any(has_binary(v) for v in body)
+    return False
+
+
 def decode(data: JSON, *, allow_pickle: bool = False, name: str = "") -> Any:
     """The Python value that :func:`encode` turned into ``data``.
 

@@ -88,3 +88,18 @@ def test_names_and_paths():
     assert zarr_path("zarr.json/x") == "%7Aarr.json/x"
     assert zarr_path("__init__/.hidden/..") == "%5F_init__/%2Ehidden/%2E."
     assert zarr_path("a//b") == "a/%00/b"
+
+
+def test_a_binary_value_makes_format_version_4(tmp_path):
+    """A checkpoint holding bytes is format version 4, which a distckpt reading versions
+    up to 3 refuses by name instead of calling the value malformed; one without keeps its
+    version."""
+    import torch
+
+    import distckpt
+    from distckpt.storage import index
+
+    distckpt.save({"w": torch.ones(2), "r": distckpt.PerRank(b"\x00")}, tmp_path / "b")
+    distckpt.save({"w": torch.ones(2), "n": 1}, tmp_path / "plain")
+    assert index.read_index(tmp_path / "b")["format_version"] == 4
+    assert index.read_index(tmp_path / "plain")["format_version"] == 1

@@ -22,6 +22,7 @@ from distckpt.storage import seal, zarr_meta
 from distckpt.storage import stored as stored_mod
 from distckpt.storage.shard_io import Stored
 from distckpt.storage.transaction import Transaction
+from distckpt.values import has_binary
 from distckpt.version import VERSION
 
 
@@ -81,6 +82,12 @@ def _tensor_entry(
         "layout": layout,
         "pieces": pieces,
     }
+
+
+def _stored_values(variables: dict[str, Any]) -> list[Any]:
+    """Every stored value of an index's ``variables`` (per-rank ones included)."""
+    entries = [e for v in variables.values() for e in [v, *v.get("ranks", {}).values()]]
+    return [e["value"] for e in entries if e.get("kind") == "value"]
 
 
 def build_index(
@@ -160,7 +167,7 @@ def build_index(
                 None if digests is None else digests[part],
                 stored_mod.reuse_column(reused[part], origins),
             )
-            newest = index_mod.FORMAT_VERSION
+            newest = max(newest, index_mod.FORMAT_VERSION_REGULAR)
         else:
             assert spec.dtype is not None and spec.shape is not None and spec.layout is not None
             pieces = listed(spec)
@@ -169,6 +176,8 @@ def build_index(
             variables[spec.name] = _tensor_entry(
                 spec.dtype, spec.shape, spec.path, spec.layout, pieces
             )
+    if any(has_binary(v) for v in _stored_values(variables)):
+        newest = index_mod.FORMAT_VERSION
     index = {
         "format": index_mod.FORMAT,
         "format_version": newest,

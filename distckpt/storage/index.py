@@ -86,11 +86,15 @@ from distckpt.storage.backend import Store, resolve
 from distckpt.storage.stored import Pieces, stored_dtype
 
 FORMAT = "distckpt"
-FORMAT_VERSION = 3
+#: The newest version this distckpt reads and writes: a checkpoint holding a binary value
+#: (``bytes`` or ``io.BytesIO``, see :mod:`distckpt.values`).
+FORMAT_VERSION = 4
 #: The version of a checkpoint with no regular entry and no compressed piece.
 FORMAT_VERSION_UNCOMPRESSED = 1
 #: The version of a checkpoint with compressed pieces but no regular entry.
 FORMAT_VERSION_COMPRESSED = 2
+#: The version of a checkpoint with a regular entry (and no binary value).
+FORMAT_VERSION_REGULAR = 3
 ATTRIBUTE = "distckpt"
 
 
