@@ -10,8 +10,8 @@ the entries DCP's flattening makes of it (``optim.param_groups.0.lr``), and
 ``planner_data`` maps each DCP key to its path in the nested state (what
 ``_load_state_dict_from_keys`` and DCP's load planner unflatten with).
 :meth:`~DistckptReader.read_data` loads each rank's boxes with :func:`distckpt.load` into
-DCP's destination tensors in place (through a buffer of the stored dtype where DCP's
-destination has another: the copy casts, as DCP's own reader does), and hands DCP each
+DCP's destination tensors in place (through a host buffer of the stored dtype where
+DCP's destination has another: the copy casts, as DCP's own reader's does), and hands DCP each
 value it asks for; a value stored pickled is refused unless the reader was made with
 ``allow_pickle=True``.
 """
@@ -167,9 +167,14 @@ class DistckptReader(StorageReader):
                 key = item.storage_index.fqn
                 target = planner.resolve_tensor(item).detach()
                 stored = self.dtypes[key]
-                # DCP copies into whatever the planner resolves (the copy casts): a
-                # destination of another dtype is filled through a buffer of the stored one
-                into = target if target.dtype == stored else torch.empty_like(target, dtype=stored)
+                # DCP copies into whatever the planner resolves, from a host tensor of the
+                # stored dtype (the copy casts): a destination of another dtype is filled
+                # the same way, so the cast is DCP's to the bit (NaN payloads included)
+                into = (
+                    target
+                    if target.dtype == stored
+                    else torch.empty(target.shape, dtype=stored, device="cpu")
+                )
                 shape = torch.Size(distckpt_shape(planner, item))
                 flat[self.tensors[key]] = distckpt.Shard(into, shape, tuple(item.storage_offsets))
                 targets.append((item, target, into))
