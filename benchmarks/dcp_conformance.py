@@ -1,0 +1,701 @@
+#!/usr/bin/env python
+"""DCP conformance: PyTorch's own ``torch.distributed.checkpoint`` (DCP) tests, run with
+DCP's storage swapped for distckpt's bridge (:mod:`distckpt.integrations.dcp`).
+
+The test files are not part of distckpt: take them from a PyTorch checkout (those under
+``test/distributed/checkpoint/``) into a directory of your own, then::
+
+    python benchmarks/dcp_conformance.py PATH_TO_TESTS_DIR
+    python benchmarks/dcp_conformance.py PATH_TO_TESTS_DIR --mode dcp --mode compat \\
+        --json results.json -k "not async" --timeout 900
+
+``PATH_TO_TESTS_DIR`` (or several; a file is taken as it is): every ``test_*.py`` under it
+(folders whose name starts with ``_`` or ``.`` are passed over), copied into a temporary
+directory with their paths relative to the deepest folder holding them all. The helpers
+they import (``torch.testing._internal``) ship with torch; they need ``expecttest`` (and
+the ZStandard cases ``zstandard``) importable, e.g. on ``PYTHONPATH``.
+
+Modes (``--mode``, repeatable; default all three, in this order):
+
+* ``dcp``: the files unchanged, DCP's ``FileSystemWriter`` / ``FileSystemReader``: the
+  baseline.
+* ``bridge``: the storage swapped for the bridge, with the bridge's defaults.
+* ``compat``: as ``bridge``, with DCP-compatible settings: every writer made with
+  ``overwrite=True`` (DCP's ``FileSystemWriter`` replaces a checkpoint by default) and every
+  reader with ``allow_pickle=True`` (DCP stores every non-tensor pickled), unless the test
+  passes them itself.
+
+What ``bridge`` and ``compat`` swap:
+
+* **explicit**: every use of the names ``FileSystemWriter`` / ``FileSystemReader`` in the
+  test code (``FileSystemWriter(...)``, ``dcp.FileSystemWriter(...)``, ...; import statements
+  and strings are left alone) is rewritten to ``DistckptWriter`` / ``DistckptReader``,
+  imported at the top of the file from a generated module, ``_dcpconf_swap``.
+* **implicit**: DCP's default storage (``dcp.save(sd, checkpoint_id=path)`` / ``dcp.load``
+  without a ``storage_writer`` / ``storage_reader``, resolved in
+  ``torch.distributed.checkpoint._storage_utils``) and the names ``FileSystemWriter`` /
+  ``FileSystemReader`` of the ``torch.distributed.checkpoint`` package are replaced, in
+  every process (the pytest one and the ranks it spawns), by a ``sitecustomize.py`` on
+  ``PYTHONPATH`` that calls ``_dcpconf_swap.install()``.
+
+``_dcpconf_swap``'s classes are thin subclasses of distckpt's ``DistckptWriter`` /
+``DistckptReader``: they record which swap made them (``explicit`` or ``implicit``) for the
+test that runs, and adapt ``FileSystemWriter`` / ``FileSystemReader``'s constructor
+arguments: ``path`` and ``overwrite`` are passed on, ``thread_count`` becomes
+``io_workers``, and the others (``single_file_per_rank``, ``sync_files``,
+``per_thread_copy_ahead``, ``cache_staged_state_dict``, ``_extensions``,
+``serialization_format``, ``_extension_registry``) are dropped, and recorded as dropped for
+the test. ``--no-adapt`` passes the arguments to the bridge as the test gave them.
+
+Each file runs in its own pytest process per mode (``-p no:cacheprovider``, a per-test
+``--timeout`` from pytest-timeout, a JUnit XML report for the outcomes) with
+``OMP_NUM_THREADS=1``, ``GLOO_SOCKET_IFNAME=lo``, ``TMPDIR`` a fresh folder, and this
+checkout first on ``PYTHONPATH`` (so the distckpt tested is this checkout's, in the ranks
+the tests spawn too). Tests that need CUDA skip themselves. Printed: per file, the tests
+passed / failed / skipped in each mode (an error counts as failed), then every test whose
+outcome differs from mode ``dcp`` with the first meaningful line of its error (an
+exception's type and message) and the swaps it went through. ``--json FILE`` writes every
+test's outcome, error line, swaps and dropped arguments per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES = ("dcp", "bridge", "compat")
+NAMES = {"FileSystemWriter": "DistckptWriter", "FileSystemReader": "DistckptReader"}
+SWAP_MODULE = "_dcpconf_swap"
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+# The module the swapped modes import in every process (sitecustomize) and in the rewritten
+# test files. It runs inside the tests: keep it to the standard library, torch and distckpt.
+SWAP_SOURCE = '''\
+"""Written by benchmarks/dcp_conformance.py: DCP's storage swapped for distckpt's bridge."""
+
+import inspect
+import json
+import os
+
+import torch.distributed.checkpoint as _dcp
+from torch.distributed.checkpoint import _storage_utils
+from torch.distributed.checkpoint.filesystem import FileSystemReader as _FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemWriter as _FileSystemWriter
+
+from distckpt.integrations import dcp as _bridge
+
+MODE = os.environ.get("DCPCONF_MODE", "bridge")
+ADAPT = os.environ.get("DCPCONF_ADAPT", "1") == "1"
+EVENTS = os.environ.get("DCPCONF_EVENTS", "")
+# FileSystemWriter / FileSystemReader arguments the bridge has a counterpart for.
+WRITER_ARGUMENTS = {"path": "path", "overwrite": "overwrite", "thread_count": "io_workers"}
+READER_ARGUMENTS = {"path": "path"}
+
+
+def _record(swap, role, dropped):
+    if not EVENTS:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    line = json.dumps({"test": test, "swap": swap, "role": role, "dropped": dropped})
+    with open(EVENTS, "a", encoding="utf-8") as out:
+        out.write(line + "\\n")
+
+
+def _adapt(original, known, args, kwargs):
+    """(args, kwargs) for the bridge from those given to ``original``, and what was dropped."""
+    if not ADAPT:
+        return args, dict(kwargs), []
+    try:
+        bound = inspect.signature(original.__init__).bind(None, *args, **kwargs)
+    except TypeError:  # not the signature of DCP's class: passed on as given
+        return args, dict(kwargs), []
+    given = {}
+    for name, value in list(bound.arguments.items())[1:]:
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(value)
+        else:
+            given[name] = value
+    adapted = {known[name]: value for name, value in given.items() if name in known}
+    return (), adapted, sorted(name for name in given if name not in known)
+
+
+def _writer(swap):
+    class DistckptWriter(_bridge.DistckptWriter):
+        def __init__(self, *args, **kwargs):
+            args, kwargs, dropped = _adapt(_FileSystemWriter, WRITER_ARGUMENTS, args, kwargs)
+            if MODE == "compat":
+                kwargs.setdefault("overwrite", True)
+            _record(swap, "writer", dropped)
+            super().__init__(*args, **kwargs)
+
+    return DistckptWriter
+
+
+def _reader(swap):
+    class DistckptReader(_bridge.DistckptReader):
+        def __init__(self, *args, **kwargs):
+            args, kwargs, dropped = _adapt(_FileSystemReader, READER_ARGUMENTS, args, kwargs)
+            if MODE == "compat":
+                kwargs.setdefault("allow_pickle", True)
+            _record(swap, "reader", dropped)
+            super().__init__(*args, **kwargs)
+
+    return DistckptReader
+
+
+# The names the rewritten test files import.
+DistckptWriter = _writer("explicit")
+DistckptReader = _reader("explicit")
+ImplicitWriter = _writer("implicit")
+ImplicitReader = _reader("implicit")
+
+
+def install():
+    """DCP's default storage and its package's FileSystemWriter/Reader names: the bridge."""
+    for module in (_dcp, _storage_utils):
+        module.FileSystemWriter = ImplicitWriter
+        module.FileSystemReader = ImplicitReader
+'''
+
+SITECUSTOMIZE_SOURCE = f'''\
+"""Written by benchmarks/dcp_conformance.py: the swap in every process of a swapped mode."""
+
+import os
+
+if os.environ.get("DCPCONF_MODE") in ("bridge", "compat"):
+    import {SWAP_MODULE}
+
+    {SWAP_MODULE}.install()
+'''
+
+# Run in each mode's environment before its tests: what the tests need, and the swap in place.
+PREFLIGHT = """\
+import json, os, sys
+import expecttest, torch, distckpt
+import torch.distributed.checkpoint._storage_utils as s
+print(json.dumps({"torch": torch.__version__, "distckpt": os.path.dirname(distckpt.__file__),
+                  "default_writer": s.FileSystemWriter.__module__}))
+"""
+
+EXCEPTION_LINE = re.compile(
+    r"^(?:(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failed|Failure)\b"
+    r"(?::.*)?|(?:[a-z_]\w*\.)+[A-Z]\w*: .*)$"
+)
+# Exceptions that only carry another one (the one worth showing comes later in the text).
+WRAPPERS = (
+    re.compile(r"^(?:[\w.]*\.)?CheckpointException\b"),
+    re.compile(r"^RuntimeError: Process \d+ (?:exited with error code|terminated or timed out)"),
+)
+
+
+@dataclass
+class TestOutcome:
+    outcome: str  # passed, failed, error, skipped
+    error: str = ""
+    swaps: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FileRun:
+    returncode: int | None
+    seconds: float
+    tests: dict[str, TestOutcome]
+    note: str = ""
+
+    def counts(self) -> dict[str, int]:
+        counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+        for test in self.tests.values():
+            counts[test.outcome] += 1
+        return counts
+
+
+def find_tests(paths: list[Path]) -> tuple[Path, list[Path]]:
+    """The deepest folder holding every test file, and their paths relative to it."""
+    files: list[Path] = []
+    for path in paths:
+        path = path.resolve()
+        if path.is_file():
+            files.append(path)
+            continue
+        for found in sorted(path.rglob("test_*.py")):
+            inner = found.relative_to(path).parts[:-1]
+            if not any(part.startswith(("_", ".")) for part in inner):
+                files.append(found)
+    if not files:
+        raise SystemExit(f"no test_*.py under {', '.join(map(str, paths))}")
+    base = Path(os.path.commonpath([str(f.parent) for f in files]))
+    return base, sorted({f.relative_to(base) for f in files})
+
+
+def rewrite(source: str) -> tuple[str, int]:
+    """``source`` with every use of FileSystemWriter/Reader (a name or an attribute, outside
+    import statements) renamed to the bridge's class, and the import of those added."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    sites: list[tuple[int, int, int, int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in NAMES:
+            site: ast.expr = node
+            name = node.id
+        elif isinstance(node, ast.Attribute) and node.attr in NAMES:
+            site, name = node, node.attr
+        else:
+            continue
+        assert site.end_lineno is not None and site.end_col_offset is not None
+        sites.append(
+            (site.lineno, site.col_offset, site.end_lineno, site.end_col_offset, NAMES[name])
+        )
+    if not sites:
+        return source, 0
+    # Offsets are of UTF-8 bytes; replace from the last so the earlier ones stay valid.
+    encoded = [line.encode() for line in lines]
+    for start_line, start_col, end_line, end_col, new in sorted(sites, reverse=True):
+        head = encoded[start_line - 1][:start_col]
+        tail = encoded[end_line - 1][end_col:]
+        encoded[start_line - 1 : end_line] = [head + new.encode() + tail]
+    text = b"".join(encoded).decode()
+    # The import goes after a docstring and any ``from __future__`` imports.
+    after = 0
+    for index, statement in enumerate(tree.body):
+        docstring = (
+            index == 0
+            and isinstance(statement, ast.Expr)
+            and isinstance(statement.value, ast.Constant)
+            and isinstance(statement.value.value, str)
+        )
+        future = isinstance(statement, ast.ImportFrom) and statement.module == "__future__"
+        if not (docstring or future):
+            break
+        assert statement.end_lineno is not None
+        after = statement.end_lineno
+    # (A site spanning lines shortens the text only after it: none precede ``after``.)
+    out = text.splitlines(keepends=True)
+    added = f"from {SWAP_MODULE} import DistckptReader, DistckptWriter  # dcp_conformance\n"
+    out.insert(after, added)
+    return "".join(out), len(sites)
+
+
+def exception_lines(text: str) -> list[str]:
+    """The lines of ``text`` that name an exception and its message, wrappers left out."""
+    found = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("E ") or line == "E":
+            line = line[1:].strip()  # pytest's mark of an exception's lines
+        if EXCEPTION_LINE.match(line) and not any(w.match(line) for w in WRAPPERS):
+            found.append(line)
+    return found
+
+
+def error_line(text: str, output: str = "") -> str:
+    """The first meaningful line of a failure: the innermost exception's type and message.
+    A rank that died without reporting its exception to the test (``Expected exit code 0
+    but got 1``) printed it: the first one in the test's captured ``output`` is taken."""
+    found = exception_lines(text)
+    chosen = found[-1] if found else ""
+    if output and (not found or "Expected exit code" in text):
+        printed = exception_lines(output)
+        chosen = printed[0] if printed else chosen
+    if not chosen:
+        chosen = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return chosen if len(chosen) <= 300 else f"{chosen[:200]} ... {chosen[-95:]}"
+
+
+def read_junit(path: Path, rel: Path) -> dict[str, TestOutcome]:
+    """Each test case of the JUnit XML report ``path`` (one file's run), by pytest node id."""
+    module = rel.with_suffix("").as_posix().replace("/", ".")
+    tests: dict[str, TestOutcome] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        if classname == module:
+            test = f"{rel.as_posix()}::{name}"
+        elif classname.startswith(module + "."):
+            test = f"{rel.as_posix()}::{classname[len(module) + 1 :].replace('.', '::')}::{name}"
+        else:  # a collection error and the like
+            test = f"{rel.as_posix()}::{classname or '<collection>'}::{name}"
+        outcome = TestOutcome("passed")
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is None:
+                continue
+            message = element.get("message", "")
+            if tag == "skipped":
+                outcome = TestOutcome("skipped", message.strip())
+                break
+            output = "\n".join(
+                part.text or "" for part in case if part.tag in ("system-out", "system-err")
+            )
+            text = f"{message}\n{element.text or ''}"
+            outcome = TestOutcome(
+                "failed" if tag == "failure" else "error", error_line(text, output)
+            )
+            break
+        tests[test] = outcome
+    return tests
+
+
+def read_events(path: Path) -> dict[str, tuple[set[str], set[str]]]:
+    """Per test: the swaps its bridge objects came through, and the arguments dropped."""
+    seen: dict[str, tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
+    if not path.exists():
+        return seen
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a process killed mid-write
+        swaps, dropped = seen[event["test"]]
+        swaps.add(f"{event['swap']} {event['role']}")
+        dropped.update(event["dropped"])
+    return seen
+
+
+@dataclass
+class Setup:
+    python: str
+    root: Path
+    base: Path
+    files: list[Path]
+    timeout: float
+    file_timeout: float
+    keyword: str | None
+    adapt: bool
+    explicit_sites: dict[str, int] = field(default_factory=dict)
+
+    def env(self, mode: str, tmpdir: Path, events: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(CHECKOUT)]
+        if mode != "dcp":
+            paths.append(str(self.root / "site"))
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env.update(
+            PYTHONPATH=os.pathsep.join(paths),
+            OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME="lo",
+            PYTORCH_PRINT_REPRO_ON_FAILURE="0",
+            TMPDIR=str(tmpdir),
+            DCPCONF_MODE=mode,
+            DCPCONF_ADAPT="1" if self.adapt else "0",
+            DCPCONF_EVENTS=str(events),
+        )
+        return env
+
+    def prepare(self) -> None:
+        """The copies of the test files (unchanged for dcp, rewritten for the others) and
+        the swap's modules."""
+        site = self.root / "site"
+        site.mkdir(parents=True)
+        (site / f"{SWAP_MODULE}.py").write_text(SWAP_SOURCE, encoding="utf-8")
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE_SOURCE, encoding="utf-8")
+        for kind in ("dcp", "swapped"):
+            folder = self.root / "tests" / kind
+            folder.mkdir(parents=True)
+            (folder / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
+            for rel in self.files:
+                target = folder / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = (self.base / rel).read_text(encoding="utf-8")
+                if kind == "swapped":
+                    source, sites = rewrite(source)
+                    self.explicit_sites[rel.as_posix()] = sites
+                target.write_text(source, encoding="utf-8")
+
+    def preflight(self, mode: str) -> dict[str, Any]:
+        scratch = self.root / "work" / f"preflight-{mode}"
+        scratch.mkdir(parents=True)
+        env = self.env(mode, scratch, scratch / "events.jsonl")
+        done = subprocess.run(
+            [self.python, "-c", PREFLIGHT],
+            env=env,
+            cwd=scratch,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"mode {mode}: the tests' environment is not ready:\n{done.stderr}")
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        if Path(found["distckpt"]).resolve() != (CHECKOUT / "distckpt").resolve():
+            raise SystemExit(
+                f"mode {mode}: distckpt comes from {found['distckpt']}, not {CHECKOUT}"
+            )
+        expected = "torch.distributed.checkpoint.filesystem" if mode == "dcp" else SWAP_MODULE
+        if found["default_writer"] != expected:
+            raise SystemExit(
+                f"mode {mode}: DCP's default writer is from {found['default_writer']}, "
+                f"not {expected} (sitecustomize.py did not run?)"
+            )
+        return found
+
+    def run(self, mode: str, index: int, rel: Path) -> FileRun:
+        folder = self.root / "tests" / ("dcp" if mode == "dcp" else "swapped")
+        work = self.root / "work" / f"{mode}-{index}"
+        tmpdir = work / "tmp"
+        tmpdir.mkdir(parents=True)
+        junit, events = work / "junit.xml", work / "events.jsonl"
+        command = [
+            self.python,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rN",
+            f"--timeout={self.timeout:g}",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_logging=all",  # what a rank printed: the exception it could not report
+            "--rootdir",
+            str(folder),
+            rel.as_posix(),
+        ]
+        if self.keyword:
+            command += ["-k", self.keyword]
+        started = time.monotonic()
+        with (work / "output.txt").open("w", encoding="utf-8") as log:
+            process = subprocess.Popen(
+                command,
+                cwd=folder,
+                env=self.env(mode, tmpdir, events),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            note = ""
+            try:
+                returncode: int | None = process.wait(timeout=self.file_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the run and the ranks it spawned
+                process.wait()
+                returncode, note = None, f"killed after {self.file_timeout:g} s"
+        seconds = time.monotonic() - started
+        tests: dict[str, TestOutcome] = {}
+        if junit.exists():
+            try:
+                tests = read_junit(junit, rel)
+            except ET.ParseError as exc:
+                note = note or f"unreadable JUnit report: {exc}"
+        elif not note:
+            tail = (work / "output.txt").read_text(encoding="utf-8", errors="replace")
+            note = "no JUnit report: " + error_line(tail[-4000:])
+        for test, (swaps, dropped) in read_events(events).items():
+            if test in tests:
+                tests[test].swaps = sorted(swaps)
+                tests[test].dropped = sorted(dropped)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        return FileRun(returncode, seconds, tests, note)
+
+
+def summary_cell(run: FileRun | None) -> str:
+    if run is None:
+        return "-"
+    counts = run.counts()
+    cell = f"{counts['passed']}/{counts['failed'] + counts['error']}/{counts['skipped']}"
+    return cell + (" !" if run.note else "")
+
+
+def print_report(setup: Setup, modes: list[str], runs: dict[str, dict[str, FileRun]]) -> None:
+    width = max(len(rel.as_posix()) for rel in setup.files)
+    width = max(width, len("file"))
+    print()
+    print(f"{'file':<{width}}  " + "  ".join(f"{m + ' p/f/s':>15}" for m in modes))
+    totals = {mode: [0, 0, 0] for mode in modes}
+    for rel in setup.files:
+        name = rel.as_posix()
+        cells = []
+        for mode in modes:
+            run = runs[mode].get(name)
+            cells.append(f"{summary_cell(run):>15}")
+            if run is not None:
+                counts = run.counts()
+                totals[mode][0] += counts["passed"]
+                totals[mode][1] += counts["failed"] + counts["error"]
+                totals[mode][2] += counts["skipped"]
+        print(f"{name:<{width}}  " + "  ".join(cells))
+    print(
+        f"{'total':<{width}}  "
+        + "  ".join(f"{'/'.join(map(str, totals[mode])):>15}" for mode in modes)
+    )
+    for mode in modes:
+        for name, run in runs[mode].items():
+            if run.note:
+                print(f"  ! {mode} {name}: {run.note}")
+    if "dcp" not in modes:
+        return
+    differences = list(find_differences(modes, runs))
+    print()
+    if not differences:
+        print("every test has the outcome it has in mode dcp")
+        return
+    print("outcomes that differ from mode dcp:")
+    for item in differences:
+        print(f"  [{item['mode']}] {item['test']}: {item['dcp']} -> {item['outcome']}")
+        if item["error"]:
+            print(f"      {item['error']}")
+        swaps = ", ".join(item["swaps"]) or "no bridge object made"
+        dropped = f"; dropped: {', '.join(item['dropped'])}" if item["dropped"] else ""
+        print(f"      swaps: {swaps}{dropped}")
+
+
+def find_differences(modes: list[str], runs: dict[str, dict[str, FileRun]]) -> Any:
+    for mode in modes:
+        if mode == "dcp":
+            continue
+        for name, run in runs[mode].items():
+            baseline = runs["dcp"].get(name)
+            base_tests = baseline.tests if baseline else {}
+            for test, outcome in run.tests.items():
+                before = base_tests.get(test)
+                was = before.outcome if before else "absent"
+                if was != outcome.outcome:
+                    yield {
+                        "mode": mode,
+                        "test": test,
+                        "dcp": was,
+                        "outcome": outcome.outcome,
+                        "error": outcome.error,
+                        "swaps": outcome.swaps,
+                        "dropped": outcome.dropped,
+                    }
+
+
+def to_json(
+    setup: Setup,
+    modes: list[str],
+    runs: dict[str, dict[str, FileRun]],
+    found: dict[str, Any],
+) -> dict[str, Any]:
+    tests: dict[str, dict[str, Any]] = defaultdict(dict)
+    for mode in modes:
+        for run in runs[mode].values():
+            for test, outcome in run.tests.items():
+                tests[test][mode] = {
+                    "outcome": outcome.outcome,
+                    "error": outcome.error,
+                    "swaps": outcome.swaps,
+                    "dropped": outcome.dropped,
+                }
+    files = []
+    for rel in setup.files:
+        name = rel.as_posix()
+        entry: dict[str, Any] = {
+            "file": name,
+            "explicit_sites": setup.explicit_sites.get(name, 0),
+            "runs": {},
+        }
+        for mode in modes:
+            done = runs[mode].get(name)
+            if done is not None:
+                entry["runs"][mode] = {
+                    "returncode": done.returncode,
+                    "seconds": round(done.seconds, 1),
+                    "counts": done.counts(),
+                    "note": done.note,
+                }
+        files.append(entry)
+    return {
+        "command": [sys.executable, *sys.argv],
+        "python": setup.python,
+        "torch": found.get("torch"),
+        "checkout": str(CHECKOUT),
+        "tests_dir": str(setup.base),
+        "modes": modes,
+        "adapt_arguments": setup.adapt,
+        "per_test_timeout_s": setup.timeout,
+        "files": files,
+        "tests": dict(sorted(tests.items())),
+        "differences": list(find_differences(modes, runs)) if "dcp" in modes else [],
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="PyTorch's DCP tests with the storage swapped for distckpt's bridge.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("tests", nargs="+", type=Path, help="a folder of test_*.py, or files")
+    parser.add_argument(
+        "--mode", action="append", choices=MODES, help="dcp, bridge, compat (repeatable)"
+    )
+    parser.add_argument("--json", type=Path, help="write every test's outcome here")
+    parser.add_argument("-k", dest="keyword", help="pytest's -k expression")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a test may take")
+    parser.add_argument(
+        "--file-timeout", type=float, default=4 * 3600, help="seconds one file's run may take"
+    )
+    parser.add_argument("--python", default=sys.executable, help="the interpreter of the tests")
+    parser.add_argument(
+        "--no-adapt",
+        dest="adapt",
+        action="store_false",
+        help="pass FileSystemWriter/Reader's arguments to the bridge as given",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    modes = list(dict.fromkeys(args.mode or MODES))
+    base, files = find_tests(args.tests)
+    root = Path(tempfile.mkdtemp(prefix="dcp_conformance-"))
+    setup = Setup(
+        python=args.python,
+        root=root,
+        base=base,
+        files=files,
+        timeout=args.timeout,
+        file_timeout=args.file_timeout,
+        keyword=args.keyword,
+        adapt=args.adapt,
+    )
+    try:
+        setup.prepare()
+        found: dict[str, Any] = {}
+        for mode in modes:
+            found = setup.preflight(mode) or found
+        print(f"torch {found.get('torch')}, distckpt from {CHECKOUT}, tests from {base}")
+        print(f"work directory: {root}")
+        runs: dict[str, dict[str, FileRun]] = {mode: {} for mode in modes}
+        index = 0
+        for mode in modes:
+            for rel in files:
+                index += 1
+                run = setup.run(mode, index, rel)
+                runs[mode][rel.as_posix()] = run
+                print(
+                    f"[{mode}] {rel.as_posix()}: p/f/s {summary_cell(run)} "
+                    f"in {run.seconds:.0f} s{'  ' + run.note if run.note else ''}",
+                    flush=True,
+                )
+        print_report(setup, modes, runs)
+        if args.json:
+            document = to_json(setup, modes, runs, found)
+            args.json.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+            print(f"\nwrote {args.json}")
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
