@@ -57,9 +57,10 @@ MOOT = (
     "serialization_format",
 )
 
-#: The communicator of each set of global ranks a save ran on, created once (a process
-#: group is created by its members alone, see ``use_local_synchronization``).
-_GROUPS: dict[tuple[int, ...], Communicator] = {}
+#: The communicator of each set of global ranks a save ran on, created once per default
+#: group (a process group is created by its members alone, see
+#: ``use_local_synchronization``): (default group, ranks) -> communicator.
+_GROUPS: dict[tuple[Any, tuple[int, ...]], Communicator] = {}
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,10 @@ def _comm_of(ranks: tuple[int, ...]) -> Communicator:
         return SingleComm()
     if ranks == tuple(range(dist.get_world_size())):
         return auto()
-    comm = _GROUPS.get(ranks)
+    world = dist.group.WORLD
+    for stale in [key for key in _GROUPS if key[0] is not world]:  # from a destroyed world
+        del _GROUPS[stale]
+    comm = _GROUPS.get((world, ranks))
     if comm is None:
         from distckpt.comm.torch_dist import TorchComm
 
@@ -110,7 +114,7 @@ def _comm_of(ranks: tuple[int, ...]) -> Communicator:
             use_local_synchronization=True,
             group_desc="distckpt_dcp",
         )
-        comm = _GROUPS[ranks] = TorchComm(group)
+        comm = _GROUPS[world, ranks] = TorchComm(group)
     return comm
 
 
