@@ -254,8 +254,9 @@ def planned_state(plan: SavePlan, planner: SavePlanner, told: _Save) -> dict[str
         fqn = item.index.fqn
         if fqn in flat:
             raise distckpt.UnsupportedValueError(
-                f"{fqn}: this rank's plan holds several chunks of it; DistckptWriter saves "
-                "at most one box of a tensor per rank"
+                f"{fqn}: this rank's plan holds several chunks of it (a ShardedTensor with "
+                "several shards on one rank?); DistckptWriter saves at most one box of a "
+                "tensor per rank, as DTensors and FSDP hold them"
             )
         flat[fqn] = _shard(item, planner.resolve_data(item))
     lookup = getattr(planner, "lookup_object", None)
