@@ -166,6 +166,11 @@ def test_metadata_is_dcps(tmp_path: Path) -> None:
     first = writer.storage_meta()
     writer.reset()
     assert first is not None and first.save_id and first.save_id != writer.storage_meta().save_id
+    # The save's identity is the one its index records, read back as DCP's own is.
+    dcp.save({"a": torch.zeros(2)}, storage_writer=writer)
+    reader = DistckptReader(tmp_path / "ids")
+    meta = reader.read_metadata().storage_meta
+    assert meta.save_id == writer.save_id and meta.load_id == reader.load_id
 
 
 def test_bytes_are_typed_values(tmp_path: Path) -> None:

@@ -381,6 +381,22 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         load1({"w": torch.zeros(1)}, tmp_path / "garbled")
 
 
+def test_a_save_id_is_recorded_and_checked(simple_ckpt: Path, tmp_path: Path) -> None:
+    """Every save records its identity (its token) in the index and returns it; a stored
+    one that is not hex digits is a corrupt index, not a value handed on."""
+    result = save1({"w": torch.ones(3)}, tmp_path / "a")
+    doc = json.loads((tmp_path / "a" / "zarr.json").read_bytes())
+    assert doc["attributes"]["distckpt"]["save_id"] == result.save_id
+    assert result.save_id and len(result.save_id) == 16
+    ck = tmp_path / "ck"
+    shutil.copytree(simple_ckpt, ck)
+    doc = json.loads((ck / "zarr.json").read_bytes())
+    doc["attributes"]["distckpt"]["save_id"] = "../../etc"
+    (ck / "zarr.json").write_bytes(reseal(json.dumps(doc).encode()))
+    with pytest.raises(CorruptCheckpointError, match="save id"):
+        distckpt.list_variables(ck)
+
+
 def test_newer_format_version_is_refused_clearly(simple_ckpt: Path, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     shutil.copytree(simple_ckpt, ck)

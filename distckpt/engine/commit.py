@@ -198,13 +198,19 @@ def index_bytes(index: dict[str, Any]) -> bytes:
 
 
 def commit(
-    plan: SavePlan, reports: Sequence[Report], values: dict[str, Any], txn: Transaction
+    plan: SavePlan,
+    reports: Sequence[Report],
+    values: dict[str, Any],
+    txn: Transaction,
+    save_id: str | None = None,
 ) -> bytes:
     """Coordinator, step 5 of the save protocol: with every rank's report in, write the
     group metadata and then the index through the save's transaction
     (:mod:`distckpt.storage.transaction`), which makes it the checkpoint; return the
-    index document's bytes."""
+    index document's bytes. ``save_id`` (the save's token) is recorded in the index."""
     index = build_index(plan, reports, values)
+    if save_id is not None:
+        index["save_id"] = save_id
     files = {
         f"{group}/{zarr_meta.ZARR_JSON}": zarr_meta.dumps(zarr_meta.group_meta())
         for group in plan.groups

@@ -19,6 +19,7 @@ class SaveResult:
     plan_reused: bool = False  # the ranks reused the plan of an earlier save
     bytes_reused: int = 0  # stored bytes of the pieces taken from the base
     pieces_reused: int = 0
+    save_id: str | None = None  # this save's identity, recorded in its index
 
 
 @dataclass

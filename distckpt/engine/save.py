@@ -368,7 +368,7 @@ def _protocol(
             nonlocal staging, stored_bytes, index_version
             assert staging is not None and agreed.plan is not None
             stored_bytes = sum(report.nbytes for report in reports)
-            raw = commit(agreed.plan, reports, agreed.values or {}, staging)
+            raw = commit(agreed.plan, reports, agreed.values or {}, staging, work.token)
             index_version = index_mod.version_of(raw)
             staging = None  # committed: nothing left to abort
             if job.after_commit is not None:
@@ -394,6 +394,7 @@ def _protocol(
         raise error from exc
     t_end = time.perf_counter()
     result.plan_reused = agreed.reused
+    result.save_id = work.token
     result.timings = {
         "plan": t_plan - t0,
         "exchange": t_exchange - t_plan,

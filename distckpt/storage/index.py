@@ -6,7 +6,7 @@ Layout of ``<checkpoint>/zarr.json``::
      "attributes": {"distckpt": {
          "checksum": "crc32c:5e4c1a0b",
          "format": "distckpt", "format_version": 3, "library_version": "...",
-         "created": <unix time>, "world_size": 4,
+         "created": <unix time>, "world_size": 4, "save_id": "<16 hex digits>",
          "variables": {
              "net/l1.weight": {"kind": "tensor", "dtype": "float32", "shape": [8, 4],
                                "path": "net/l1.weight", "layout": "regular",
@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import crc32c as _crc32c
@@ -96,6 +97,8 @@ FORMAT_VERSION_COMPRESSED = 2
 #: The version of a checkpoint with a regular entry (and no binary value).
 FORMAT_VERSION_REGULAR = 3
 ATTRIBUTE = "distckpt"
+#: A save's identity as the index records it (``save_id``, optional: the save's token).
+SAVE_ID = re.compile(r"[0-9a-f]{1,64}")
 
 
 def read_index(
@@ -151,6 +154,9 @@ def parse_index(raw: bytes, store: Store, *, tiling: bool = True) -> Index:
     created = index.get("created", 0)
     if type(created) not in (int, float) or not 0 <= created < 2**33:  # (until 2242)
         raise CorruptCheckpointError(f"{path}: index has a creation time of {created!r:.60}")
+    save_id = index.get("save_id", "0")
+    if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):
+        raise CorruptCheckpointError(f"{path}: index has a save id of {save_id!r:.60}")
     checked = Index(seal.strip(index), version_of(raw), sealed=sealed)
     for name, entry in index["variables"].items():
         try:

@@ -136,7 +136,8 @@ class DistckptReader(StorageReader):
                 paths[key] = (*parts(name), *path)
         self.source = source
         self.tensors, self.dtypes, self.values, self.found = tensors, stored_dtypes, values, found
-        meta = StorageMeta(checkpoint_id=str(source), load_id=self.load_id)
+        save_id = catalog.index.get("save_id")
+        meta = StorageMeta(checkpoint_id=str(source), save_id=save_id, load_id=self.load_id)
         return Metadata(
             state_dict_metadata=entries,
             planner_data=paths,

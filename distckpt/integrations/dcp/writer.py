@@ -222,6 +222,7 @@ class DistckptWriter(StorageWriter):
         state = planned_state(plan, planner, told)
         saved = distckpt.save(state, self.target, comm, options=self.options)
         self.result = saved
+        self.save_id = saved.save_id or self.save_id  # the one the index records
         return done([])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
