@@ -40,12 +40,13 @@ What ``bridge`` and ``compat`` swap:
 
 ``_dcpconf_swap``'s classes are thin subclasses of distckpt's ``DistckptWriter`` /
 ``DistckptReader``: they record which swap made them (``explicit`` or ``implicit``) for the
-test that runs, and adapt ``FileSystemWriter`` / ``FileSystemReader``'s constructor
-arguments: ``path`` and ``overwrite`` are passed on, ``thread_count`` becomes
-``io_workers``, and the others (``single_file_per_rank``, ``sync_files``,
+test that runs, and pass ``FileSystemWriter`` / ``FileSystemReader``'s constructor
+arguments to the bridge as the test gave them (the bridge takes them itself).
+``--adapt`` passes on only ``path``, ``overwrite`` and ``thread_count`` (as
+``io_workers``) and drops the others (``single_file_per_rank``, ``sync_files``,
 ``per_thread_copy_ahead``, ``cache_staged_state_dict``, ``_extensions``,
-``serialization_format``, ``_extension_registry``) are dropped, and recorded as dropped for
-the test. ``--no-adapt`` passes the arguments to the bridge as the test gave them.
+``serialization_format``, ``_extension_registry``), recording them as dropped for the
+test.
 
 Each file runs in its own pytest process per mode (``-p no:cacheprovider``, a per-test
 ``--timeout`` from pytest-timeout, a JUnit XML report for the outcomes) with
@@ -641,10 +642,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the tests")
     parser.add_argument(
-        "--no-adapt",
-        dest="adapt",
-        action="store_false",
-        help="pass FileSystemWriter/Reader's arguments to the bridge as given",
+        "--adapt",
+        action="store_true",
+        help="pass on only path, overwrite and thread_count of FileSystemWriter/Reader's "
+        "arguments (the others dropped and recorded)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     return parser.parse_args(argv)
