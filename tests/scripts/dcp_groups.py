@@ -9,7 +9,8 @@
   path, and ``dcp.load`` gives each rank its own back (DCP's per-rank fallback).
 * ``async``: ``dcp.async_save`` in thread mode; the state changed once staging is over is
   not what was saved.
-* ``sharded_tensor``: a legacy ``ShardedTensor`` saved and loaded, bit for bit.
+* ``sharded_tensor``: a legacy ``ShardedTensor`` saved and loaded, bit for bit, with one
+  shard per rank, and with several on one rank (regrouped into one box per rank).
 * ``differing``: a value that differs between ranks is refused, naming both values.
 
 Usage: ``dcp_groups.py DIR``; each rank prints ``OK <rank>`` last.
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+import distckpt
+from distckpt.comm import SingleComm
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 
 
@@ -123,7 +126,25 @@ def sharded_tensor(directory: Path, rank: int) -> None:
         dcp.save({"st": saved}, storage_writer=DistckptWriter(directory / "st"))
         got = st.empty(spec, 7, 3)
         dcp.load({"st": got}, storage_reader=DistckptReader(directory / "st"))
-    assert torch.equal(got.local_shards()[0].tensor, local), got.local_shards()[0].tensor
+        assert torch.equal(got.local_shards()[0].tensor, local), got.local_shards()[0].tensor
+        # Several shards on one rank (5 over 3 ranks): regrouped into one box per rank,
+        # then loaded into one shard per rank, and whole by distckpt.load.
+        full = torch.arange(60.0).reshape(10, 6)
+        five = ChunkShardingSpec(dim=0, placements=[f"rank:{r % 3}/cpu" for r in range(5)])
+        several = st.empty(five, 10, 6)
+        for shard in several.local_shards():
+            start, rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+            shard.tensor.copy_(full[start : start + rows])
+        assert rank > 1 or len(several.local_shards()) == 2
+        dcp.save({"several": several}, storage_writer=DistckptWriter(directory / "several"))
+        back = st.empty(spec, 10, 6)
+        dcp.load({"several": back}, storage_reader=DistckptReader(directory / "several"))
+    (shard,) = back.local_shards()
+    start, rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+    assert torch.equal(shard.tensor, full[start : start + rows]), shard.tensor
+    whole = {"several": torch.zeros(10, 6)}
+    distckpt.load(whole, directory / "several", SingleComm())
+    assert torch.equal(whole["several"], full)
 
 
 def differing(directory: Path, rank: int) -> None:

@@ -45,6 +45,7 @@ from distckpt.comm import Communicator, SingleComm, auto
 from distckpt.comm.base import background, resolve_timeout
 from distckpt.integrations.dcp.common import Location, done, location, rank_location
 from distckpt.items import Branch, BranchList
+from distckpt.slices import Box, chunk_bounds
 
 #: ``FileSystemWriter`` settings that distckpt's own layout makes moot (it writes its
 #: pieces with its I/O workers and always syncs before the commit): accepted and unused, so
@@ -82,6 +83,9 @@ class _Save:
     ranks: tuple[int, ...]
     values: tuple[str, ...]
     branches: frozenset[Path] = frozenset()
+    #: The tensors some rank holds several chunks of (a ShardedTensor placing several
+    #: shards on one rank), by global shape: regrouped into one box per rank first.
+    regroup: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def _global_rank() -> int:
@@ -199,7 +203,16 @@ class DistckptWriter(StorageWriter):
             for path in [_path_of(p, item.index.fqn)]
             for n in range(1, len(path))
         }
-        told = _Save(ranks, tuple(values), frozenset(branches))
+        regroup: dict[str, tuple[int, ...]] = {}
+        for p in plans:
+            seen: set[str] = set()
+            for item in p.items:
+                if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                    continue
+                if item.index.fqn in seen:
+                    regroup[item.index.fqn] = tuple(item.tensor_data.size)
+                seen.add(item.index.fqn)
+        told = _Save(ranks, tuple(values), frozenset(branches), tuple(sorted(regroup.items())))
         return [replace(p, storage_data=told) for p in plans]
 
     @property
@@ -219,7 +232,8 @@ class DistckptWriter(StorageWriter):
         if threading.current_thread() is not threading.main_thread():
             # dcp.async_save's thread: never mix with the collectives training runs
             comm = background(comm)
-        state = planned_state(plan, planner, told)
+        regrouped = regroup(plan, planner, dict(told.regroup), comm)
+        state = planned_state(plan, planner, told, regrouped)
         saved = distckpt.save(state, self.target, comm, options=self.options)
         self.result = saved
         self.save_id = saved.save_id or self.save_id  # the one the index records
@@ -243,23 +257,81 @@ def _path_of(plan: SavePlan, fqn: str) -> Path:
     return tuple(mappings.get(fqn, (fqn,)))
 
 
-def planned_state(plan: SavePlan, planner: SavePlanner, told: _Save) -> dict[str, Any]:
-    """This rank's state for :func:`distckpt.save`, nested as the caller gave it: each
-    tensor item of ``plan`` as the planner resolves it, placed at its chunk, and each
-    value of the save this rank holds. A container that holds a tensor on any rank is a
-    :class:`~distckpt.items.Branch` here, so every rank names its values alike."""
-    flat: dict[str, Any] = {}
+def regroup(
+    plan: SavePlan, planner: SavePlanner, shapes: dict[str, tuple[int, ...]], comm: Communicator
+) -> dict[str, distckpt.Shard | None]:
+    """Collective: the tensors ``shapes`` names (some rank holds several chunks of them,
+    which distckpt saves as one box per rank), each regrouped into this rank's band of rows
+    (``torch.chunk``'s split of the first dimension over the ranks of the save): every rank
+    sends each of its chunks' rows to the ranks whose bands they fall in, one gather per
+    receiving rank. None where this rank's band is empty."""
+    if not shapes:
+        return {}
+    bands = {
+        fqn: [_band(shape, comm.size, r) for r in range(comm.size)] for fqn, shape in shapes.items()
+    }
+    outgoing: list[list[tuple[str, Box, torch.Tensor]]] = [[] for _ in range(comm.size)]
     for item in plan.items:
-        if item.type == WriteItemType.BYTE_IO:
-            continue
         fqn = item.index.fqn
-        if fqn in flat:
-            raise distckpt.UnsupportedValueError(
-                f"{fqn}: this rank's plan holds several chunks of it (a ShardedTensor with "
-                "several shards on one rank?); DistckptWriter saves at most one box of a "
-                "tensor per rank, as DTensors and FSDP hold them"
+        if fqn not in shapes or item.tensor_data is None:
+            continue
+        data = _shard(item, planner.resolve_data(item)).tensor
+        chunk = Box(tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes))
+        for r, band in enumerate(bands[fqn]):
+            part = chunk.intersect(band)
+            if part is not None and not part.empty:
+                rows = data[part.relative_to(chunk).slices()].contiguous().cpu()
+                outgoing[r].append((fqn, part, rows))
+    received: list[Any] | None = None
+    for r in range(comm.size):
+        got = comm.gather(outgoing[r], root=r)
+        if r == comm.rank:
+            received = got
+    out: dict[str, distckpt.Shard | None] = {}
+    for fqn, shape in shapes.items():
+        band = bands[fqn][comm.rank]
+        parts = [(box, rows) for sent in received or [] for name, box, rows in sent if name == fqn]
+        if band.empty or not parts:
+            out[fqn] = None
+            continue
+        whole = torch.empty(band.lengths, dtype=parts[0][1].dtype)
+        covered = 0
+        for box, rows in parts:
+            whole[box.relative_to(band).slices()] = rows
+            covered += box.numel
+        if covered != band.numel:
+            raise distckpt.ValidationError(
+                f"{fqn}: the ranks' chunks cover {covered} of the {band.numel} elements of "
+                f"rows {band} (chunks that overlap or leave gaps)"
             )
-        flat[fqn] = _shard(item, planner.resolve_data(item))
+        out[fqn] = distckpt.Shard(whole, shape, band.offsets)
+    return out
+
+
+def _band(shape: tuple[int, ...], parts: int, index: int) -> Box:
+    """Band ``index`` of ``parts`` of the rows of a tensor of ``shape`` (torch.chunk's)."""
+    if not shape:  # a scalar is one chunk: never regrouped
+        return Box((), ())
+    start, length = chunk_bounds(shape[0], parts, index)
+    return Box((start, *[0] * (len(shape) - 1)), (length, *shape[1:]))
+
+
+def planned_state(
+    plan: SavePlan,
+    planner: SavePlanner,
+    told: _Save,
+    regrouped: dict[str, distckpt.Shard | None],
+) -> dict[str, Any]:
+    """This rank's state for :func:`distckpt.save`, nested as the caller gave it: each
+    tensor item of ``plan`` as the planner resolves it, placed at its chunk (or its
+    ``regrouped`` band), and each value of the save this rank holds. A container that
+    holds a tensor on any rank is a :class:`~distckpt.items.Branch` here, so every rank
+    names its values alike."""
+    flat: dict[str, Any] = {fqn: s for fqn, s in regrouped.items() if s is not None}
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.index.fqn in regrouped:
+            continue
+        flat[item.index.fqn] = _shard(item, planner.resolve_data(item))
     lookup = getattr(planner, "lookup_object", None)
     held = getattr(planner, "state_dict", None)
     for fqn in told.values:
