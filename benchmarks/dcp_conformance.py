@@ -21,9 +21,10 @@ Modes (``--mode``, repeatable; default all three, in this order):
   baseline.
 * ``bridge``: the storage swapped for the bridge, with the bridge's defaults.
 * ``compat``: as ``bridge``, with DCP-compatible settings: every writer made with
-  ``overwrite=True`` (DCP's ``FileSystemWriter`` replaces a checkpoint by default) and every
-  reader with ``allow_pickle=True`` (DCP stores every non-tensor pickled), unless the test
-  passes them itself.
+  ``overwrite=True`` (DCP's ``FileSystemWriter`` replaces a checkpoint by default) and
+  ``ignore_extensions=True`` (a stream extension other than ZStandard is not applied) and
+  every reader with ``allow_pickle=True`` (DCP stores every non-tensor pickled), unless the
+  test passes them itself.
 
 What ``bridge`` and ``compat`` swap:
 
@@ -140,6 +141,7 @@ def _writer(swap):
             args, kwargs, dropped = _adapt(_FileSystemWriter, WRITER_ARGUMENTS, args, kwargs)
             if MODE == "compat":
                 kwargs.setdefault("overwrite", True)
+                kwargs.setdefault("ignore_extensions", True)
             _record(swap, "writer", dropped)
             super().__init__(*args, **kwargs)
 

@@ -227,3 +227,4 @@ def test_filesystem_writer_arguments(tmp_path: Path) -> None:
     assert torch.equal(got["w"], state["w"])
     with pytest.raises(ValueError, match="has no distckpt equivalent"):
         DistckptWriter(tmp_path / "x", _extensions=[object()])
+    assert DistckptWriter(tmp_path / "x", _extensions=[object()], ignore_extensions=True)

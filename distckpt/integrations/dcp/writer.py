@@ -138,7 +138,9 @@ class DistckptWriter(StorageWriter):
 
     ``FileSystemWriter``'s arguments are taken too: ``thread_count`` sets ``io_workers``,
     ``_extensions=[ZStandard()]`` sets ``compression="zstd"``, and those of :data:`MOOT`
-    change nothing."""
+    change nothing. Another stream extension (an encryption, say) is refused, unless
+    ``ignore_extensions=True`` says to save without it (distckpt's stored bytes are its
+    own codecs', checksummed)."""
 
     def __init__(
         self,
@@ -148,6 +150,7 @@ class DistckptWriter(StorageWriter):
         options: distckpt.CheckpointOptions | None = None,
         thread_count: int | None = None,
         _extensions: Any = None,
+        ignore_extensions: bool = False,
         **keywords: Any,
     ) -> None:
         super().__init__()
@@ -158,12 +161,14 @@ class DistckptWriter(StorageWriter):
         if thread_count is not None:
             keywords.setdefault("io_workers", thread_count)
         for extension in _extensions or ():
-            if type(extension).__name__ != "ZStandard":
+            if type(extension).__name__ == "ZStandard":
+                keywords.setdefault("compression", "zstd")
+            elif not ignore_extensions:
                 raise ValueError(
-                    f"DCP extension {type(extension).__name__} has no distckpt equivalent; "
-                    "ZStandard maps to compression='zstd'"
+                    f"DCP extension {type(extension).__name__} has no distckpt equivalent "
+                    "(ZStandard maps to compression='zstd'); pass ignore_extensions=True to "
+                    "save without it"
                 )
-            keywords.setdefault("compression", "zstd")
         keywords.setdefault("overwrite", True)
         self.options = (options or distckpt.CheckpointOptions()).replace(
             allow_pickle=True, **keywords
