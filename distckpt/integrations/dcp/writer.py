@@ -15,7 +15,9 @@ DCP calls, on every rank: ``reset`` (with ``checkpoint_id`` when given),
 * ``write_data`` builds this rank's share from its final plan: each tensor item is
   ``planner.resolve_data(item)`` (so a planner that transforms what is saved, as the FP16
   planner of ``SavePlanner``'s docstring does, is obeyed) placed at the item's chunk; each
-  value DCP's plans hold is this rank's own value (``planner.lookup_object``). Every rank
+  value DCP's plans hold is this rank's own value (``planner.lookup_object``). A tensor
+  that some rank holds several chunks of is first regrouped into one band of rows per
+  rank (:func:`regroup`): distckpt stores one box of a tensor per rank. Every rank
   of the save then calls :func:`distckpt.save` over a communicator of exactly those ranks;
   distckpt writes and commits atomically before ``write_data`` returns, so ``finish``
   has nothing left to do. With ``use_collectives=False`` each rank commits its own
