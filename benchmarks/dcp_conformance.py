@@ -135,36 +135,39 @@ def _adapt(original, known, args, kwargs):
     return (), adapted, sorted(name for name in given if name not in known)
 
 
-def _writer(swap):
-    class DistckptWriter(_bridge.DistckptWriter):
-        def __init__(self, *args, **kwargs):
-            args, kwargs, dropped = _adapt(_FileSystemWriter, WRITER_ARGUMENTS, args, kwargs)
-            if MODE == "compat":
-                kwargs.setdefault("overwrite", True)
-                kwargs.setdefault("ignore_extensions", True)
-            _record(swap, "writer", dropped)
-            super().__init__(*args, **kwargs)
+# Per role: the bridge's class, the DCP class it stands in for, the arguments passed on,
+# and the DCP-compatible settings of mode compat.
+ROLES = {
+    "writer": (
+        _bridge.DistckptWriter,
+        _FileSystemWriter,
+        WRITER_ARGUMENTS,
+        {"overwrite": True, "ignore_extensions": True},
+    ),
+    "reader": (_bridge.DistckptReader, _FileSystemReader, READER_ARGUMENTS, {"allow_pickle": True}),
+}
 
-    return DistckptWriter
 
+def _swapped(role, swap):
+    """The bridge's class for ``role``, recording that ``swap`` made it."""
+    base, original, known, compatible = ROLES[role]
 
-def _reader(swap):
-    class DistckptReader(_bridge.DistckptReader):
-        def __init__(self, *args, **kwargs):
-            args, kwargs, dropped = _adapt(_FileSystemReader, READER_ARGUMENTS, args, kwargs)
-            if MODE == "compat":
-                kwargs.setdefault("allow_pickle", True)
-            _record(swap, "reader", dropped)
-            super().__init__(*args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        args, kwargs, dropped = _adapt(original, known, args, kwargs)
+        if MODE == "compat":
+            for name, value in compatible.items():
+                kwargs.setdefault(name, value)
+        _record(swap, role, dropped)
+        base.__init__(self, *args, **kwargs)
 
-    return DistckptReader
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
 
 
 # The names the rewritten test files import.
-DistckptWriter = _writer("explicit")
-DistckptReader = _reader("explicit")
-ImplicitWriter = _writer("implicit")
-ImplicitReader = _reader("implicit")
+DistckptWriter = _swapped("writer", "explicit")
+DistckptReader = _swapped("reader", "explicit")
+ImplicitWriter = _swapped("writer", "implicit")
+ImplicitReader = _swapped("reader", "implicit")
 
 
 def install():
