@@ -85,7 +85,6 @@ class DistckptReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.source: Location | None = None  # what read_metadata read: path or a rank's
         self.tensors: dict[str, str] = {}  # DCP key: distckpt name
-        self.dtypes: dict[str, torch.dtype] = {}  # DCP key: the stored dtype
         self.values: dict[str, _Value] = {}
         self.found: dict[str, Any] = {}  # distckpt name: its value
 
@@ -94,7 +93,7 @@ class DistckptReader(StorageReader):
             self.path = checkpoint_id
         self.load_id = uuid.uuid4().hex
         self.source = None
-        self.tensors, self.dtypes, self.values, self.found = {}, {}, {}, {}
+        self.tensors, self.values, self.found = {}, {}, {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata, from distckpt's index: a tensor is one whole chunk; a value
@@ -109,15 +108,13 @@ class DistckptReader(StorageReader):
         entries: dict[str, Any] = {}
         paths: dict[str, tuple[str | int, ...]] = {}
         tensors: dict[str, str] = {}
-        stored_dtypes: dict[str, torch.dtype] = {}
         values: dict[str, _Value] = {}
         found: dict[str, Any] = {}
         for name, var in catalog.tensors.items():
             key = ".".join(parts(name))
             _claim(entries, key, name)
-            stored_dtypes[key] = dtypes.torch_dtype(var.dtype)
             entries[key] = TensorStorageMetadata(
-                TensorProperties(dtype=stored_dtypes[key]),
+                TensorProperties(dtype=dtypes.torch_dtype(var.dtype)),
                 torch.Size(var.shape),
                 [ChunkStorageMetadata(torch.Size([0] * len(var.shape)), torch.Size(var.shape))],
             )
@@ -135,7 +132,7 @@ class DistckptReader(StorageReader):
                 values[key] = _Value(name, path)
                 paths[key] = (*parts(name), *path)
         self.source = source
-        self.tensors, self.dtypes, self.values, self.found = tensors, stored_dtypes, values, found
+        self.tensors, self.values, self.found = tensors, values, found
         save_id = catalog.index.get("save_id")
         meta = StorageMeta(checkpoint_id=str(source), save_id=save_id, load_id=self.load_id)
         return Metadata(
@@ -167,7 +164,8 @@ class DistckptReader(StorageReader):
             for item in batch:
                 key = item.storage_index.fqn
                 target = planner.resolve_tensor(item).detach()
-                stored = self.dtypes[key]
+                entry = stored_entry(planner, item)
+                stored = entry.properties.dtype
                 # DCP copies into whatever the planner resolves, from a host tensor of the
                 # stored dtype (the copy casts): a destination of another dtype is filled
                 # the same way, so the cast is DCP's to the bit (NaN payloads included)
@@ -176,8 +174,8 @@ class DistckptReader(StorageReader):
                     if target.dtype == stored
                     else torch.empty(target.shape, dtype=stored, device="cpu")
                 )
-                shape = torch.Size(distckpt_shape(planner, item))
-                flat[self.tensors[key]] = distckpt.Shard(into, shape, tuple(item.storage_offsets))
+                offsets = tuple(item.storage_offsets)
+                flat[self.tensors[key]] = distckpt.Shard(into, entry.size, offsets)
                 targets.append((item, target, into))
             distckpt.load(
                 nest(flat), source, SingleComm(), strict=False, io_workers=self.io_workers
@@ -215,13 +213,13 @@ class _PickledValue:
 _Pickled: Any = _PickledValue()
 
 
-def distckpt_shape(planner: LoadPlanner, item: ReadItem) -> tuple[int, ...]:
-    """The stored tensor's global shape, from the metadata DCP planned with."""
+def stored_entry(planner: LoadPlanner, item: ReadItem) -> TensorStorageMetadata:
+    """The stored tensor's entry (global shape, dtype) in the metadata DCP planned with."""
     metadata = getattr(planner, "metadata", None)
     entry = metadata.state_dict_metadata[item.storage_index.fqn] if metadata else None
     if not isinstance(entry, TensorStorageMetadata):
         raise TypeError(f"{item.storage_index.fqn}: the planner holds no tensor metadata for it")
-    return tuple(entry.size)
+    return entry
 
 
 def _batches(items: list[ReadItem], name_of: Any) -> Iterator[list[ReadItem]]:
