@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -55,6 +55,31 @@ def _gloo_timeout(group: Any) -> float | None:
         return None
 
 
+def _world(cache: dict[Any, Any]) -> Any:
+    """The default group, with the entries of ``cache`` (keyed first by the default group
+    they were made under) that belong to a destroyed one dropped."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for stale in [k for k in cache if k[0] is not world]:
+        del cache[stale]
+    return world
+
+
+def _members_group(ranks: Sequence[int], seconds: float, desc: str) -> Any:
+    """A new gloo group of the global ``ranks``, created by its members alone
+    (``use_local_synchronization``: they call this at the same point, nobody else does)."""
+    import torch.distributed as dist
+
+    return dist.new_group(
+        ranks=list(ranks),
+        backend="gloo",
+        timeout=timedelta(seconds=seconds),
+        use_local_synchronization=True,
+        group_desc=desc,
+    )
+
+
 def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
     """Return the gloo group distckpt's collectives use for ``group``, and its time-out.
 
@@ -67,9 +92,7 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
     if own is not None and (timeout is None or abs(own - timeout) < 1e-3):
         return group, own
     seconds = resolve_timeout(timeout)
-    world = dist.group.WORLD
-    for stale in [k for k in _SIDE_GROUPS if k[0] is not world]:  # from a destroyed world
-        del _SIDE_GROUPS[stale]
+    world = _world(_SIDE_GROUPS)
     key = (world, group, seconds)
     side = _SIDE_GROUPS.get(key)
     if side is None:
@@ -96,6 +119,20 @@ _LIVE: weakref.WeakSet[TorchComm] = weakref.WeakSet()
 #: Exchange groups split off before: (world, group, time-out, colors) -> this rank's.
 _SPLITS: dict[tuple[Any, Any, float, tuple[int, ...]], TorchComm | None] = {}
 
+#: Communicators over sets of global ranks: (world, ranks, time-out) -> communicator.
+_MEMBERS: dict[tuple[Any, tuple[int, ...], float], TorchComm] = {}
+
+
+def over_ranks(ranks: Sequence[int], timeout: float | None = None) -> TorchComm:
+    """A communicator over the global ``ranks`` (this rank among them), on a gloo group
+    that only they create: each of them calls this at the same point, the other ranks
+    not at all. Cached per set of ranks and time-out."""
+    seconds = resolve_timeout(timeout)
+    key = (_world(_MEMBERS), tuple(ranks), seconds)
+    if key not in _MEMBERS:
+        _MEMBERS[key] = TorchComm(_members_group(ranks, seconds, "distckpt_members"), seconds)
+    return _MEMBERS[key]
+
 
 def _release_groups() -> None:
     """At exit, drop every reference distckpt holds to a process group.
@@ -109,6 +146,7 @@ def _release_groups() -> None:
     _SIDE_GROUPS.clear()
     _BACKGROUND.clear()
     _SPLITS.clear()
+    _MEMBERS.clear()
     for comm in list(_LIVE):
         comm._pg = None
         comm.group = None
@@ -195,9 +233,7 @@ class TorchComm:
         """
         import torch.distributed as dist
 
-        world = dist.group.WORLD
-        for stale in [k for k in _BACKGROUND if k[0] is not world]:  # from a destroyed world
-            del _BACKGROUND[stale]
+        world = _world(_BACKGROUND)
         key = (world, self.group, self.timeout)
         if key in _BACKGROUND:
             return _BACKGROUND[key]
@@ -220,23 +256,14 @@ class TorchComm:
         import torch.distributed as dist
 
         colors = tuple(self.allgather(int(color)))
-        world = dist.group.WORLD
-        for stale in [k for k in _SPLITS if k[0] is not world]:  # from a destroyed world
-            del _SPLITS[stale]
-        key = (world, self.group, self.timeout, colors)
+        key = (_world(_SPLITS), self.group, self.timeout, colors)
         if key not in _SPLITS:
             sub = None
             if color >= 0:
                 members = [r for r, c in enumerate(colors) if c == color]
                 assert self.group is not None
                 ranks = [dist.get_global_rank(self.group, r) for r in members]
-                group = dist.new_group(
-                    ranks=ranks,
-                    backend="gloo",
-                    timeout=timedelta(seconds=self.timeout),
-                    use_local_synchronization=True,
-                    group_desc="distckpt_exchange",
-                )
+                group = _members_group(ranks, self.timeout, "distckpt_exchange")
                 sub = TorchComm(group, self.timeout)
             _SPLITS[key] = sub
         return _SPLITS[key]

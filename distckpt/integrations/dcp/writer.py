@@ -31,7 +31,6 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ from torch.futures import Future
 
 import distckpt
 from distckpt.comm import Communicator, SingleComm, auto
-from distckpt.comm.base import background, resolve_timeout
+from distckpt.comm.base import background
 from distckpt.integrations.dcp.common import Location, done, location, rank_location
 from distckpt.items import Branch, BranchList
 from distckpt.slices import Box, chunk_bounds
@@ -59,11 +58,6 @@ MOOT = (
     "cache_staged_state_dict",
     "serialization_format",
 )
-
-#: The communicator of each set of global ranks a save ran on, created once per default
-#: group (a process group is created by its members alone, see
-#: ``use_local_synchronization``): (default group, ranks) -> communicator.
-_GROUPS: dict[tuple[Any, tuple[int, ...]], Communicator] = {}
 
 
 @dataclass(frozen=True)
@@ -99,29 +93,16 @@ def _global_rank() -> int:
 def _comm_of(ranks: tuple[int, ...]) -> Communicator:
     """A communicator over the global ``ranks`` (this rank among them): one rank needs
     none; the whole default group is :func:`distckpt.comm.auto`'s; another set gets a
-    gloo group its members create, once."""
+    gloo group its members create, once (:func:`~distckpt.comm.torch_dist.over_ranks`)."""
     import torch.distributed as dist
 
     if len(ranks) == 1:
         return SingleComm()
     if ranks == tuple(range(dist.get_world_size())):
         return auto()
-    world = dist.group.WORLD
-    for stale in [key for key in _GROUPS if key[0] is not world]:  # from a destroyed world
-        del _GROUPS[stale]
-    comm = _GROUPS.get((world, ranks))
-    if comm is None:
-        from distckpt.comm.torch_dist import TorchComm
+    from distckpt.comm.torch_dist import over_ranks
 
-        group = dist.new_group(
-            list(ranks),
-            backend="gloo",
-            timeout=timedelta(seconds=resolve_timeout(None)),
-            use_local_synchronization=True,
-            group_desc="distckpt_dcp",
-        )
-        comm = _GROUPS[world, ranks] = TorchComm(group)
-    return comm
+    return over_ranks(ranks)
 
 
 class DistckptWriter(StorageWriter):
