@@ -36,6 +36,8 @@ from distckpt.engine import snapshot
 from distckpt.engine.results import SaveResult
 from distckpt.engine.snapshot import BufferPool
 from distckpt.items import Leaf, flatten, gather_leaves
+from distckpt.transfer import priority
+from distckpt.transfer.priority import Yielding
 
 log = logging.getLogger("distckpt")
 
@@ -193,13 +195,16 @@ def save_in_background(
     where: str,
     protocol: Callable[[Communicator, Snapped | Failure, BaseException | None], SaveResult],
     check: Callable[[], None] = lambda: None,
+    yielding: Yielding | None = None,
 ) -> AsyncSave:
     """Snapshot ``state`` into the reusable host buffers on this thread (the ``lazy``
     tensors later, on the background thread), then run ``protocol(background comm,
     snapped, error)`` on a background thread: the save protocol of the shared store, or
     of the node-local tier (:mod:`distckpt.local.save`). ``check()`` runs first. A failure
     of either, or of the snapshot, reaches ``protocol`` as a :class:`Failure` (and
-    ``error``, this rank's own exception), which reports it on every rank."""
+    ``error``, this rank's own exception), which reports it on every rank. Once the
+    snapshot is complete the background thread and its I/O workers yield to training as
+    ``yielding`` says (:mod:`distckpt.transfer.priority`)."""
     t0 = time.perf_counter()
     bg_comm = background_comm(comm)  # collective the first time
     everything = bool(lazy)
@@ -227,7 +232,8 @@ def save_in_background(
             except Exception as exc:
                 snapped = Failure.capture(exc, rank)
         handle._snapshot.set()
-        result = protocol(bg_comm, snapped, error)
+        with priority.yielding(yielding):
+            result = protocol(bg_comm, snapped, error)
         result.timings["snapshot"] = blocked
         return result
 

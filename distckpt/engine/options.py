@@ -29,6 +29,7 @@ from distckpt.storage import codecs, wellformed
 from distckpt.storage.backend import Store, is_remote
 from distckpt.storage.backend import resolve as resolve_store
 from distckpt.storage.codecs import Compression
+from distckpt.transfer import priority
 from distckpt.transfer import workers as transfer_workers
 
 
@@ -51,6 +52,10 @@ class CheckpointOptions:
       the checkpoint a save names as its ``base`` (:class:`~distckpt.Checkpoint` and the
       manager: the last one this process saved or restored), taking the pieces whose
       bytes did not change from there (:mod:`distckpt.engine.reuse`).
+    * ``background_nice``: how much lower than training a background save's threads run
+      once its snapshot is taken (niceness added, 0 to 19; also the lowest best-effort I/O
+      priority unless 0); ``background_cpus``: the cores they run on (default: the
+      process's). See :mod:`distckpt.transfer.priority`.
 
     Saving and loading:
 
@@ -70,6 +75,8 @@ class CheckpointOptions:
     inner_bytes: int = DEFAULT_INNER_BYTES
     overwrite: bool = False
     incremental: bool = True
+    background_nice: int = priority.DEFAULT_NICE
+    background_cpus: tuple[int, ...] | None = None
     allow_pickle: bool = False
     io_workers: int | None = None
     strict: bool = True
@@ -89,6 +96,13 @@ class CheckpointOptions:
             )
         if self.io_workers is not None:
             transfer_workers.positive_int(self.io_workers, "io_workers")
+        if self.background_cpus is not None:  # a copy, ordered: a later edit is not ours
+            object.__setattr__(self, "background_cpus", tuple(sorted(set(self.background_cpus))))
+        self.yielding()  # checked now
+
+    def yielding(self) -> priority.Yielding:
+        """How a background save with these options yields to training."""
+        return priority.Yielding.of(self.background_nice, self.background_cpus)
 
     def replace(self, **changes: Any) -> CheckpointOptions:
         """These options with ``changes`` (field names) made."""
@@ -124,6 +138,8 @@ class WriteKeywords(RestoreKeywords, total=False):
     small_bytes: int
     inner_bytes: int
     incremental: bool
+    background_nice: int
+    background_cpus: tuple[int, ...] | None
 
 
 class SaveKeywords(WriteKeywords, total=False):

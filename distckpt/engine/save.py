@@ -253,6 +253,7 @@ def save(
         job.final.url,
         lambda bg_comm, snapped, error: _protocol(bg_comm, _hosted(snapped), job, error),
         check=check,
+        yielding=job.options.yielding(),
     )
 
 

@@ -455,4 +455,5 @@ def save_local(
         lazy,
         store.where(files.step_dir(step.number)),
         lambda bg_comm, snapped, error: _protocol(bg_comm, store, step, snapped, options, error),
+        yielding=options.yielding(),
     )

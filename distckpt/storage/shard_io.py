@@ -225,8 +225,7 @@ class ShardFile:
 
     def write(self, linear: int, raw: np.ndarray) -> int:
         """Write inner chunk ``linear`` (its raw bytes, flat uint8); return bytes stored."""
-        if self.digests is not None:
-            self.digests[linear] = digests.chunk_digest(raw)
+        # The crc first: it brings the chunk into the cache for the digest and the write.
         if self.codec is None:
             crc = crc32c(raw)
             stored: np.ndarray | bytes = raw
@@ -236,6 +235,8 @@ class ShardFile:
             crc = crc32c(stored)
             with self._lock:
                 offset, self._end = self._end, self._end + len(stored) + 4
+        if self.digests is not None:
+            self.digests[linear] = digests.chunk_digest(raw)
         length = self.handle.write([stored, struct.pack("<I", crc)], offset)
         self.table[linear] = crc
         self.index[linear] = (offset, length)

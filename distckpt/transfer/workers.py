@@ -28,6 +28,9 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from distckpt.transfer import priority
+from distckpt.transfer.priority import Yielding
+
 log = logging.getLogger("distckpt")
 
 ENV = "DISTCKPT_IO_WORKERS"
@@ -134,8 +137,11 @@ def interleaved(streams: Iterable[Sequence[T]], width: int) -> Iterator[T]:
                     yield stream[k]
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_users: dict[int, int] = {}  # task groups using each pool now
+#: A pool per worker count and priority (None: the training thread's; see
+#: :mod:`distckpt.transfer.priority`): a lowered thread is never used at full priority.
+PoolKey = tuple[int, Yielding | None]
+_pools: dict[PoolKey, ThreadPoolExecutor] = {}
+_users: dict[PoolKey, int] = {}  # task groups using each pool now
 _pools_lock = threading.Lock()
 
 
@@ -151,24 +157,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _acquire(workers: int) -> ThreadPoolExecutor:
-    """The process's pool of ``workers`` I/O threads, kept for the next save or load;
-    pools of other sizes that nobody uses are shut down."""
+def _acquire(key: PoolKey) -> ThreadPoolExecutor:
+    """The process's pool of ``key[0]`` I/O threads at priority ``key[1]``, kept for the
+    next save or load; pools of other kinds that nobody uses are shut down."""
     with _pools_lock:
-        for size in [n for n, users in _users.items() if not users and n != workers]:
-            _pools.pop(size).shutdown(wait=False)
-            del _users[size]
-        found = _pools.get(workers)
+        for other in [k for k, users in _users.items() if not users and k != key]:
+            _pools.pop(other).shutdown(wait=False)
+            del _users[other]
+        found = _pools.get(key)
         if found is None:
-            found = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="distckpt-io")
-        _users[workers] = _users.get(workers, 0) + 1
+            workers, how = key
+            found = _pools[key] = ThreadPoolExecutor(
+                workers,
+                thread_name_prefix="distckpt-io" if how is None else "distckpt-bg",
+                initializer=None if how is None else how.apply,
+            )
+        _users[key] = _users.get(key, 0) + 1
         return found
 
 
-def _release(workers: int) -> None:
+def _release(key: PoolKey) -> None:
     with _pools_lock:
-        if _users.get(workers):
-            _users[workers] -= 1
+        if _users.get(key):
+            _users[key] -= 1
 
 
 class TaskGroup:
@@ -180,12 +191,26 @@ class TaskGroup:
     thread is interrupted). ``on_bytes(n)`` (a progress hook) is called with each
     finished task's return value, one call at a time. A group holds its pool of threads
     until its last :meth:`wait`.
+
+    ``inline`` runs each task on the submitting thread as it is submitted, with no pool:
+    what one worker with nothing to overlap should do (a hand-off to another thread
+    costs a wake-up per task and, on a VM, may move the writes to a core whose free
+    pages the hypervisor has taken back, doubling their cost in the kernel).
     """
 
-    def __init__(self, workers: int, on_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        workers: int,
+        on_bytes: Callable[[int], None] | None = None,
+        *,
+        inline: bool = False,
+    ) -> None:
         self.workers = workers
-        self._pool = _acquire(workers)
-        self._held = True
+        self.inline = inline
+        # A background save's tasks run at its priority (set on its thread).
+        self._key: PoolKey = (workers, priority.current())
+        self._pool: ThreadPoolExecutor | None = None if inline else _acquire(self._key)
+        self._held = not inline
         self._futures: list[Future[Any]] = []
         self._lock = threading.Lock()
         self._on_bytes = on_bytes
@@ -199,8 +224,17 @@ class TaskGroup:
     ) -> Future[Any]:
         """Run ``fn(*args)`` on a worker; ``release()`` runs after it, or instead of it
         when the task is skipped, in every case (it frees what the task held)."""
+        if self.inline:
+            future: Future[Any] = Future()
+            try:
+                future.set_result(self._run(fn, args, release))
+            except Exception as exc:  # raised by wait(), as a worker's would be
+                future.set_exception(exc)
+            self._futures.append(future)
+            return future
         if not self._held:  # waited for already: hold the pool again
-            self._pool, self._held = _acquire(self.workers), True
+            self._pool, self._held = _acquire(self._key), True
+        assert self._pool is not None
         future = self._pool.submit(self._run, fn, args, release)
         self._futures.append(future)
         return future
@@ -261,7 +295,7 @@ class TaskGroup:
                 interrupted = interrupted or exc
         done, self._futures = self._futures, []
         if self._held:
-            _release(self.workers)
+            _release(self._key)
             self._held = False
         if interrupted is not None:
             raise interrupted

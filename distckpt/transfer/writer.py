@@ -101,7 +101,8 @@ def write_pieces(
     content digest when ``digests`` (or a job may be reused); ``on_bytes(n)`` counts the
     pieces' data bytes as they are written (from the workers, one call at a time).
     """
-    group = TaskGroup(workers, on_bytes)
+    # One worker with nothing to stage writes on this thread (see TaskGroup).
+    group = TaskGroup(workers, on_bytes, inline=workers == 1 and not _staged(jobs))
     results: dict[int, Stored] = {}
     shards: list[ShardFile] = []
     digests = digests or any(job.reuse is not None for job in jobs)
@@ -145,7 +146,7 @@ def _reuse(store: Store, jobs: Sequence[PieceJob], workers: int) -> dict[int, St
     taken: dict[int, Stored] = {}
     if not jobs:
         return taken
-    group = TaskGroup(workers)
+    group = TaskGroup(workers, inline=workers == 1 and not _staged(jobs))
 
     def decide(job: PieceJob, same: bool | None = None) -> int:
         if same if same is not None else _unchanged(job):
@@ -163,6 +164,11 @@ def _reuse(store: Store, jobs: Sequence[PieceJob], workers: int) -> dict[int, St
 
     group.drive(feed)
     return taken
+
+
+def _staged(jobs: Sequence[PieceJob]) -> bool:
+    """Whether some job's data passes through the staging slabs (a copy to overlap)."""
+    return any(job.data.staged for job in jobs)
 
 
 def _unchanged(job: PieceJob) -> bool:
