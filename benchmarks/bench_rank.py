@@ -47,16 +47,20 @@ import os
 import random
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import harness as h
 
 CONTENDERS = (
     "raw",
+    "raw-1",
+    "raw-crc-1",
     "distckpt",
     "distckpt-1",
     "distckpt-async",
@@ -65,7 +69,9 @@ CONTENDERS = (
     "dcp-T",
     "torch.save",
 )
-LOADERS = ("raw", "distckpt", "distckpt-1", "dcp", "dcp-T", "torch.save")
+LOADERS = ("raw", "raw-1", "raw-crc-1", "distckpt", "distckpt-1", "dcp", "dcp-T", "torch.save")
+#: Bytes per checksum of ``raw-crc-1``: distckpt's inner chunk.
+CRC_STEP = 1 << 20
 CHUNK = 1 << 30  # bytes per write / preadv call
 
 # --------------------------------------------------------------------------- files
@@ -94,6 +100,76 @@ def read_file(path: Path, into: memoryview) -> None:
             off += n
     finally:
         os.close(fd)
+
+
+def write_file_crc(path: Path, data: memoryview) -> None:
+    """:func:`write_file`, a crc32c of every :data:`CRC_STEP` bytes computed before they are
+    written (the least a format that checksums its bytes adds)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, len(data), CRC_STEP):
+            step = data[off : off + CRC_STEP]
+            crc32c.crc32c(step)
+            os.pwrite(fd, step, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file_crc(path: Path, into: memoryview) -> None:
+    """:func:`read_file`, :data:`CRC_STEP` bytes at a time, each checksummed once read."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off in range(0, len(into), CRC_STEP):
+            step = into[off : off + CRC_STEP]
+            if os.preadv(fd, [step], off) != len(step):
+                raise OSError(f"short read of {path} at {off}")
+            crc32c.crc32c(step)
+    finally:
+        os.close(fd)
+
+
+def seconds(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def per_byte_costs(data: memoryview) -> dict[str, float]:
+    """Seconds per GiB of what distckpt does to every byte it writes, on one core, a MiB
+    at a time as distckpt does: crc32c, the content digest (XXH3-128), and both (the
+    second from the cache), with a copy to compare."""
+    import numpy as np
+    import xxhash
+
+    n = min(len(data), 256 << 20)
+    src = np.frombuffer(data[:n], dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst.fill(0)
+
+    def crc(step: Any) -> None:
+        crc32c.crc32c(step)
+
+    def digest(step: Any) -> None:
+        xxhash.xxh3_128_digest(step)
+
+    def both(step: Any) -> None:
+        crc32c.crc32c(step)
+        xxhash.xxh3_128_digest(step)
+
+    def copy(off: int) -> None:
+        dst[off : off + CRC_STEP] = src[off : off + CRC_STEP]
+
+    costs = {}
+    for name, fn in (("crc32c", crc), ("xxh3-128", digest), ("crc32c+xxh3", both)):
+        best = min(
+            seconds(lambda fn=fn: [fn(data[o : o + CRC_STEP]) for o in range(0, n, CRC_STEP)])
+            for _ in range(3)
+        )
+        costs[name] = best * h.GiB / n
+    copies = min(seconds(lambda: [copy(o) for o in range(0, n, CRC_STEP)]) for _ in range(3))
+    costs["memcpy"] = copies * h.GiB / n
+    return costs
 
 
 def fsync_dir(path: Path) -> None:
@@ -132,6 +208,7 @@ class Bench:
             self.io = {"distckpt": {}, "distckpt-1": {}}
         self.io["distckpt-async"] = self.io["distckpt"]
         self.pool = ThreadPoolExecutor(args.workers, thread_name_prefix="raw")
+        self.one = ThreadPoolExecutor(1, thread_name_prefix="raw-1")
         shape = (self.rows, self.cols)
         self.src = {n: self.tensor(shape) for n in self.names}
         for i, t in enumerate(self.src.values()):
@@ -196,19 +273,22 @@ class Bench:
             b.copy_(t, non_blocking=self.cuda)
         self.sync()
 
-    def raw_save(self, path: Path) -> None:
+    def raw_save(self, path: Path, who: str = "raw") -> None:
+        """Plain files (T threads; ``raw-1``: one; ``raw-crc-1``: one, checksumming)."""
         path.mkdir()
         if self.cuda:
             self.copy_out()
         tensors = self.host if self.cuda else list(self.src.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, tensors)]
-        list(self.pool.map(lambda f: write_file(*f), files))
+        write = write_file_crc if who == "raw-crc-1" else write_file
+        list((self.pool if who == "raw" else self.one).map(lambda f: write(*f), files))
         fsync_dir(path)
 
-    def raw_load(self, path: Path) -> None:
+    def raw_load(self, path: Path, who: str = "raw") -> None:
         targets = self.host if self.cuda else list(self.dst.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, targets)]
-        list(self.pool.map(lambda f: read_file(*f), files))
+        read = read_file_crc if who == "raw-crc-1" else read_file
+        list((self.pool if who == "raw" else self.one).map(lambda f: read(*f), files))
         if self.cuda:
             for t, b in zip(self.dst.values(), self.host, strict=True):
                 t.copy_(b, non_blocking=True)
@@ -231,6 +311,8 @@ class Bench:
             ]
         ops: dict[str, Callable[[], Any]] = {
             "raw": lambda: self.raw_save(path),
+            "raw-1": lambda: self.raw_save(path, "raw-1"),
+            "raw-crc-1": lambda: self.raw_save(path, "raw-crc-1"),
             "copy": self.copy_out,
             "distckpt": lambda: self.distckpt.save(self.src, path, **io).timings,
             "dcp": lambda: dcp.save(self.src, checkpoint_id=str(path), no_dist=True),
@@ -248,8 +330,8 @@ class Bench:
         """``who``'s load of ``path``: (distckpt's timings or None, the loaded tensors)."""
         timings = None
         got = self.dst
-        if who == "raw":
-            self.raw_load(path)
+        if who.startswith("raw"):
+            self.raw_load(path, who)
         elif who.startswith("distckpt"):
             timings = self.distckpt.load(self.dst, path, **self.io[who]).timings
         elif who.startswith("dcp"):
@@ -321,16 +403,26 @@ class Driver(h.Driver):
             "gpu": gpu,
             "affinity": len(os.sched_getaffinity(0)),
             "io_workers_keyword": self.keyword,
+            "per_byte_s_per_GiB": getattr(self, "costs", None),
         }
 
     def run(self) -> None:
         bench = Bench(self.args, self.distckpt, self.keyword)
+        if not bench.cuda:
+            first = bench.bytes_of(next(iter(bench.src.values())))
+            self.costs = per_byte_costs(first)
+            print(
+                "per-byte costs on one core (s/GiB): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in self.costs.items()),
+                flush=True,
+            )
         try:
             for parent in self.args.dir:
                 with h.run_dir(parent) as d:
                     self.measure(bench, d)
         finally:
             bench.pool.shutdown()
+            bench.one.shutdown()
 
     def measure(self, bench: Bench, d: Path) -> None:
         """The warm-up, then the rounds, in directory ``d``."""
@@ -391,7 +483,10 @@ class Driver(h.Driver):
 
 #: (label, op, target): "<op> thr|speedup A/B" compare throughputs, the others times.
 RATIOS: list[tuple[str, str, tuple[str, float] | None]] = [
-    *[(f"{op} thr distckpt/raw", op, None) for op in ("save", "load")],
+    *[(f"{op} thr distckpt/raw", op, (">=", 0.85)) for op in ("save", "load")],
+    *[(f"{op} thr distckpt-1/raw-1", op, (">=", 0.85)) for op in ("save", "load")],
+    *[(f"{op} thr distckpt-1/raw-crc-1", op, None) for op in ("save", "load")],
+    *[(f"{op} thr raw-crc-1/raw-1", op, None) for op in ("save", "load")],
     *[
         (f"{op} time distckpt/{other}", op, None)
         for op in ("save", "load")
@@ -435,6 +530,15 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
             if q is not None:
                 ratios.append(
                     {"label": label, "fs": fs, "dir": d, **q, **h.target(q["value"], goal)}
+                )
+        for r in rows:  # steadiness: the slowest save against the median
+            if r["dir"] == d and r["op"] == "save" and r["who"] in ("distckpt", "distckpt-1"):
+                value = r["max_s"] / r["median_s"]
+                label = f"save slowest/median {r['who']}"
+                ratios.append(
+                    {"label": label, "fs": fs, "dir": d, "value": value, "of_mins": value}
+                    | dict.fromkeys(("paired_median", "paired_min", "paired_max"), value)
+                    | h.target(value, ("<=", 1.3))
                 )
     return {"rows": rows, "ratios": ratios}
 

@@ -1,8 +1,8 @@
 """Crash states of a POSIX file system, in the manner of ALICE and CrashMonkey.
 
 :class:`Recorder` records the file-system operations that distckpt makes under one
-directory (create, write, truncate, fsync, mkdir, rename, exchange, link, unlink, rmdir),
-by wrapping the ``os`` functions every write of the library goes through. Files and
+directory (create, write, truncate, fsync, syncfs, mkdir, rename, exchange, link, unlink,
+rmdir), by wrapping the ``os`` functions every write of the library goes through. Files and
 directories are followed by inode, so a rename of a directory moves what is below it, and
 a write through a descriptor reaches its file under whatever name it has by then. The
 recording is checked against the directory it produced: replayed in full it must give the
@@ -12,6 +12,7 @@ same tree, byte for byte, or the test fails (an operation went round the recorde
 what survives a crash (that of ext4 and XFS, and no stronger):
 
 * the crash comes after any prefix of the operations;
+* everything before a ``syncfs`` of the file system is durable;
 * a file's data (writes, truncations) are durable once the file is fsynced; of the
   writes not yet durable, any subset survives;
 * a directory's entries (create, mkdir, link, unlink, rmdir, rename, exchange within it)
@@ -54,7 +55,7 @@ DATA = frozenset({"write", "trunc"})
 
 @dataclass
 class Op:
-    kind: str  # mkdir creat link unlink rename exchange write trunc fsync mark
+    kind: str  # mkdir creat link unlink rename exchange write trunc fsync syncfs mark
     args: tuple[Any, ...]
 
     def parents(self) -> tuple[int, ...]:
@@ -186,7 +187,7 @@ class Recorder:
         self._fds: dict[int, int] = {}  # open descriptor under the root: model id
         self._lock = threading.RLock()
         self._real: dict[str, Callable[..., Any]] = {}
-        self._exchange_owners: list[tuple[Any, Callable[..., Any]]] = []
+        self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
         self._dev = os.stat(self.root).st_dev
         self._openat2: Callable[..., int] | None = None
 
@@ -365,6 +366,15 @@ class Recorder:
 
         return call
 
+    def _syncfs(self, real: Callable[..., None]) -> Callable[..., None]:
+        def call(fd: int, what: Any = "") -> None:
+            with self._lock:
+                real(fd, what)
+                if os.fstat(fd).st_dev == self._dev:
+                    self._record("syncfs")
+
+        return call
+
     def _link(
         self,
         src: Any,
@@ -432,21 +442,26 @@ class Recorder:
         if self._openat2 is not None:
             beneath.openat2 = self._open_beneath  # type: ignore[assignment]
 
-        real_exchange = fsutil.exchange
+        # So are renameat2(RENAME_EXCHANGE) and syncfs: wrapped where they are imported.
+        wrappers = {
+            "exchange": (fsutil.exchange, self._exchange(fsutil.exchange)),
+            "syncfs": (fsutil.syncfs, self._syncfs(fsutil.syncfs)),
+        }
         for module in list(sys.modules.values()):
-            if getattr(module, "__name__", "").startswith("distckpt") and (
-                getattr(module, "exchange", None) is real_exchange
-            ):
-                self._exchange_owners.append((module, real_exchange))
-                module.exchange = self._exchange(real_exchange)  # type: ignore[attr-defined]
+            if not getattr(module, "__name__", "").startswith("distckpt"):
+                continue
+            for name, (real, wrapper) in wrappers.items():
+                if getattr(module, name, None) is real:
+                    self._wrapped.append((module, name, real))
+                    setattr(module, name, wrapper)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, fn in self._real.items():
             setattr(os, name, fn)
-        for module, fn in self._exchange_owners:
-            module.exchange = fn
-        self._exchange_owners.clear()
+        for module, name, fn in self._wrapped:
+            setattr(module, name, fn)
+        self._wrapped.clear()
         if self._openat2 is not None:
             from distckpt.storage import beneath
 
@@ -497,21 +512,24 @@ def _choices(prefix: Sequence[Op]) -> tuple[list[Op], list[list[Op]], list[Op]]:
     """Split a prefix: the durable operations (in order), the pending namespace
     operations of each directory (in order), the pending data writes."""
     last_sync: dict[int, int] = {}
+    everything = -1  # the last syncfs: what came before it is durable
     for i, op in enumerate(prefix):
         if op.kind == "fsync":
             last_sync[op.args[0]] = i
+        elif op.kind == "syncfs":
+            everything = i
     durable: list[Op] = []
     pending_dirs: dict[tuple[int, ...], list[Op]] = {}
     pending_data: list[Op] = []
     for i, op in enumerate(prefix):
         if op.kind in NAMESPACE:
             parents = op.parents()
-            if all(last_sync.get(p, -1) > i for p in parents):
+            if i < everything or all(last_sync.get(p, -1) > i for p in parents):
                 durable.append(op)
             else:
                 pending_dirs.setdefault(parents, []).append(op)
         elif op.kind in DATA:
-            if last_sync.get(op.args[0], -1) > i:
+            if i < everything or last_sync.get(op.args[0], -1) > i:
                 durable.append(op)
             else:
                 pending_data.append(op)

@@ -147,6 +147,8 @@ def test_two_processes_advance_latest(tmp_path: Path) -> None:
 #: (name, file, the text replaced, its replacement, the check that must now fail)
 MUTATIONS = [
     ("no-fsync", "*", "os.fsync(", "(lambda fd: None)(", ["manager", "overwrite"]),
+    # small files made durable together: the one write-back left out
+    ("no-syncfs", "transfer/writer.py", "barrier.sync(small)", "pass", ["manager"]),
     (
         "delete-before-rename",
         "storage/staging.py",

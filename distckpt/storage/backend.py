@@ -116,6 +116,9 @@ class Capabilities:
     #: system, a server-side copy on an object store): what an incremental save needs to
     #: reuse a piece of the checkpoint it builds on.
     copies: bool = False
+    #: :class:`SyncingStore`'s ``sync`` makes many files finished with ``durable=False``
+    #: durable in one write-back (on a file system, one ``syncfs``), where it can.
+    syncs: bool = False
 
     def names(self) -> list[str]:
         """The flags that are set."""
@@ -281,6 +284,28 @@ class CopyingStore(Store, Protocol):
         """A token that changes whenever ``key`` is written again (on a file system its
         inode, size and modification time; an object's version), or None where the store
         has none."""
+
+
+class SyncingStore(Store, Protocol):
+    """A store that makes many new files durable at once (``capabilities.syncs``)."""
+
+    def can_sync(self) -> bool:
+        """Whether :meth:`sync` works here (on a file system: one whose ``syncfs`` writes
+        back everything and reports failures); else files are made durable one by one."""
+
+    def sync(self, keys: Iterable[str]) -> None:
+        """Make the files ``keys`` (finished with ``durable=False``) durable, at once; an
+        :class:`OSError` if any write-back failed. Their names become durable through
+        :meth:`Store.persist`, as ever."""
+
+
+def syncing(store: Store) -> SyncingStore | None:
+    """``store`` as a :class:`SyncingStore` when it declares ``syncs`` and can sync where
+    it is, else None."""
+    if not store.capabilities.syncs:
+        return None
+    found = cast(SyncingStore, store)
+    return found if found.can_sync() else None
 
 
 def own_write(store: Store, key: str, body: bytes, error: ConditionFailed) -> str:

@@ -163,6 +163,46 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, dir_fd: int | Non
     fsync_fd(dir_fd, name)
 
 
+#: File systems whose ``syncfs`` writes back every file and directory entry of the file
+#: system and reports a write-back that failed (with Linux 5.8 and later): ext2/3/4, XFS,
+#: Btrfs, and tmpfs (which has nothing to write). Network file systems are not among them.
+SYNCFS_TYPES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
+_SYNCFS_KERNEL = (5, 8)
+
+
+def _kernel() -> tuple[int, int]:
+    try:
+        major, minor = os.uname().release.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except (AttributeError, ValueError):
+        return (0, 0)
+
+
+def syncfs_kind(fd: int) -> str | None:
+    """The name of the file system of ``fd`` when one :func:`syncfs` of it makes every
+    file written there durable, and reports a failure (see :data:`SYNCFS_TYPES`); else
+    None, and files must be fsynced one by one."""
+    if os.uname().sysname != "Linux" or _kernel() < _SYNCFS_KERNEL:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type comes first (a long)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.fstatfs(fd, buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return SYNCFS_TYPES.get(int.from_bytes(buf.raw[:4], "little"))
+
+
+def syncfs(fd: int, what: str | os.PathLike[str] = "") -> None:
+    """Write back the whole file system of ``fd`` (``syncfs``): data, inodes and directory
+    entries; an :class:`OSError` if any write-back failed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}", os.fspath(what) or None)
+
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 

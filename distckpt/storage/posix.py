@@ -53,6 +53,8 @@ from distckpt.storage.fsutil import (
     read_fd,
     read_regular,
     regular,
+    syncfs,
+    syncfs_kind,
     write_all,
     write_file,
 )
@@ -186,6 +188,7 @@ class PosixStore:
         ranged_reads=True,
         parallel_writes=True,
         local_files=True,
+        syncs=True,
         copies=True,
     )
     commit_strategy = RENAME
@@ -205,6 +208,7 @@ class PosixStore:
         self._below = "/".join(self.path.relative_to(self._root).parts)
         # Resolves every path below the root; shared by the stores of one root.
         self.beneath = beneath if beneath is not None else Beneath(str(self._root))
+        self._syncfs: bool | None = None  # its file system's syncfs serves (can_sync)
 
     def __repr__(self) -> str:
         return f"PosixStore({self.url!r})"
@@ -450,6 +454,26 @@ class PosixStore:
             if parent not in made:
                 self.beneath.makedirs(parent)
                 made.add(parent)
+
+    def can_sync(self) -> bool:
+        if self._syncfs is None:
+            try:
+                self._syncfs = self._on_directory(syncfs_kind) is not None
+            except OSError:
+                return False  # not there yet: asked again later
+        return self._syncfs
+
+    def sync(self, keys: Iterable[str]) -> None:
+        self._on_directory(lambda fd: syncfs(fd, self.path))
+
+    def _on_directory(self, fn: Callable[[int], T]) -> T:
+        """``fn(descriptor of this store's directory)``."""
+        fd = self.beneath.open(self._rel(""), DIRECTORY) if self._below else self.beneath.fd()
+        try:
+            return fn(fd)
+        finally:
+            if self._below:
+                os.close(fd)
 
     def persist(self, keys: Iterable[str]) -> None:
         dirs: set[str] = set()

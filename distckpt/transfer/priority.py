@@ -3,7 +3,7 @@
 A background save writes while training goes on, on the same cores. Its threads (the
 save's own thread once the snapshot is taken, and its I/O workers) therefore run
 
-* at a lower CPU priority: ``nice`` more than the thread that started the save
+* at a lower CPU priority: ``nice`` more than the process's main thread
   (``setpriority`` on the thread, Linux's per-thread niceness). A thread of niceness 10
   weighs about a tenth of one of niceness 0, so a training step that needs the core gets
   it, and the save uses what training leaves idle;
@@ -83,8 +83,11 @@ class Yielding:
         tid = threading.get_native_id()
         try:
             if self.nice:
-                now = os.getpriority(os.PRIO_PROCESS, tid)
-                os.setpriority(os.PRIO_PROCESS, tid, min(_MAX_NICE, now + self.nice))
+                # Relative to the process (its main thread), whichever thread made this
+                # one: a thread inherits its maker's niceness, which may be lowered already.
+                target = min(_MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + self.nice)
+                if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                    os.setpriority(os.PRIO_PROCESS, tid, target)
                 _lowest_io_priority(tid)
             if self.cpus is not None:
                 os.sched_setaffinity(0, self.cpus)  # 0: this thread

@@ -94,7 +94,10 @@ def read_targets(
         jobs.append((t, copies, out))
     tally = _Tally()
     headers = _read_headers(root, jobs, workers, tally)
-    group = TaskGroup(workers, on_bytes)
+    # One worker with nothing to stage reads on this thread (see TaskGroup).
+    group = TaskGroup(
+        workers, on_bytes, inline=workers == 1 and all(out is not None for _, _, out in jobs)
+    )
     used: set[slabs.SlabPool] = set()
 
     def in_place() -> Iterator[list[tuple[Callable[..., int], tuple[Any, ...]]]]:
@@ -148,7 +151,7 @@ def _read_headers(
         headers[reader.path] = header
         tally.add(header.nbytes)
 
-    group = TaskGroup(workers)
+    group = TaskGroup(workers, inline=workers == 1)
     seen: set[str] = set()
     for t, copies, _ in jobs:
         for copy in copies:

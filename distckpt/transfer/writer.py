@@ -40,7 +40,7 @@ import numpy as np
 from distckpt.errors import CheckpointError
 from distckpt.storage import digests as digests_mod
 from distckpt.storage import shard_io
-from distckpt.storage.backend import Store, copying
+from distckpt.storage.backend import Store, copying, syncing
 from distckpt.storage.codecs import Codec
 from distckpt.storage.piece_reader import PieceReader, scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
@@ -107,10 +107,16 @@ def write_pieces(
     shards: list[ShardFile] = []
     digests = digests or any(job.reuse is not None for job in jobs)
     decided = _reuse(store, [job for job in jobs if job.reuse is not None], workers)
+    # Small files are made durable together, after the others, where the store can.
+    barrier = syncing(store)
+    small: list[str] = []
 
     def feed() -> None:
         for key, data in files:
-            group.submit(_write_small_file, store, key, data, (like or {}).get(key))
+            small.append(key)
+            group.submit(
+                _write_small_file, store, key, data, (like or {}).get(key), barrier is None
+            )
         sharded: list[PieceJob] = []
         for job in jobs:
             if job.id in decided:
@@ -118,8 +124,16 @@ def write_pieces(
             elif any(n == 0 for n in job.data.shape):
                 results[job.id] = Stored(0, 0, digests_mod.plain_digest(b"") if digests else None)
             elif job.inner is None:  # small: a device tensor comes over whole, from here
+                small.append(job.key)
                 group.submit(
-                    _write_plain, store, job.id, job.key, job.data.host(), results, digests
+                    _write_plain,
+                    store,
+                    job.id,
+                    job.key,
+                    job.data.host(),
+                    results,
+                    digests,
+                    barrier is None,
                 )
             else:
                 sharded.append(job)
@@ -136,6 +150,8 @@ def write_pieces(
     finally:
         for shard in shards:
             shard.close()  # after a failure, those not finished (a finished one is closed)
+    if barrier is not None and small:
+        barrier.sync(small)
     return results
 
 
@@ -302,10 +318,14 @@ def _differs(store: Store, job: PieceJob) -> str | None:
 
 
 def _write_small_file(
-    store: Store, key: str, data: bytes, like: tuple[Store, str] | None = None
+    store: Store,
+    key: str,
+    data: bytes,
+    like: tuple[Store, str] | None = None,
+    durable: bool = True,
 ) -> int:
-    """Write a small file, or link the same bytes from ``like`` (a base's file: on a file
-    system a link costs no fsync of its own, where a small file's write does)."""
+    """Write a small file (durably, or for a later :meth:`SyncingStore.sync`), or link the
+    same bytes from ``like`` (a base's file: a link costs no write-back of its own)."""
     target = None if like is None else copying(store)
     if like is not None and target is not None:
         source, source_key = like
@@ -316,7 +336,16 @@ def _write_small_file(
         except (OSError, TypeError, CheckpointError):
             with contextlib.suppress(OSError, CheckpointError):
                 store.delete(key)
-    store.write(key, data)
+    if durable:
+        store.write(key, data)
+        return 0
+    handle = store.create(key, len(data))
+    try:
+        handle.write([data], 0)
+        handle.finish(durable=False)
+    except BaseException:
+        handle.abort()
+        raise
     return 0
 
 
@@ -327,8 +356,9 @@ def _write_plain(
     data: np.ndarray,
     results: dict[int, Stored],
     digests: bool,
+    durable: bool = True,
 ) -> int:
-    stored = shard_io.write_plain(store, key, data, digest=digests)
+    stored = shard_io.write_plain(store, key, data, fsync=durable, digest=digests)
     results[piece] = stored._replace(stamp=_stamp(store, key)) if digests else stored
     return int(data.nbytes)
 
