@@ -81,9 +81,7 @@ def test_a_background_save_writes_at_a_lower_priority_on_its_cores(tmp_path: Pat
 
 def test_background_nice_zero_keeps_the_training_priority(tmp_path: Path) -> None:
     state = _state()
-    distckpt.save(
-        state, tmp_path / "c", async_save=True, io_workers=2, background_nice=0
-    ).wait()
+    distckpt.save(state, tmp_path / "c", async_save=True, io_workers=2, background_nice=0).wait()
     assert Yielding(0, None) not in [how for _, how in workers._pools]
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     load1(target, tmp_path / "c")
