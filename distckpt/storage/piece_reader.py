@@ -300,6 +300,56 @@ class PieceReader:
             dst[...] = target.view(self.dtype).reshape(tuple(inner))[within]
         return length
 
+    def read_run(
+        self,
+        fd: ReadHandle,
+        header: ShardHeader,
+        inner: Sequence[int],
+        chunks: Sequence[ChunkRead],
+        src: Box,
+        out: np.ndarray,
+    ) -> int | None:
+        """:meth:`read_chunk` of each of ``chunks`` in one request, when they are whole
+        raw chunks stored back to back whose rows follow each other in ``out`` (a
+        C-contiguous array whose rows the chunks fill whole): each lands in place and is
+        verified as it would be alone. Returns bytes read, or None (nothing read) when
+        the chunks are not such a run."""
+        n = len(chunks)
+        if self.codec is not None or n < 2 or not inner or not out.flags.c_contiguous:
+            return None
+        inner = tuple(inner)
+        if out.shape[1:] != inner[1:] or any(c.lengths != inner for c in chunks):
+            return None
+        chunk_bytes = math.prod(inner) * self.dtype.itemsize
+        first = int(header.index[chunks[0].linear][0])
+        row = chunks[0].part[0] - src.offsets[0]
+        for k, chunk in enumerate(chunks):
+            offset, length = (int(v) for v in header.index[chunk.linear])
+            if (
+                offset != first + k * (chunk_bytes + 4)
+                or length != chunk_bytes + 4
+                or chunk.part[0] - src.offsets[0] != row + k * inner[0]
+            ):
+                return None
+        index_start = header.size - (len(header.index) * 16 + 4)
+        if first < header.table.nbytes or first + n * (chunk_bytes + 4) > index_start:
+            return None  # (not where chunks can be: read one by one, and refused there)
+        flat = as_bytes(out)
+        start = row * (chunk_bytes // inner[0])
+        places = [flat[start + k * chunk_bytes : start + (k + 1) * chunk_bytes] for k in range(n)]
+        tails = np.empty((n, 4), dtype=np.uint8)
+        buffers: list[Any] = [b for k in range(n) for b in (places[k], tails[k])]
+        got = fd.readinto(buffers, first)
+        for k, chunk in enumerate(chunks):
+            coord = tuple(o // i for o, i in zip(chunk.offsets, inner, strict=True))
+            if got < (k + 1) * (chunk_bytes + 4):
+                raise self._corrupt(f"inner chunk {coord} is truncated")
+            stored = int.from_bytes(tails[k].tobytes(), "little")
+            expected = int(header.table[chunk.linear])
+            if stored != expected or _crc.crc32c(places[k].data) != stored:
+                raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+        return n * (chunk_bytes + 4)
+
     def read_sharded(
         self, block: Sequence[int], inner: Sequence[int], src: Box, out: np.ndarray
     ) -> int:

@@ -247,7 +247,11 @@ def _read_chunks(
             read = header.nbytes
         else:
             _will_need(fd, header, chunks)
-        read += sum(reader.read_chunk(fd, header, piece.inner, c, src, dst) for c in chunks)
+        run = reader.read_run(fd, header, piece.inner, chunks, src, dst)
+        if run is not None:  # the usual case: in one request
+            read += run
+        else:
+            read += sum(reader.read_chunk(fd, header, piece.inner, c, src, dst) for c in chunks)
     finally:
         fd.close()
     tally.add(read)
