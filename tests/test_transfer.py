@@ -33,7 +33,7 @@ from distckpt.planning.layout import inner_chunks
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage import codecs, shard_io, zarr_meta
 from distckpt.storage.piece_reader import PieceReader
-from distckpt.storage.posix import PosixStore
+from distckpt.storage.posix import PosixStore, PosixWriter
 from distckpt.storage.staging import leftovers
 from distckpt.transfer import reader as reader_mod
 from distckpt.transfer import slabs, workers
@@ -466,15 +466,15 @@ def test_a_failing_worker_stops_the_save_and_loses_nothing(
     w = random_tensor(torch.float32, (64, 64), 3)
     save1({"w": w}, tmp_path / "ck", small_bytes=0, inner_bytes=512)
     before = snapshot(tmp_path)
-    real = shard_io.ShardFile.write
+    real = PosixWriter.write
     calls = itertools.count()
 
-    def write(self: Any, linear: int, raw: np.ndarray) -> int:
+    def write(self: Any, buffers: Any, offset: int) -> int:  # the disk fills up
         if next(calls) == 5:
             raise OSError(28, "No space left on device")
-        return real(self, linear, raw)
+        return real(self, buffers, offset)
 
-    monkeypatch.setattr(shard_io.ShardFile, "write", write)
+    monkeypatch.setattr(PosixWriter, "write", write)
     new = (w + 1).t().contiguous().t() if staged else w + 1
     with pytest.raises(OSError, match="No space left"):
         save1(

@@ -242,6 +242,26 @@ class ShardFile:
         self.index[linear] = (offset, length)
         return length
 
+    def write_many(self, chunks: Sequence[tuple[int, np.ndarray]]) -> int:
+        """Write inner chunks (linear index, raw bytes) as :meth:`write` would, in one
+        request when they are raw and their places follow each other; return bytes
+        stored. The raw bytes must stay unchanged until this returns."""
+        slots = [self._slot[linear] for linear, _ in chunks]
+        if self.codec is not None or any(b != a + 1 for a, b in zip(slots, slots[1:])):
+            return sum(self.write(linear, raw) for linear, raw in chunks)
+        buffers: list[np.ndarray | bytes] = []
+        for linear, raw in chunks:
+            crc = crc32c(raw)  # first: the digest and the write then find it in the cache
+            if self.digests is not None:
+                self.digests[linear] = digests.chunk_digest(raw)
+            buffers += [raw, struct.pack("<I", crc)]
+            self.table[linear] = crc
+        offset = self.table.nbytes + slots[0] * (self.chunk_bytes + 4)
+        length = self.handle.write(buffers, offset)
+        for k, (linear, _) in enumerate(chunks):
+            self.index[linear] = (offset + k * (self.chunk_bytes + 4), self.chunk_bytes + 4)
+        return length
+
     def finish(self, durable: bool = True) -> Stored:
         """Write the shard index and the checksum table and finish the file (durably);
         return its size, the table's crc and (when asked) the piece's digest."""

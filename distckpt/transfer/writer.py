@@ -440,8 +440,15 @@ def _write_run(
     shard: ShardFile, run: list[ChunkPart], data: np.ndarray, countdown: Countdown
 ) -> int:
     buf = scratch(shard.chunk_bytes, 0)
+    together: list[tuple[int, np.ndarray]] = []  # whole chunks read in place: one request
     for part in run:
-        shard.write(part.linear, stored_chunk(data[part.slices], part, shard.inner, buf))
+        values = data[part.slices]
+        if part.whole and values.flags.c_contiguous:
+            together.append((part.linear, shard_io.as_bytes(values)))
+            continue
+        shard.write(part.linear, stored_chunk(values, part, shard.inner, buf))  # via ``buf``
+    if together:
+        shard.write_many(together)
     countdown.done()
     return sum(p.nbytes for p in run)
 

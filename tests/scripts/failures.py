@@ -602,6 +602,11 @@ def check_golden(comm: Communicator, golden: Path) -> None:
 # --------------------------------------------------------------------------- kill mode
 
 
+def _shard(path: str) -> bool:
+    """Whether ``path`` is a shard of the big tensor (not its ``zarr.json``)."""
+    return "/w/" in path and not path.endswith("/zarr.json")
+
+
 def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool) -> int:
     rank, world = comm.rank, comm.size
     last = world - 1
@@ -615,7 +620,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool)
     def wrote(writer: PosixWriter, durable: bool = True) -> None:
         real_finish(writer, durable)
         path = str(writer.path)
-        if "/w/" in path:  # only the shards of the big tensor count
+        if _shard(path):  # only the shards of the big tensor count
             # The shard is whole (written, synced, closed): the last rank may die now. The
             # line goes out first: once the marker exists the job may be ended any time.
             emit(f"WROTE {rank} {path}")
@@ -623,7 +628,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool)
 
     def killer(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
         path = store.where(key)
-        if "/w/" not in path:
+        if not _shard(path):
             return real(store, key, size_hint)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
