@@ -45,6 +45,7 @@ import argparse
 import inspect
 import os
 import random
+import resource
 import shutil
 import sys
 import time
@@ -208,7 +209,6 @@ class Bench:
             self.io = {"distckpt": {}, "distckpt-1": {}}
         self.io["distckpt-async"] = self.io["distckpt"]
         self.pool = ThreadPoolExecutor(args.workers, thread_name_prefix="raw")
-        self.one = ThreadPoolExecutor(1, thread_name_prefix="raw-1")
         shape = (self.rows, self.cols)
         self.src = {n: self.tensor(shape) for n in self.names}
         for i, t in enumerate(self.src.values()):
@@ -281,14 +281,22 @@ class Bench:
         tensors = self.host if self.cuda else list(self.src.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, tensors)]
         write = write_file_crc if who == "raw-crc-1" else write_file
-        list((self.pool if who == "raw" else self.one).map(lambda f: write(*f), files))
+        if who == "raw":
+            list(self.pool.map(lambda f: write(*f), files))
+        else:  # one thread: the calling one, as distckpt-1 writes
+            for f in files:
+                write(*f)
         fsync_dir(path)
 
     def raw_load(self, path: Path, who: str = "raw") -> None:
         targets = self.host if self.cuda else list(self.dst.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, targets)]
         read = read_file_crc if who == "raw-crc-1" else read_file
-        list((self.pool if who == "raw" else self.one).map(lambda f: read(*f), files))
+        if who == "raw":
+            list(self.pool.map(lambda f: read(*f), files))
+        else:
+            for f in files:
+                read(*f)
         if self.cuda:
             for t, b in zip(self.dst.values(), self.host, strict=True):
                 t.copy_(b, non_blocking=True)
@@ -422,7 +430,6 @@ class Driver(h.Driver):
                     self.measure(bench, d)
         finally:
             bench.pool.shutdown()
-            bench.one.shutdown()
 
     def measure(self, bench: Bench, d: Path) -> None:
         """The warm-up, then the rounds, in directory ``d``."""
@@ -443,7 +450,7 @@ class Driver(h.Driver):
             tag = {"dir": str(d), "fs": fs, "round": rnd, "bytes": bench.nbytes}
             tag["busy_before_round"] = self.wait_idle()
             events = [ev for who in order for ev in self.save(bench, who, paths[who], rnd)]
-            for who in (w for w in order if w in LOADERS):
+            for who in (w for w in order if w in LOADERS and not a.saves_only):
                 bench.reset()
                 if cold:
                     h.evict([paths[who]])
@@ -467,10 +474,15 @@ class Driver(h.Driver):
         """Delete ``who``'s previous files, then its timed save; its events."""
         shutil.rmtree(path, ignore_errors=True)
         bench.sync()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         sec = h.timed(h.SOLO, *bench.steps(who, path))
+        after = resource.getrusage(resource.RUSAGE_SELF)
         if who == "copy":
             return [{"op": "block", "who": who, "span": sec.marks[0], **sec.fields()}]
         ev = {"op": "save", "who": who, "span": sec.marks[-1], **sec.fields()}
+        # CPU of the whole process (all threads) in the kernel and in user space
+        ev["sys_s"] = after.ru_stime - before.ru_stime
+        ev["user_s"] = after.ru_utime - before.ru_utime
         if isinstance(sec.results[-1], dict):
             ev["timings"] = dict(sec.results[-1])
         if who != "distckpt-async":
@@ -509,6 +521,11 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         row = {"dir": d, "fs": es[0]["fs"], "op": op, "who": who, **h.spread(spans)}
         row.update(GBps=es[0]["bytes"] / 1e9 / row["median_s"], spans=spans)
         row["other_cpu_median"] = h.med([e["foreign_cpu"] for e in es])
+        if "sys_s" in es[0]:
+            slowest = max(es, key=lambda e: e["span"])
+            row["sys_median_s"] = h.med([e["sys_s"] for e in es])
+            row["user_median_s"] = h.med([e["user_s"] for e in es])
+            row["sys_of_slowest_s"] = slowest["sys_s"]
         tm = [e["timings"] for e in es if "timings" in e]
         if tm:
             row["phases_median"] = {k: h.med([t.get(k, 0.0) for t in tm]) for k in tm[0]}
@@ -555,6 +572,14 @@ def print_report(summary: dict[str, Any]) -> None:
             f"{r['min_s']:8.3f} {r['max_s']:8.3f} {r['GBps']:7.2f} "
             f"{100 * r['other_cpu_median']:5.0f}"
         )
+    cpu = [r for r in summary["rows"] if "sys_median_s" in r]
+    if cpu:
+        print("\nsaves: CPU time of the process (s; kernel of the median round, of the slowest)")
+        for r in cpu:
+            print(
+                f"  {r['fs'][:6]:6} {r['who']:14} user {r['user_median_s']:.3f}  "
+                f"sys {r['sys_median_s']:.3f}  sys of the slowest {r['sys_of_slowest_s']:.3f}"
+            )
     print()
     h.print_fs_ratios(summary["ratios"])
     phases = [r for r in summary["rows"] if "phases_median" in r]
@@ -603,6 +628,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["cold", "warm"],
         default="cold",
         help="on a non-tmpfs dir, evict the files before each timed load (cold, default)",
+    )
+    p.add_argument(
+        "--saves-only",
+        action="store_true",
+        help="time the saves only (loads are verified in the warm-up): no load, no check "
+        "between two saves allocates and frees memory (see the steadiness section)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 2 rounds, tmpfs only")
     args = p.parse_args(argv)
