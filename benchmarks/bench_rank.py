@@ -78,54 +78,39 @@ CHUNK = 1 << 30  # bytes per write / preadv call
 # --------------------------------------------------------------------------- files
 
 
-def write_file(path: Path, data: memoryview) -> None:
-    """Write ``data`` to a new file and fsync it."""
+def write_file(path: Path, data: memoryview, crc: bool = False) -> None:
+    """Write ``data`` to a new file and fsync it; with ``crc``, :data:`CRC_STEP` bytes at a
+    time, the crc32c of each computed before it is written (the least a format that
+    checksums its bytes adds)."""
+    step = CRC_STEP if crc else CHUNK
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        while data:
-            data = data[os.write(fd, data[:CHUNK]) :]
+        off = 0
+        while off < len(data):
+            piece = data[off : off + step]
+            if crc:
+                crc32c.crc32c(piece)
+            off += os.pwrite(fd, piece, off)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def read_file(path: Path, into: memoryview) -> None:
-    """Fill ``into`` from the file with ``preadv``."""
+def read_file(path: Path, into: memoryview, crc: bool = False) -> None:
+    """Fill ``into`` from the file with ``preadv``; with ``crc``, :data:`CRC_STEP` bytes at
+    a time, each checksummed once read."""
+    step = CRC_STEP if crc else CHUNK
     fd = os.open(path, os.O_RDONLY)
     try:
         off = 0
         while off < len(into):
-            n = os.preadv(fd, [into[off : off + CHUNK]], off)
+            piece = into[off : off + step]
+            n = os.preadv(fd, [piece], off)
             if n <= 0:
                 raise OSError(f"short read of {path} at {off}")
+            if crc:
+                crc32c.crc32c(piece[:n])
             off += n
-    finally:
-        os.close(fd)
-
-
-def write_file_crc(path: Path, data: memoryview) -> None:
-    """:func:`write_file`, a crc32c of every :data:`CRC_STEP` bytes computed before they are
-    written (the least a format that checksums its bytes adds)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, len(data), CRC_STEP):
-            step = data[off : off + CRC_STEP]
-            crc32c.crc32c(step)
-            os.pwrite(fd, step, off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_file_crc(path: Path, into: memoryview) -> None:
-    """:func:`read_file`, :data:`CRC_STEP` bytes at a time, each checksummed once read."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for off in range(0, len(into), CRC_STEP):
-            step = into[off : off + CRC_STEP]
-            if os.preadv(fd, [step], off) != len(step):
-                raise OSError(f"short read of {path} at {off}")
-            crc32c.crc32c(step)
     finally:
         os.close(fd)
 
@@ -280,23 +265,23 @@ class Bench:
             self.copy_out()
         tensors = self.host if self.cuda else list(self.src.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, tensors)]
-        write = write_file_crc if who == "raw-crc-1" else write_file
+        crc = who == "raw-crc-1"
         if who == "raw":
-            list(self.pool.map(lambda f: write(*f), files))
+            list(self.pool.map(lambda f: write_file(*f), files))
         else:  # one thread: the calling one, as distckpt-1 writes
             for f in files:
-                write(*f)
+                write_file(*f, crc=crc)
         fsync_dir(path)
 
     def raw_load(self, path: Path, who: str = "raw") -> None:
         targets = self.host if self.cuda else list(self.dst.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, targets)]
-        read = read_file_crc if who == "raw-crc-1" else read_file
+        crc = who == "raw-crc-1"
         if who == "raw":
-            list(self.pool.map(lambda f: read(*f), files))
+            list(self.pool.map(lambda f: read_file(*f), files))
         else:
             for f in files:
-                read(*f)
+                read_file(*f, crc=crc)
         if self.cuda:
             for t, b in zip(self.dst.values(), self.host, strict=True):
                 t.copy_(b, non_blocking=True)

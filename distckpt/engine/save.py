@@ -471,6 +471,5 @@ def _write(
     result.files_written += len(files) + sum(
         1 for s in written.values() if s.size and s.reused is None
     )
-    root.persist(keys)
     stored.update((piece.file, (piece, written[piece.id])) for piece in work.writes)
     return Report.of(written)

@@ -294,9 +294,10 @@ class SyncingStore(Store, Protocol):
         back everything and reports failures); else files are made durable one by one."""
 
     def sync(self, keys: Iterable[str]) -> None:
-        """Make the files ``keys`` (finished with ``durable=False``) durable, at once; an
-        :class:`OSError` if any write-back failed. Their names become durable through
-        :meth:`Store.persist`, as ever."""
+        """Make the files ``keys`` (finished with ``durable=False``) durable at once, and
+        with them every file and directory entry made in the store so far (what
+        :meth:`Store.persist` does for names); an :class:`OSError` if any write-back
+        failed."""
 
 
 def syncing(store: Store) -> SyncingStore | None:

@@ -92,7 +92,9 @@ def write_pieces(
     digests: bool = False,
 ) -> dict[int, Stored]:
     """Write every piece of ``jobs`` and the small ``files`` (key, bytes) into ``store``,
-    each durably, or take a job's piece from its :class:`Reuse` when its bytes are the same.
+    or take a job's piece from its :class:`Reuse` when its bytes are the same; then make
+    them and their names durable (:meth:`Store.persist`, or one
+    :meth:`~distckpt.storage.backend.SyncingStore.sync` where the store can).
 
     ``like`` names, for a small file, a file of an earlier checkpoint that may hold the
     same bytes (taken instead of written when it does).
@@ -151,7 +153,9 @@ def write_pieces(
         for shard in shards:
             shard.close()  # after a failure, those not finished (a finished one is closed)
     if barrier is not None and small:
-        barrier.sync(small)
+        barrier.sync(small)  # every file and name made so far: no directory to fsync
+    else:
+        store.persist([job.key for job in jobs] + [key for key, _ in files])
     return results
 
 
