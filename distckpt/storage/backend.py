@@ -286,6 +286,7 @@ class CopyingStore(Store, Protocol):
         has none."""
 
 
+@runtime_checkable
 class SyncingStore(Store, Protocol):
     """A store that makes many new files durable at once (``capabilities.syncs``)."""
 

@@ -45,6 +45,7 @@ from distckpt.storage.backend import (
     ReadHandle,
     RenamingStore,
     Store,
+    SyncingStore,
     WriteHandle,
     is_remote,
     location,
@@ -415,6 +416,24 @@ class StoreTests(ConditionalWriteCases):
             with pytest.raises(ConditionFailed):
                 target.copy(source, "piece", "stale", expect=stamp)
             assert not target.exists("stale")
+
+    @needs("syncs")
+    def test_sync(self, store: Store) -> None:
+        """Files finished without durability are whole once synced together, in nested
+        directories too; a store that cannot sync where it is says so."""
+        assert isinstance(store, SyncingStore)
+        keys = ["s/a", "s/b/c"]
+        store.prepare(keys)
+        for n, key in enumerate(keys):
+            handle = store.create(key, 10 + n)
+            handle.write([payload(10 + n, seed=n)], 0)
+            handle.finish(durable=False)
+        if store.can_sync():
+            store.sync(keys)
+        else:
+            store.persist(keys)
+        for n, key in enumerate(keys):
+            assert store.read(key) == payload(10 + n, seed=n)
 
     @needs("local_files")
     def test_local_files(self, store: Store) -> None:
