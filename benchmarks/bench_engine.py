@@ -11,6 +11,13 @@ Contenders, all on identical data (float32 DTensors sharded on dim 0 over a 1-D 
 * ``distckpt``: ``distckpt.save(state, path, comm)`` / ``distckpt.load(state, path, comm)``;
 * ``dcp``: ``torch.distributed.checkpoint.save(state, checkpoint_id=path)`` / ``.load``
   (FileSystemWriter defaults: one file per rank, fsync on);
+* ``tckpt`` (when ``torch_checkpointing`` is installed): its ``CheckpointManager`` with a
+  synchronous saver and a ``DefaultResharder`` for the state, ``save(path, {"model":
+  state})`` / ``load(path, into={"model": state})``. On CPU it needs two settings: no
+  ``O_DIRECT`` (``LocalFileSystemStorageConfig(use_direct_io=False)``; its direct writes
+  fail at close on tmpfs and on ext4 with sizes that are not block multiples), and its
+  metadata all-gather, which puts its tensors on CUDA unconditionally, replaced by
+  ``all_gather_object`` over the same group (:func:`tckpt_manager`);
 * ``raw``: the limit. Save: every rank writes its local shards, in order, into ONE file
   per rank with a single ``writev`` (no headers, no checksums), then ``fsync`` of the file
   and of the directory. One file per rank is the honest upper bound: fewest opens, fsyncs
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -53,7 +61,9 @@ from typing import Any
 
 import harness as h
 
-CONTENDERS = ("distckpt", "dcp", "raw")
+#: torch_checkpointing (Meta's asynchronous checkpointing library) joins when installed.
+TCKPT = importlib.util.find_spec("torch_checkpointing") is not None
+CONTENDERS = ("distckpt", "dcp", "raw", *(("tckpt",) if TCKPT else ()))
 MOD = 16777213  # values stay below 2**24: exact in float32
 
 # --------------------------------------------------------------------------- data
@@ -234,11 +244,39 @@ def raw_verify(
 # --------------------------------------------------------------------------- worker
 
 
+def tckpt_manager() -> Any:
+    """torch_checkpointing's manager as it runs on CPU (see the module doc)."""
+    import torch.distributed as dist
+    import torch_checkpointing.metadata_manager as metadata
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.default_resharder import DefaultResharder
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    def gather_on_cpu(self: Any, data: Any, process_group: Any = None) -> dict[int, Any]:
+        got: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(got, data, group=process_group)
+        return dict(enumerate(got))
+
+    metadata.DefaultMetadataManager._all_gather_pickled_data = gather_on_cpu
+    config = CheckpointManager.Config(
+        items={"model": ItemSpec(resharder=DefaultResharder())},
+        save=SyncCheckpointSaverConfig(),
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+    )
+    return CheckpointManager(config)
+
+
 class Worker(h.RankWorker):
     """A save launch (case A), a load launch (case A) or a case B launch, by spec mode."""
 
     def run(self) -> None:
         {"save": self.run_save, "load": self.run_load, "small": self.run_small}[self.spec["mode"]]()
+
+    def tckpt(self) -> Any:
+        if not hasattr(self, "_tckpt"):
+            self._tckpt = tckpt_manager()
+        return self._tckpt
 
     def save(self, who: str, state: dict[str, Any], path: Path) -> Any:
         if who == "distckpt":
@@ -246,6 +284,9 @@ class Worker(h.RankWorker):
             return {"timings": res.timings, "bytes": res.bytes_written, "files": res.files_written}
         if who == "dcp":
             self.dcp.save(state, checkpoint_id=str(path))
+            return None
+        if who == "tckpt":
+            self.tckpt().save(str(path), {"model": state})
             return None
         raw_save(state, path, self.rank)
         return None
@@ -256,6 +297,9 @@ class Worker(h.RankWorker):
             return {"timings": res.timings, "bytes": res.bytes_read}
         if who == "dcp":
             self.dcp.load(state, checkpoint_id=str(path))
+            return None
+        if who == "tckpt":
+            self.tckpt().load(str(path), into={"model": state})
             return None
         return {"bytes": raw_load(self.spec, path, writers, self.rank, self.world, buf)}
 
@@ -491,6 +535,11 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         ]
         specs += [("A save time distckpt/dcp", "A", "save", s, "dcp", None, False)]
         specs += [(f"A {op} time distckpt/dcp", "A", op, m, "dcp", None, False) for op, m in loads]
+        if TCKPT:
+            specs += [("A save time distckpt/tckpt", "A", "save", s, "tckpt", None, False)]
+            specs += [
+                (f"A {op} time distckpt/tckpt", "A", op, m, "tckpt", None, False) for op, m in loads
+            ]
         for n in args.b_worlds:
             goal = ("<=", 0.5) if n == max(args.b_worlds) else None
             specs += [
