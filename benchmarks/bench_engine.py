@@ -64,6 +64,10 @@ import harness as h
 #: torch_checkpointing (Meta's asynchronous checkpointing library) joins when installed.
 TCKPT = importlib.util.find_spec("torch_checkpointing") is not None
 CONTENDERS = ("distckpt", "dcp", "raw", *(("tckpt",) if TCKPT else ()))
+#: Case A's resharded loads: torch_checkpointing's (0.1.1) fails on this state (it reads
+#: a 4-rank shard straight into a 2-rank target: the layout-unchanged path), though a
+#: smaller state reshards: left out until understood.
+LOADERS = ("distckpt", "dcp", "raw")
 MOD = 16777213  # values stay below 2**24: exact in float32
 
 # --------------------------------------------------------------------------- data
@@ -458,7 +462,8 @@ class Driver(h.Driver):
             spec = {**spec0, "mode": "save", "order": orders[rnd], "round": rnd}
             events = self.launch(a.a_save_world, spec, f"A-r{rnd}-save")
             for k, m in enumerate(a.a_load_worlds):
-                spec = {**spec0, "mode": "load", "order": orders[(rnd + 1 + k) % len(orders)]}
+                order = [c for c in orders[(rnd + 1 + k) % len(orders)] if c in LOADERS]
+                spec = {**spec0, "mode": "load", "order": order}
                 events += self.launch(m, {**spec, "round": rnd}, f"A-r{rnd}-load{m}")
             self.events += [{"case": "A", **tag, "round": rnd, **e} for e in events]
             for p in paths.values():
@@ -537,9 +542,6 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
         specs += [(f"A {op} time distckpt/dcp", "A", op, m, "dcp", None, False) for op, m in loads]
         if TCKPT:
             specs += [("A save time distckpt/tckpt", "A", "save", s, "tckpt", None, False)]
-            specs += [
-                (f"A {op} time distckpt/tckpt", "A", op, m, "tckpt", None, False) for op, m in loads
-            ]
         for n in args.b_worlds:
             goal = ("<=", 0.5) if n == max(args.b_worlds) else None
             specs += [
