@@ -225,16 +225,12 @@ class ShardFile:
 
     def write(self, linear: int, raw: np.ndarray) -> int:
         """Write inner chunk ``linear`` (its raw bytes, flat uint8); return bytes stored."""
-        # The crc first: it brings the chunk into the cache for the digest and the write.
         if self.codec is None:
-            crc = crc32c(raw)
-            stored: np.ndarray | bytes = raw
-            offset = self.table.nbytes + self._slot[linear] * (self.chunk_bytes + 4)
-        else:
-            stored = self.codec.encode(raw)
-            crc = crc32c(stored)
-            with self._lock:
-                offset, self._end = self._end, self._end + len(stored) + 4
+            return self.write_many([(linear, raw)])
+        stored = self.codec.encode(raw)
+        crc = crc32c(stored)
+        with self._lock:
+            offset, self._end = self._end, self._end + len(stored) + 4
         if self.digests is not None:
             self.digests[linear] = digests.chunk_digest(raw)
         length = self.handle.write([stored, struct.pack("<I", crc)], offset)
@@ -248,7 +244,7 @@ class ShardFile:
         stored. The raw bytes must stay unchanged until this returns."""
         slots = [self._slot[linear] for linear, _ in chunks]
         if self.codec is not None or any(b != a + 1 for a, b in zip(slots, slots[1:])):
-            return sum(self.write(linear, raw) for linear, raw in chunks)
+            return sum(self.write(linear, raw) for linear, raw in chunks)  # one at a time
         buffers: list[np.ndarray | bytes] = []
         for linear, raw in chunks:
             crc = crc32c(raw)  # first: the digest and the write then find it in the cache
