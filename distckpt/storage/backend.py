@@ -310,6 +310,20 @@ def syncing(store: Store) -> SyncingStore | None:
     return found if found.can_sync() else None
 
 
+def write_whole(store: Store, key: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
+    """Write a new file ``key`` of ``buffers`` back to back through :meth:`Store.create`
+    and finish it (durably, or for a later :meth:`SyncingStore.sync`); a failure gives
+    the file up. Returns the bytes written."""
+    handle = store.create(key, sum(byte_view(b).nbytes for b in buffers))
+    try:
+        size = handle.write(buffers, 0)
+        handle.finish(durable)
+    except BaseException:
+        handle.abort()
+        raise
+    return size
+
+
 def own_write(store: Store, key: str, body: bytes, error: ConditionFailed) -> str:
     """After a conditional write of ``body`` to ``key`` failed its condition on a retry:
     the version of ``key`` if it holds exactly ``body`` (the first try landed and its

@@ -43,7 +43,7 @@ import crc32c as _crc
 import numpy as np
 
 from distckpt.storage import digests
-from distckpt.storage.backend import Store, WriteHandle
+from distckpt.storage.backend import Store, WriteHandle, write_whole
 from distckpt.storage.codecs import Codec
 
 EMPTY = 2**64 - 1
@@ -318,11 +318,5 @@ def write_plain(
     (with ``digest``) content digest."""
     raw = as_bytes(np.ascontiguousarray(data))
     crc = crc32c(raw)
-    handle = store.create(key, raw.nbytes + 4)
-    try:
-        size = handle.write([raw, struct.pack("<I", crc)], 0)
-        handle.finish(fsync)
-    except BaseException:
-        handle.abort()
-        raise
+    size = write_whole(store, key, [raw, struct.pack("<I", crc)], durable=fsync)
     return Stored(size, crc, digests.plain_digest(raw) if digest else None)

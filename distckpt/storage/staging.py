@@ -40,10 +40,10 @@ from distckpt.storage import seal
 from distckpt.storage.backend import (
     RenamingStore,
     Store,
-    WriteHandle,
     is_name,
     location,
     resolve,
+    write_whole,
 )
 from distckpt.storage.lease import pid_dead
 from distckpt.storage.strategy import Pending
@@ -96,14 +96,9 @@ class Staging:
             "target": self.final.name,
         }
         self.owner = owner
-        handle: WriteHandle | None = None
-        try:
-            handle = self.store.create(OWNER_FILE)
-            handle.write([seal.encode(owner)], 0)
-            handle.finish(durable=False)  # the commit removes it; a crash leaves a stale one
+        try:  # not durable: the commit removes it; a crash leaves a stale one
+            write_whole(self.store, OWNER_FILE, [seal.encode(owner)], durable=False)
         except BaseException:
-            if handle is not None:
-                handle.abort()
             self.parent.delete_tree(self.entry)
             raise
         self._stop = threading.Event()

@@ -40,7 +40,7 @@ import numpy as np
 from distckpt.errors import CheckpointError
 from distckpt.storage import digests as digests_mod
 from distckpt.storage import shard_io
-from distckpt.storage.backend import Store, copying, syncing
+from distckpt.storage.backend import Store, copying, syncing, write_whole
 from distckpt.storage.codecs import Codec
 from distckpt.storage.piece_reader import PieceReader, scratch
 from distckpt.storage.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
@@ -342,14 +342,8 @@ def _write_small_file(
                 store.delete(key)
     if durable:
         store.write(key, data)
-        return 0
-    handle = store.create(key, len(data))
-    try:
-        handle.write([data], 0)
-        handle.finish(durable=False)
-    except BaseException:
-        handle.abort()
-        raise
+    else:
+        write_whole(store, key, [data], durable=False)
     return 0
 
 
