@@ -4,7 +4,7 @@ One process. For each dtype (bfloat16, float16, float32, float8_e4m3fn) and each
 data (``weights``: normal, std 0.02, as initialised layers are; ``exp_avg``: Adam's first
 moment, normal of std 1e-3; ``exp_avg_sq``: its second moment, squares of those), it
 compresses ``--mib`` MiB cut into 1 MiB inner chunks, as a save does, with each choice
-of :data:`distckpt.storage.codecs.CHOICES`, and decompresses them again (checking the
+of :data:`distckpt.format.codecs.CHOICES`, and decompresses them again (checking the
 bytes). It prints, per case, the ratio (raw bytes / stored bytes) and the encode and
 decode speed of one core (medians of ``--rounds``), then the time of a whole
 ``distckpt.save`` and ``distckpt.load`` of a bf16 state with each choice against a raw
@@ -31,7 +31,7 @@ import torch
 
 import distckpt
 from distckpt.comm import SingleComm
-from distckpt.storage import codecs
+from distckpt.format import codecs
 
 CHUNK = 1 << 20
 DTYPES = {

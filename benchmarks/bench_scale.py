@@ -175,8 +175,8 @@ class Worker(h.RankWorker):
         paths = {"distckpt": d / "R-distckpt", "dcp": d / "R-dcp"}
         self.distckpt.save(want, paths["distckpt"], self.comm)
         self.dcp.save(want, checkpoint_id=str(paths["dcp"]))
-        from distckpt.storage.index import read_index
-        from distckpt.storage.stored import Pieces
+        from distckpt.format.index import read_index
+        from distckpt.format.stored import Pieces
 
         index = read_index(paths["distckpt"])
         stored = sum(

@@ -70,7 +70,7 @@ def register_zarr_dtypes() -> None:
 
     tensorstore knows these names already.
     """
-    from distckpt.storage.zarr_dtypes import register
+    from distckpt.format.zarr_dtypes import register
 
     register()
 

@@ -177,7 +177,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from distckpt.storage.transaction import collect_garbage, skipped
+    from distckpt.commit.transaction import collect_garbage, skipped
 
     removed = collect_garbage(args.directory)
     for path in removed:

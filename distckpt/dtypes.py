@@ -1,7 +1,7 @@
 """dtypes distckpt stores, with their zarr v3 names and NumPy equivalents.
 
 bfloat16 and the float8 types use the names that tensorstore and zarrs use
-("bfloat16", "float8_e4m3fn", "float8_e5m2"); :mod:`distckpt.storage.zarr_dtypes`
+("bfloat16", "float8_e4m3fn", "float8_e5m2"); :mod:`distckpt.format.zarr_dtypes`
 teaches zarr-python 3.1 the same names.
 """
 

@@ -23,12 +23,12 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.engine import agree
 from distckpt.engine.commit import Report, build_index, index_bytes
+from distckpt.format.stored import Pieces
 from distckpt.planning.describe import RankDesc, Schema
 from distckpt.planning.pieces import Piece, SavePlan
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
-from distckpt.storage.stored import Pieces
 
 #: Shapes of the sharded weights, cycled (a transformer's projections).
 SHAPES = ((16384, 4096), (4096, 16384), (4096, 4096), (1024, 4096))
@@ -108,7 +108,7 @@ def _peak(fn: Callable[[], Any]) -> int:
 
 
 def stored_size(piece: Piece) -> int:
-    """The bytes a piece takes when written raw (see :mod:`distckpt.storage.shard_io`):
+    """The bytes a piece takes when written raw (see :mod:`distckpt.format.shard_io`):
     a plain chunk and its crc32c, or a shard with every inner chunk present."""
     itemsize = dtypes.itemsize(piece.dtype)
     if piece.inner is None:

@@ -28,8 +28,8 @@ from make_golden import DTYPES, TWO_RANKS, assert_same_bits, emb, flat, weight
 import distckpt
 from distckpt.cli import main
 from distckpt.comm import SingleComm
+from distckpt.commit.staging import OWNER_FILE
 from distckpt.slices import Box
-from distckpt.storage.staging import OWNER_FILE
 from distckpt.testing.hostile import reseal
 from distckpt.tools import export as export_mod
 from distckpt.tools.export import export

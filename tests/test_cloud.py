@@ -41,12 +41,13 @@ from s3_server import use
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.commit import claim as claim_mod
 from distckpt.errors import StorageError
-from distckpt.storage import claim as claim_mod
+from distckpt.format import index as index_mod
 from distckpt.storage import cloud
-from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, resolve
+from distckpt.storage.backend import Store
 from distckpt.storage.cloud import CloudStore
+from distckpt.storage.registry import open_store
 from distckpt.testing import StoreTests
 from distckpt.testing.store_helpers import payload, write_out_of_order
 from distckpt.training.pointer import read_pointer
@@ -64,7 +65,7 @@ def job_env(server: Any, **extra: str) -> dict[str, str]:
 
 
 def keys(url: str) -> list[str]:
-    return sorted(k for k, _, _ in resolve(url).walk())
+    return sorted(k for k, _, _ in open_store(url).walk())
 
 
 # --------------------------------------------------------------------------- the suite
@@ -80,7 +81,7 @@ class TestAzureStore(StoreTests):
     def store(self, azure: Any, monkeypatch: pytest.MonkeyPatch) -> Store:
         monkeypatch.setattr(cloud, "PART_BYTES", 5 * MiB)  # multipart from 5 MiB on
         self.server = azure
-        return resolve(azure.url)
+        return open_store(azure.url)
 
     @contextlib.contextmanager
     def _faults(self) -> Iterator[Callable[[], int]]:
@@ -114,7 +115,7 @@ class TestAzureStore(StoreTests):
 
 def _forked_child(url: str, queue: Any) -> None:
     try:
-        resolve(url).exists("x")
+        open_store(url).exists("x")
         queue.put("no error")
     except StorageError as exc:
         queue.put(str(exc))
@@ -124,7 +125,7 @@ def test_forked_child_fails_fast(azure: Any) -> None:
     """A process forked after its parent used az:// gets a clear error, not a hang."""
     import multiprocessing
 
-    resolve(azure.url).exists("x")
+    open_store(azure.url).exists("x")
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_forked_child, args=(azure.url, queue))
@@ -225,15 +226,15 @@ def test_stopped_service_fails_within_deadline(azure: Any, monkeypatch: pytest.M
 
 
 def test_gcs_locations() -> None:
-    store = resolve("gs://bucket/runs/a")
+    store = open_store("gs://bucket/runs/a")
     assert isinstance(store, CloudStore) and store.capabilities.conditional_create
     assert (store.bucket, store.prefix, store.url) == ("bucket", "runs/a", "gs://bucket/runs/a")
     assert store.child("ckpt-1").where("zarr.json") == "gs://bucket/runs/a/ckpt-1/zarr.json"
     assert store.parent.url == "gs://bucket/runs"
     with pytest.raises(ValueError, match="no bucket named"):
-        resolve("gs:///x")
+        open_store("gs:///x")
     with pytest.raises(ValueError, match="no container named"):
-        resolve("az:///x")
+        open_store("az:///x")
 
 
 @contextlib.contextmanager
@@ -318,14 +319,14 @@ def test_load_hf_from_store(service: str, request: pytest.FixtureRequest, tmp_pa
     distckpt.save_hf(want, local, COMM, max_shard_size=200_000)
     files = sorted(p.name for p in local.iterdir())
     assert "model.safetensors.index.json" in files and len(files) >= 4
-    store = resolve(f"{server.url}/hf")
+    store = open_store(f"{server.url}/hf")
     distckpt.save_hf(want, store.url, COMM, max_shard_size=200_000)
     assert store.list() == files
     for name in files:
         assert store.read(name) == (local / name).read_bytes(), name
     with pytest.raises(distckpt.CheckpointExists, match="already holds weights"):
         distckpt.save_hf(want, store.url, COMM)
-    again = resolve(f"{server.url}/again")
+    again = open_store(f"{server.url}/again")
     distckpt.save_hf(want, again.url, COMM, max_shard_size=200_000)
     distckpt.save_hf(want, again.url, COMM, options=distckpt.CheckpointOptions(overwrite=True))
     distckpt.save_hf(want, tmp_path / "whole", COMM)
@@ -354,21 +355,21 @@ def test_load_hf_from_store(service: str, request: pytest.FixtureRequest, tmp_pa
     for k, v in want.items():
         assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
     # One object named directly.
-    single = resolve(f"{server.url}/one")
+    single = open_store(f"{server.url}/one")
     distckpt.save_hf({"x": want["norm.bias"]}, tmp_path / "one", COMM)
     single.write("model.safetensors", (tmp_path / "one" / "model.safetensors").read_bytes())
     x = {"x": torch.zeros(64, dtype=torch.float16)}
     distckpt.load_hf(x, f"{server.url}/one/model.safetensors", COMM)
     assert torch.equal(x["x"], want["norm.bias"])
 
-    hostile = resolve(f"{server.url}/hostile")
+    hostile = open_store(f"{server.url}/hostile")
     hostile.write(
         "model.safetensors.index.json",
         json.dumps({"weight_map": {"a": "../hf/model-00001-of-00003.safetensors"}}).encode(),
     )
     with pytest.raises(distckpt.CorruptCheckpointError, match="names the file"):
         distckpt.load_hf({"a": torch.zeros(1)}, hostile.url, COMM)
-    huge = resolve(f"{server.url}/huge")
+    huge = open_store(f"{server.url}/huge")
     huge.write("model.safetensors", (1 << 60).to_bytes(8, "little") + b"{}")
     with pytest.raises(distckpt.CorruptCheckpointError, match="header length"):
         distckpt.load_hf({"a": torch.zeros(1)}, huge.url, COMM)

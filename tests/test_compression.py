@@ -31,7 +31,7 @@ from test_single_process import (
 import distckpt
 from distckpt import cli
 from distckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from distckpt.storage import codecs
+from distckpt.format import codecs
 from distckpt.testing.hostile import reseal
 from distckpt.tools.verify import verify
 
@@ -211,7 +211,7 @@ def test_chunk_that_does_not_decompress_is_named(compressed: Path) -> None:
     """A chunk whose crc32c was recomputed over garbage still fails: on decompression."""
     import struct
 
-    from distckpt.storage.shard_io import crc32c
+    from distckpt.format.shard_io import crc32c
 
     p = index_of(compressed)["variables"]["w"]["pieces"][0]
     shard = compressed / "w" / "c.0.0"

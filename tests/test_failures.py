@@ -36,7 +36,7 @@ from make_golden import TWO_RANKS, assert_same_bits
 
 import distckpt
 from distckpt.comm import SingleComm
-from distckpt.storage.staging import OWNER_FILE, collect_garbage, leftovers
+from distckpt.commit.staging import OWNER_FILE, collect_garbage, leftovers
 
 SCRIPT = SCRIPTS / "failures.py"
 

@@ -1,4 +1,4 @@
-"""Compressed frames are checked before a decoder reads them (distckpt.storage.frames):
+"""Compressed frames are checked before a decoder reads them (distckpt.format.frames):
 every frame zstd and blosc make passes; a frame whose header lies about a size, a block
 or a stream fails with FrameError; and no header byte, whatever its value, kills the
 process (the sweep runs in a child and checks how it ended)."""
@@ -13,7 +13,7 @@ import numcodecs
 import numpy as np
 import pytest
 
-from distckpt.storage import codecs, frames
+from distckpt.format import codecs, frames
 
 
 def payloads() -> list[np.ndarray]:
@@ -138,7 +138,7 @@ def test_a_blosc_stream_length_that_runs_past_the_frame_is_refused() -> None:
 SWEEP = textwrap.dedent(
     """
     import numpy as np
-    from distckpt.storage import codecs
+    from distckpt.format import codecs
 
     rng = np.random.default_rng(3)
     raw = rng.standard_normal(1 << 16).astype(np.float32).view(np.uint8)

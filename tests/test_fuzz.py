@@ -42,7 +42,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import distckpt  # noqa: E402
 from distckpt import cli  # noqa: E402
-from distckpt.storage import seal  # noqa: E402
+from distckpt.format import seal  # noqa: E402
 from distckpt.testing.hostile import HOSTILE_VALUES, edit_json  # noqa: E402
 
 EXAMPLES = int(os.environ.get("DISTCKPT_FUZZ_EXAMPLES", "40"))

@@ -162,7 +162,7 @@ def test_dtype_golden_loads_bit_exactly() -> None:
 def _zarr_read(path: Path) -> np.ndarray:
     import zarr
 
-    from distckpt.storage import zarr_dtypes
+    from distckpt.format import zarr_dtypes
 
     zarr_dtypes.register()
     return np.asarray(zarr.open_array(str(path), mode="r")[...])
@@ -204,7 +204,7 @@ def test_every_regular_variable_opens_as_its_global_array(reader: str) -> None:
     """Every variable the golden checkpoints hold as one array (the regular layout, or one
     plain chunk for a small tensor) reads whole in both, equal to what distckpt restores."""
     from distckpt import dtypes
-    from distckpt.storage import index as index_mod
+    from distckpt.format import index as index_mod
     from distckpt.training.names import nest
 
     read = _zarr_read if reader == "zarr" else _ts_read

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import distckpt
 from distckpt.comm import SingleComm
-from distckpt.storage.backend import resolve
+from distckpt.storage.registry import open_store
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,7 +53,7 @@ def _reopened(directory: Path) -> torch.Tensor:
 
 def _same_objects(directory: Path, url: str) -> None:
     """The store at ``url`` holds the weights files of ``directory``, byte for byte."""
-    store = resolve(url)
+    store = open_store(url)
     files = sorted(p.name for p in directory.iterdir() if p.name.startswith("model"))
     assert files and store.list() == files, (store.list(), files)
     for name in files:

@@ -120,15 +120,15 @@ def test_a_checkpoint_named_through_a_link_by_the_user_is_read(two: tuple[Path, 
 
 
 def test_an_s3_index_cannot_leave_its_prefix(s3: Any) -> None:
-    from distckpt.storage.backend import resolve
+    from distckpt.storage.registry import open_store
 
     ck, other = f"{s3.url}/ck", f"{s3.url}/other"
     distckpt.save({"b": torch.zeros(4)}, ck)
     distckpt.save({"b": torch.full((4,), 7.0)}, other)
-    store = resolve(ck)
+    store = open_store(ck)
     doc = json.loads(store.read("zarr.json"))
     piece = doc["attributes"]["distckpt"]["variables"]["b"]["pieces"][0]
-    other_doc = json.loads(resolve(other).read("zarr.json"))
+    other_doc = json.loads(open_store(other).read("zarr.json"))
     piece["crc"] = other_doc["attributes"]["distckpt"]["variables"]["b"]["pieces"][0]["crc"]
     piece["file"] = "../other/b/c.0"
     store.write("zarr.json", reseal(json.dumps(doc).encode()))

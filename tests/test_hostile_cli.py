@@ -19,9 +19,9 @@ from test_hostile import cli, cli_process, one_error_line
 
 import distckpt
 from distckpt import CheckpointError, LocationError
-from distckpt.storage import backend
-from distckpt.storage.backend import resolve
-from distckpt.storage.staging import OWNER_FILE
+from distckpt.commit.staging import OWNER_FILE
+from distckpt.storage import registry
+from distckpt.storage.registry import open_store
 from distckpt.terminal import printable
 from distckpt.testing.hostile import reseal
 
@@ -135,10 +135,10 @@ def test_a_logged_warning_is_printable(run_dir: Path) -> None:
 
 def test_an_unknown_scheme_is_a_location_error() -> None:
     with pytest.raises(LocationError, match="unsupported storage scheme 'mirorr'") as info:
-        resolve("mirorr://b/c")
+        open_store("mirorr://b/c")
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
     with pytest.raises(LocationError, match="no bucket"):
-        resolve("s3://")
+        open_store("s3://")
     with pytest.raises(LocationError, match="mirorr"):
         distckpt.load({}, "mirorr://b/c")
 
@@ -183,23 +183,23 @@ def test_a_plugin_whose_url_parser_refuses_is_one_line_and_exit_2(tmp_path: Path
     ck = tmp_path / "ck"
     distckpt.save({"w": torch.ones(2)}, ck)
     save_file({"w": torch.ones(2)}, str(tmp_path / "w.safetensors"))
-    backend.register_store("picky", opener)
+    registry.register_store("picky", opener)
     try:
         with pytest.raises(LocationError, match="picky://b/c: no host in this URL"):
-            resolve("picky://b/c")
+            open_store("picky://b/c")
         for argv in every_command("picky://b/c", tmp_path, ck):
             one_error_line(cli(*argv), "picky://b/c", "no host in this URL")
     finally:
-        backend._openers.pop("picky")
+        registry._openers.pop("picky")
 
 
 def test_a_plugin_error_of_distckpts_own_passes_unchanged(tmp_path: Path) -> None:
     def opener(url: str) -> Any:
         raise distckpt.StorageError(f"{url}: no credentials")
 
-    backend.register_store("denied", opener)
+    registry.register_store("denied", opener)
     try:
         with pytest.raises(distckpt.StorageError, match="denied://b: no credentials"):
-            resolve("denied://b")
+            open_store("denied://b")
     finally:
-        backend._openers.pop("denied")
+        registry._openers.pop("denied")

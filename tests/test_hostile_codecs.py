@@ -191,7 +191,7 @@ def test_a_compressed_inner_chunk_may_not_declare_more_than_a_reader_allocates(
     import torch
 
     import distckpt
-    from distckpt.storage.wellformed import MAX_CODEC_CHUNK
+    from distckpt.format.wellformed import MAX_CODEC_CHUNK
     from distckpt.testing.hostile import Crafted, build_shard
 
     with pytest.raises(ValueError, match="at most 67108864 bytes"):

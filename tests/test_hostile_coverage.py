@@ -20,7 +20,7 @@ from test_hostile import BOUND, cli, one_error_line
 
 import distckpt
 from distckpt import CorruptCheckpointError
-from distckpt.storage.shard_io import crc32c
+from distckpt.format.shard_io import crc32c
 from distckpt.testing.hostile import reseal
 
 #: Listed pieces of ``b`` (shape [8]) whose element counts add up to 8, yet leave a gap.
@@ -232,8 +232,8 @@ def test_a_regular_entry_tiles_its_shape_by_construction() -> None:
     """A regular entry lists no boxes: its grid is ``ceil(shape / chunks)`` chunks, the last
     of each dimension cut at the shape, and its columns must hold that many pieces. No
     edit of shape or chunks makes it cover less (or more) than its shape."""
+    from distckpt.format.stored import Pieces, regular_entry
     from distckpt.slices import Box
-    from distckpt.storage.stored import Pieces, regular_entry
     from distckpt.tiling import tiling_problem
 
     rng = np.random.default_rng(32)

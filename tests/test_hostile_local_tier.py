@@ -60,8 +60,8 @@ def saved(root: Path) -> None:
 def restore_racing(root: Path, change: str, strided: bool) -> dict[str, Any]:
     """Restore from ``root`` while ``change`` ("flip": a byte of the piece just checked;
     "truncate": the whole data file, to nothing) strikes right after each check."""
+    from distckpt.format.shard_io import crc32c
     from distckpt.local import restore
-    from distckpt.storage.shard_io import crc32c
 
     (data,) = (root / "local" / f"step-{STEPS[-1]}").glob("o0.*.data")
     manifest = json.loads(data.with_suffix(".json").read_bytes())

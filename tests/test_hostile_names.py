@@ -16,7 +16,7 @@ from launch_util import bounded
 import distckpt
 from distckpt.local import files
 from distckpt.numbering import number, numbered, signed
-from distckpt.storage.backend import resolve
+from distckpt.storage.registry import open_store
 from distckpt.tools.runs import list_run
 from distckpt.training.pointer import _older
 
@@ -103,7 +103,7 @@ def test_a_local_step_in_other_digits_is_not_a_step(tmp_path: Path) -> None:
     (node / "step-\u0662").mkdir(parents=True)  # an Arabic-Indic two
     (node / "step-02").mkdir()
     (node / "step-2").mkdir()
-    store = resolve(node)
+    store = open_store(node)
     files.drop_newer(store, 0)
     assert sorted(os.listdir(node)) == ["step-02", "step-\u0662"]
     assert files.survey(store, "run") == []

@@ -23,11 +23,11 @@ from launch_util import bounded
 
 import distckpt
 from distckpt import CheckpointError, UnsafePathError
+from distckpt.commit.staging import OWNER_FILE
 from distckpt.storage import beneath
-from distckpt.storage.backend import resolve
 from distckpt.storage.fsutil import exchange
 from distckpt.storage.posix import PosixStore
-from distckpt.storage.staging import OWNER_FILE
+from distckpt.storage.registry import open_store
 from distckpt.testing.hostile import reseal
 
 BOUND = 60  # seconds: nothing here may hang
@@ -109,7 +109,7 @@ def test_a_variable_directory_swapped_for_a_link_after_it_was_read_is_refused(
     checkpoints: tuple[Path, Path], resolution: str
 ) -> None:
     ck, outside = checkpoints
-    store = resolve(ck)
+    store = open_store(ck)
     assert store.read("b/zarr.json")  # the store has been through ck/b
     swap_for_link(ck / "b", outside / "b")
     b = torch.full((4,), -1.0)
@@ -129,7 +129,7 @@ def test_a_checkpoint_swapped_inside_its_run_directory_is_refused(
     for where, value in ((run, 0.0), (other, 5.0)):
         with distckpt.CheckpointManager(distckpt.Checkpoint(w=torch.full((4,), value)), where) as m:
             m.save()
-    store = resolve(run)
+    store = open_store(run)
     assert store.read("ckpt-1/zarr.json")
     swap_for_link(run / "ckpt-1", other / "ckpt-1")
     w = torch.ones(4)
@@ -360,7 +360,7 @@ def test_loads_racing_a_directory_swapped_for_a_link_never_read_outside(
     distckpt.save({"b": torch.zeros(4), "c": torch.ones(2)}, ck)
     distckpt.save({"b": torch.full((4,), 7.0)}, outside)
     (ck / ".b-link").symlink_to(outside / "b", target_is_directory=True)
-    store = resolve(ck)
+    store = open_store(ck)
     stop, swaps = threading.Event(), [0]
     thread = threading.Thread(target=swapper, args=(ck / "b", ck / ".b-link", stop, swaps))
     outcomes = {"ok": 0, "refused": 0}
@@ -438,7 +438,7 @@ def test_saves_racing_a_staging_directory_swapped_for_a_link_never_write_outside
     assert snapshot(sentinel) == before
     for k in committed:
         got = {"w": torch.zeros(64), "net": {"b": torch.zeros(8)}}
-        distckpt.load(got, resolve(run).child(f"ck-{k}"))
+        distckpt.load(got, open_store(run).child(f"ck-{k}"))
         assert torch.equal(got["w"], torch.full((64,), float(k)))
         assert torch.equal(got["net"]["b"], torch.arange(8.0) + k)
     assert committed, (swaps, failed)

@@ -37,7 +37,7 @@ import distckpt
 from distckpt.comm.single import SingleComm
 from distckpt.local import LocalTier, files
 from distckpt.local.nodes import NODE_ENV, Topology, node_identity
-from distckpt.storage.backend import resolve
+from distckpt.storage.registry import open_store
 
 SCRIPT = SCRIPTS / "local_tier.py"
 TIMEOUT = 120  # seconds per job
@@ -261,7 +261,7 @@ def test_other_runs_local_steps_are_ignored(tmp_path: Path) -> None:
     shutil.move(tmp_path / "run", tmp_path / "elsewhere")
     fresh = Job(tmp_path)  # a new run directory: the local steps are another run's
     assert fresh.manager.restore_or_initialize() is None
-    assert not any(files.survey(resolve(fresh.local_dir), "x"))
+    assert not any(files.survey(open_store(fresh.local_dir), "x"))
     fresh.manager.close()
 
 
@@ -441,7 +441,7 @@ def test_relaunch_after_a_lost_node(tmp_path: Path) -> None:
 
 
 def test_survey_reads_only_marked_tokens(tmp_path: Path) -> None:
-    store = resolve(tmp_path)
+    store = open_store(tmp_path)
     run = "r"
     (tmp_path / "step-3").mkdir()
     for owner in (0, 1):

@@ -23,7 +23,7 @@ from torch import nn
 
 import distckpt
 from distckpt.comm import SingleComm
-from distckpt.storage.staging import collect_garbage, leftovers
+from distckpt.commit.staging import collect_garbage, leftovers
 from distckpt.training import Checkpoint, CheckpointManager, latest_checkpoint
 from distckpt.training.lock import LOCK_FILE, DirectoryLockedError
 

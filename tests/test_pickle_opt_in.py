@@ -10,8 +10,8 @@ import torch
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.commit.staging import leftovers
 from distckpt.errors import UnsupportedValueError
-from distckpt.storage.staging import leftovers
 
 
 class Marker:

@@ -38,14 +38,14 @@ from s3_server import S3Server, use
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.commit import claim as claim_mod
+from distckpt.commit import transaction
 from distckpt.errors import CorruptCheckpointError
-from distckpt.storage import claim as claim_mod
-from distckpt.storage import index as index_mod
-from distckpt.storage import stored as stored_mod
-from distckpt.storage import transaction
-from distckpt.storage.backend import resolve
+from distckpt.format import index as index_mod
+from distckpt.format import stored as stored_mod
+from distckpt.format.zarr_meta import ZARR_JSON
+from distckpt.storage.registry import open_store
 from distckpt.storage.s3 import S3Store
-from distckpt.storage.zarr_meta import ZARR_JSON
 from distckpt.tools.runs import COMMITTED, UNCOMMITTED, list_run
 from distckpt.training.pointer import PointerConflictError, advance_pointer, read_pointer
 
@@ -270,7 +270,7 @@ def test_rank_killed_mid_upload(s3: S3Server, tmp_path: Path) -> None:
     target = f"{url}/target"
     _load_kill_version(f"{url}/prev", world, 1)
     torn = keys(s3, target)
-    assert "zarr.json" not in torn and claim_mod.read_claim(resolve(target)) is not None, torn
+    assert "zarr.json" not in torn and claim_mod.read_claim(open_store(target)) is not None, torn
     assert {"w/c.0.0", "w/c.1.0"} <= set(torn) and "w/c.2.0" not in torn, torn
     assert uploads(s3, target) == ["test_rank_killed_mid_upload/target/w/c.2.0"]
     assert not index_mod.is_committed(target)
@@ -330,7 +330,7 @@ def test_two_jobs_save_one_name(s3: S3Server, tmp_path: Path) -> None:
         want = sr.race_state(winner, r)
         assert state["who"] == winner
         assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
-        assert claim_mod.read_claim(resolve(path)) is None
+        assert claim_mod.read_claim(open_store(path)) is None
     assert len(set(winners)) == 2, f"one process won every round: {winners}"
 
 
@@ -348,7 +348,7 @@ def test_two_jobs_advance_latest(s3: S3Server) -> None:
     second over the even ones) at once, 4 times (a fresh directory each), while a third
     reads it in a loop: it never moves backwards, a loser gets PointerConflictError, and
     it ends at ckpt-8."""
-    store = resolve(s3.url)
+    store = open_store(s3.url)
     for p in range(POINTER_PASSES):
         for i in range(1, POINTER_NAMES + 1):  # advance_pointer keeps names that exist
             store.write(f"p{p}/ckpt-{i}/data", b"x")
@@ -461,7 +461,7 @@ def test_overwrite_under_a_reader(
     goes on only once the overwrite has reached ``moment``; the overwrite stays there
     until the reader is done."""
     path = f"{s3.url}/ckpt"
-    final = resolve(path)
+    final = open_store(path)
 
     def version(v: int) -> dict[str, Any]:
         return {
@@ -550,18 +550,18 @@ def test_overwrite_under_a_reader(
     assert_same_bits(state["w"], want["w"], "w")
     assert_same_bits(state["z"], want["z"], "z")
     assert state["step"] == 2
-    assert claim_mod.read_claim(resolve(path)) is None
+    assert claim_mod.read_claim(open_store(path)) is None
 
 
 @pytest.mark.timeout(60)
 def test_a_stalled_save_whose_claim_was_taken_over_does_not_commit(s3: S3Server) -> None:
     """A save stalls past its claim's lease; another save takes the claim over. The stalled
     one then refuses to commit and its abort leaves the new owner's claim and data alone."""
+    from distckpt.commit.lease import Lease
     from distckpt.errors import CheckpointExists
-    from distckpt.storage.lease import Lease
-    from distckpt.storage.zarr_meta import ZARR_JSON
+    from distckpt.format.zarr_meta import ZARR_JSON
 
-    final = resolve(f"{s3.url}/ck")
+    final = open_store(f"{s3.url}/ck")
     txn = transaction.begin(final, "stalled0token000", 1, overwrite=False)
     txn._lease.stop()  # type: ignore[attr-defined]  # the save stalls: no more heartbeats
     final.write("w/c.0", b"stalled data")

@@ -25,11 +25,11 @@ from s3_server import S3Server, use
 import distckpt
 from distckpt import cli
 from distckpt.comm import SingleComm
+from distckpt.commit.lease import Lease
 from distckpt.errors import StorageError
-from distckpt.storage import index as index_mod
+from distckpt.format import index as index_mod
 from distckpt.storage import s3 as s3_mod
-from distckpt.storage.backend import resolve
-from distckpt.storage.lease import Lease
+from distckpt.storage.registry import open_store
 from distckpt.testing.hostile import reseal
 
 #: DISTCKPT_S3_TIMEOUT here; the README's bound is twice it.
@@ -98,8 +98,8 @@ def test_a_silent_service_fails_a_managed_save_in_time(
         ckpt = distckpt.Checkpoint(**state)
         with distckpt.CheckpointManager(ckpt, run, comm=COMM) as manager:
             assert manager.save(1) == f"{run}/ckpt-1"
-            index = resolve(f"{run}/ckpt-1").read_versioned("zarr.json")
-            pointer = resolve(run).read_versioned("latest")
+            index = open_store(f"{run}/ckpt-1").read_versioned("zarr.json")
+            pointer = open_store(run).read_versioned("latest")
 
             proxy.stall(after=STALLS[at])
             for name, tensor in values(2).items():
@@ -115,8 +115,8 @@ def test_a_silent_service_fails_a_managed_save_in_time(
             # The requests held meanwhile now reach the server, as after a SIGCONT: the
             # parts of ckpt-2, or its index (then ckpt-2 exists, but nothing points to it).
             resume(proxy)
-            assert resolve(f"{run}/ckpt-1").read_versioned("zarr.json") == index
-            assert resolve(run).read_versioned("latest") == pointer
+            assert open_store(f"{run}/ckpt-1").read_versioned("zarr.json") == index
+            assert open_store(run).read_versioned("latest") == pointer
             assert distckpt.latest_checkpoint(run) == f"{run}/ckpt-1"
             if at == "part":
                 assert not index_mod.is_committed(f"{run}/ckpt-2")
@@ -175,7 +175,7 @@ def test_a_renewal_that_lands_late_keeps_the_lease(s3: S3Server) -> None:
     """A renewal that got no answer but reached the store later (as queued requests do
     once a stopped server continues) leaves our token there: the lease adopts that
     version instead of taking itself for taken over."""
-    store = resolve(s3.url)  # type: ignore[attr-defined]
+    store = open_store(s3.url)  # type: ignore[attr-defined]
     lease = Lease(store, "lease", "token-1", heartbeat_seconds=0.02)
     lease.acquire(lambda info, age: RuntimeError("busy"))
     try:

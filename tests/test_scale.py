@@ -25,10 +25,10 @@ from launch_util import SCRIPTS, assert_all_ok, cases, needs_mpi, run_mpi, run_t
 
 from distckpt.engine import agree
 from distckpt.engine.commit import build_index, index_bytes
+from distckpt.format.stored import Pieces
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
-from distckpt.storage.stored import Pieces
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Metadata documents carry their own checksum (:mod:`distckpt.storage.seal`): a flipped
+"""Metadata documents carry their own checksum (:mod:`distckpt.format.seal`): a flipped
 byte that leaves the JSON well-formed (another offset, shape, crc, value, or a pointer's
 step) is refused as damage, naming the file, by every reader; documents written before
 (tests/golden/v1-*) still load, and say that they carry none."""
@@ -27,7 +27,7 @@ from make_golden import SEALED, TWO_RANKS, sealed_state
 import distckpt
 from distckpt import CorruptCheckpointError, UnsupportedFormatError
 from distckpt.cli import main
-from distckpt.storage import seal
+from distckpt.format import seal
 from distckpt.testing.hostile import reseal
 
 BOUND = 60
@@ -51,7 +51,7 @@ def flip(path: Path, old: bytes, new: bytes) -> None:
 
 def spec_checksum(raw: bytes) -> str:
     """The checksum of a sealed document as the specification computes it, written
-    independently of distckpt.storage.seal."""
+    independently of distckpt.format.seal."""
     mark = b'"checksum": "crc32c:'
     at = raw.index(mark) + len(mark)
     return f"{crc32c.crc32c(raw[:at] + b'00000000' + raw[at + 8 :]):08x}"
@@ -232,11 +232,11 @@ def test_an_edit_with_its_checksum_recomputed_reaches_the_checks_behind_it(ck: P
 
 
 def test_an_index_is_sealed_on_an_object_store(s3: Any) -> None:
-    from distckpt.storage.backend import resolve
+    from distckpt.storage.registry import open_store
 
     url = f"{s3.url}/ck"
     distckpt.save({"b": torch.arange(6.0), "step": 1234}, url)
-    store = resolve(url)
+    store = open_store(url)
     raw = store.read("zarr.json")
     doc = json.loads(raw)["attributes"]["distckpt"]
     assert doc["checksum"] == f"crc32c:{spec_checksum(raw)}"
@@ -353,13 +353,13 @@ def _swap_pid(path: Path) -> None:
 def test_a_damaged_owner_file_never_gets_a_live_save_removed(tmp_path: Path) -> None:
     """A flipped pid naming a process gone on this host would make gc take the save for
     abandoned; failing its checksum, the owner is unknown and the heartbeat decides."""
-    from distckpt.storage.backend import resolve
-    from distckpt.storage.staging import OWNER_FILE, Staging, collect
+    from distckpt.commit.staging import OWNER_FILE, Staging, collect
+    from distckpt.storage.registry import open_store
 
-    staging = Staging(resolve(tmp_path / "ckpt-1"), "abc123", 1)
+    staging = Staging(open_store(tmp_path / "ckpt-1"), "abc123", 1)
     try:
         _swap_pid(Path(staging.path, OWNER_FILE))
-        assert collect(resolve(tmp_path)) == []
+        assert collect(open_store(tmp_path)) == []
         assert Path(staging.path, OWNER_FILE).exists()
         rc, out, _ = cli("ls", tmp_path)
         assert rc == 0 and "in progress" in out, out

@@ -27,6 +27,7 @@ from make_golden import assert_same_bits, assert_same_value, tensor_bytes
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.commit.staging import OWNER_FILE, Staging, collect_garbage, leftovers
 from distckpt.dtypes import SUPPORTED
 from distckpt.errors import (
     CheckpointError,
@@ -39,9 +40,8 @@ from distckpt.errors import (
     UnsupportedFormatError,
     UnsupportedValueError,
 )
-from distckpt.storage import shard_io
-from distckpt.storage.staging import OWNER_FILE, Staging, collect_garbage, leftovers
-from distckpt.storage.stored import Pieces
+from distckpt.format import shard_io
+from distckpt.format.stored import Pieces
 from distckpt.testing.hostile import reseal
 
 pytestmark = pytest.mark.timeout(120)
@@ -568,7 +568,7 @@ def test_zarr_python_and_tensorstore_read_the_global_tensor(tmp_path: Path) -> N
     import tensorstore as ts
     import zarr
 
-    from distckpt.storage import zarr_dtypes
+    from distckpt.format import zarr_dtypes
 
     zarr_dtypes.register()
     f32 = random_tensor(torch.float32, (33, 20), 1)

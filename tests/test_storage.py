@@ -31,22 +31,17 @@ from s3_server import S3Server, use
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.commit import transaction
+from distckpt.commit.claim import CLAIM
+from distckpt.commit.lease import Lease
+from distckpt.commit.staging import RENAME
 from distckpt.errors import CheckpointNotFoundError, StorageError
-from distckpt.storage import backend, beneath, s3_service, transaction
+from distckpt.storage import beneath, registry, s3_service
 from distckpt.storage import s3 as s3_mod
-from distckpt.storage.backend import (
-    Capabilities,
-    ConditionFailed,
-    Store,
-    is_remote,
-    location,
-    resolve,
-)
-from distckpt.storage.claim import CLAIM
-from distckpt.storage.lease import Lease
+from distckpt.storage.backend import Capabilities, ConditionFailed, Store
 from distckpt.storage.posix import PosixStore
+from distckpt.storage.registry import is_remote, location, open_store
 from distckpt.storage.s3 import S3Store
-from distckpt.storage.staging import RENAME
 from distckpt.testing import MiB, StoreTests, payload, write_out_of_order
 
 COMM = SingleComm()
@@ -147,7 +142,7 @@ class _Declares(PosixStore):
     """A directory store that declares what a test says (and commits as it says)."""
 
     capabilities = PosixStore.capabilities
-    commit_strategy = RENAME
+    commit_strategy = "rename"
 
     def child(self, key: str) -> PosixStore:
         found = super().child(key)
@@ -240,11 +235,11 @@ def test_only_the_shipped_suite_needs_pytest() -> None:
 
 
 def test_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = resolve("s3://bucket/a/b/")
+    store = open_store("s3://bucket/a/b/")
     assert isinstance(store, S3Store)
     assert (store.bucket, store.prefix, store.url) == ("bucket", "a/b", "s3://bucket/a/b")
     assert store.name == "b" and store.parent == S3Store("bucket", "a")
-    root = resolve("s3://bucket")
+    root = open_store("s3://bucket")
     assert isinstance(root, S3Store)
     assert (root.bucket, root.prefix, root.url) == ("bucket", "", "s3://bucket")
     assert root.name == "bucket"
@@ -254,16 +249,16 @@ def test_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="no bucket"):
             S3Store.from_url(bad)
         with pytest.raises(ValueError, match="no bucket"):
-            resolve(bad)
+            open_store(bad)
     with pytest.raises(ValueError, match=r"unsupported storage scheme 'hdfs' \(known: .*gs://"):
-        resolve("hdfs://bucket/x")
-    local = resolve(tmp_path / "d")
+        open_store("hdfs://bucket/x")
+    local = open_store(tmp_path / "d")
     assert isinstance(local, PosixStore) and local.path == tmp_path / "d"
-    assert resolve(str(tmp_path / "d")) == local
-    assert resolve(f"file://{tmp_path}/d") == local
+    assert open_store(str(tmp_path / "d")) == local
+    assert open_store(f"file://{tmp_path}/d") == local
     assert location(local) == tmp_path / "d" and location(store) == "s3://bucket/a/b"
     monkeypatch.chdir(tmp_path)
-    relative = resolve("rel/dir")
+    relative = open_store("rel/dir")
     assert isinstance(relative, PosixStore) and relative.path == tmp_path / "rel" / "dir"
     assert relative.path.is_absolute()
     assert not is_remote(tmp_path) and not is_remote(str(tmp_path)) and is_remote("s3://b/p")
@@ -275,18 +270,18 @@ def test_register_store_in_process(tmp_path: Path) -> None:
     def opener(url: str) -> PosixStore:
         return PosixStore(tmp_path / url.removeprefix("here://"))
 
-    backend.register_store("here", opener)
+    registry.register_store("here", opener)
     try:
-        assert resolve("here://a/b") == PosixStore(tmp_path / "a" / "b")
+        assert open_store("here://a/b") == PosixStore(tmp_path / "a" / "b")
         assert not is_remote("here://a")  # a directory, whatever its scheme
-        assert backend.child_location("here://a", "b") == str(tmp_path / "a" / "b")
+        assert registry.child_location("here://a", "b") == str(tmp_path / "a" / "b")
     finally:
-        backend._openers.pop("here")
+        registry._openers.pop("here")
     with pytest.raises(ValueError, match="unsupported storage scheme 'here'.*s3://"):
-        resolve("here://a")
+        open_store("here://a")
     for bad in ("file", "no-dash", ""):
         with pytest.raises(ValueError, match="bad storage scheme"):
-            backend.register_store(bad, opener)
+            registry.register_store(bad, opener)
 
 
 def _assert_clean_error(exc: BaseException, *words: str, secret: str) -> None:

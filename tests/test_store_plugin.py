@@ -32,8 +32,9 @@ from launch_util import (
     run_torchrun,
 )
 
-from distckpt.storage import backend
-from distckpt.storage.backend import Capabilities, Store, resolve
+from distckpt.storage import registry
+from distckpt.storage.backend import Capabilities, Store
+from distckpt.storage.registry import open_store
 from distckpt.testing import StoreTests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,14 +58,13 @@ from pathlib import Path
 from typing import Any
 
 from distckpt.storage.backend import Capabilities, ConditionFailed, byte_view, check_key
-from distckpt.storage.claim import CLAIM
 
 
 class FilesStore:
     capabilities = Capabilities(
         conditional_create=True, conditional_update=True, ranged_reads=True, parallel_writes=True
     )
-    commit_strategy = CLAIM
+    commit_strategy = "claim"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).absolute()
@@ -307,7 +307,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield where
     finally:
         sys.path.remove(str(where))
-        backend._openers.pop("files", None)
+        registry._openers.pop("files", None)
         sys.modules.pop("files_store", None)
 
 
@@ -327,7 +327,7 @@ class TestFilesStore(StoreTests):
 
     @pytest.fixture
     def store(self, site: Path, tmp_path: Path) -> Store:
-        found = resolve(f"files://{tmp_path}/store")
+        found = open_store(f"files://{tmp_path}/store")
         assert type(found).__module__ == "files_store" and type(found).__name__ == "FilesStore"
         return found
 

@@ -28,13 +28,13 @@ from make_golden import assert_same_bits
 from test_single_process import load1, random_tensor, save1, snapshot
 
 import distckpt
+from distckpt.commit.staging import leftovers
 from distckpt.errors import CorruptCheckpointError
+from distckpt.format import codecs, shard_io, zarr_meta
+from distckpt.format.piece_reader import PieceReader
 from distckpt.planning.layout import inner_chunks
 from distckpt.slices import Box, c_order_bands
-from distckpt.storage import codecs, shard_io, zarr_meta
-from distckpt.storage.piece_reader import PieceReader
 from distckpt.storage.posix import PosixStore, PosixWriter
-from distckpt.storage.staging import leftovers
 from distckpt.transfer import reader as reader_mod
 from distckpt.transfer import slabs, workers
 from distckpt.transfer import writer as writer_mod

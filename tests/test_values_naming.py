@@ -97,7 +97,7 @@ def test_a_binary_value_makes_format_version_4(tmp_path):
     import torch
 
     import distckpt
-    from distckpt.storage import index
+    from distckpt.format import index
 
     distckpt.save({"w": torch.ones(2), "r": distckpt.PerRank(b"\x00")}, tmp_path / "b")
     distckpt.save({"w": torch.ones(2), "n": 1}, tmp_path / "plain")

@@ -1,6 +1,6 @@
 """zarr-python <-> tensorstore interoperability of the bfloat16 / float8 zarr v3 data types.
 
-Covers :mod:`distckpt.storage.zarr_dtypes`: arrays written by zarr-python (after ``register()``)
+Covers :mod:`distckpt.format.zarr_dtypes`: arrays written by zarr-python (after ``register()``)
 read back bit-exactly by zarr-python and tensorstore, arrays laid out the way distckpt writes
 them (hand-written metadata and shards, or written by tensorstore) read by zarr-python, fill
 value JSON forms, and that ordinary NumPy dtypes still resolve as before.
@@ -29,8 +29,8 @@ from zarr.core.dtype import (
 )
 
 from distckpt import dtypes as dd
-from distckpt.storage import zarr_dtypes
-from distckpt.storage.zarr_dtypes import BFloat16, Float8E4M3FN, Float8E5M2, register
+from distckpt.format import zarr_dtypes
+from distckpt.format.zarr_dtypes import BFloat16, Float8E4M3FN, Float8E5M2, register
 
 ts = pytest.importorskip("tensorstore")
 
@@ -450,7 +450,7 @@ def write_compressed(
 ) -> None:
     """An array written through distckpt's own shard writer, one file per shard, each
     inner chunk compressed (edge shards: absent and zero-padded inner chunks)."""
-    from distckpt.storage import codecs, shard_io, zarr_meta
+    from distckpt.format import codecs, shard_io, zarr_meta
     from distckpt.storage.posix import PosixStore
 
     codec = codecs.make(choice, data.dtype.itemsize)

@@ -1,7 +1,7 @@
 """The commit of one save: the group metadata and the index.
 
 Runs on the coordinator once every rank reported its pieces durable. The index is the root
-group's ``zarr.json`` attribute ``distckpt`` (see :mod:`distckpt.storage.index`); nothing
+group's ``zarr.json`` attribute ``distckpt`` (see :mod:`distckpt.format.index`); nothing
 is a checkpoint under the final name before the transaction commits it.
 """
 
@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from distckpt.commit.transaction import Transaction
 from distckpt.errors import CheckpointError
+from distckpt.format import digests as digests_mod
+from distckpt.format import index as index_mod
+from distckpt.format import seal, zarr_meta
+from distckpt.format import stored as stored_mod
+from distckpt.format.shard_io import Stored
 from distckpt.planning.pieces import SavePlan, VarSpec
-from distckpt.storage import digests as digests_mod
-from distckpt.storage import index as index_mod
-from distckpt.storage import seal, zarr_meta
-from distckpt.storage import stored as stored_mod
-from distckpt.storage.shard_io import Stored
-from distckpt.storage.transaction import Transaction
 from distckpt.values import has_binary
 from distckpt.version import VERSION
 
@@ -193,7 +193,7 @@ def build_index(
 
 def index_bytes(index: dict[str, Any]) -> bytes:
     """The root group's ``zarr.json`` holding ``index``, sealed with its checksum
-    (:mod:`distckpt.storage.seal`)."""
+    (:mod:`distckpt.format.seal`)."""
     return seal.dumps(zarr_meta.group_meta({index_mod.ATTRIBUTE: seal.sealed(index)}))
 
 
@@ -206,7 +206,7 @@ def commit(
 ) -> bytes:
     """Coordinator, step 5 of the save protocol: with every rank's report in, write the
     group metadata and then the index through the save's transaction
-    (:mod:`distckpt.storage.transaction`), which makes it the checkpoint; return the
+    (:mod:`distckpt.commit.transaction`), which makes it the checkpoint; return the
     index document's bytes. ``save_id`` (the save's token) is recorded in the index."""
     index = build_index(plan, reports, values)
     if save_id is not None:

@@ -15,8 +15,8 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure
+from distckpt.format import shard_io
 from distckpt.planning.pieces import Piece, RankWork
-from distckpt.storage import shard_io
 from distckpt.transfer.sources import HostData, Source
 
 

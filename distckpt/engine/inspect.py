@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from distckpt.storage import index as index_mod
+from distckpt.format import index as index_mod
 
 
 class Variable(NamedTuple):

@@ -38,10 +38,11 @@ from distckpt.engine.options import (
     resolve,
 )
 from distckpt.engine.results import LoadResult
+from distckpt.format import index as index_mod
 from distckpt.progress import progress
 from distckpt.slices import Box
-from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, location
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import location
 from distckpt.transfer import exchange
 from distckpt.transfer.reader import ReadTarget, read_targets
 

@@ -28,10 +28,10 @@ from distckpt.errors import (
     ShapeMismatchError,
     UnsupportedValueError,
 )
+from distckpt.format import index as index_mod
+from distckpt.format.stored import Pieces
 from distckpt.items import Leaf, flatten
 from distckpt.slices import Box
-from distckpt.storage import index as index_mod
-from distckpt.storage.stored import Pieces
 from distckpt.transfer.reader import ReadTarget
 from distckpt.values import decode
 
@@ -60,7 +60,7 @@ def prepare(
 ) -> Prepared | None:
     """Match the state's leaves to the index and check every one; restore the values.
     ``located=False``: the index describes the variables but not where their pieces are
-    (the node-local tier's), so no :class:`~distckpt.storage.stored.Pieces` are made.
+    (the node-local tier's), so no :class:`~distckpt.format.stored.Pieces` are made.
 
     ``options.strict`` and ``options.allow_pickle`` apply.
 

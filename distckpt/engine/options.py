@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from distckpt.format import codecs, wellformed
+from distckpt.format.codecs import Compression
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
-from distckpt.storage import codecs, wellformed
-from distckpt.storage.backend import Store, is_remote
-from distckpt.storage.backend import resolve as resolve_store
-from distckpt.storage.codecs import Compression
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import is_remote
+from distckpt.storage.registry import open_store as resolve_store
 from distckpt.transfer import priority
 from distckpt.transfer import workers as transfer_workers
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+from distckpt.commit.transaction import retire
 from distckpt.errors import CheckpointNotFoundError
-from distckpt.storage.backend import Store, location, resolve
-from distckpt.storage.index import is_committed
-from distckpt.storage.transaction import retire
+from distckpt.format.index import is_committed
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import location, open_store
 
 
 def remove(path: str | os.PathLike[str] | Store, *, missing_ok: bool = False) -> None:
@@ -21,7 +22,7 @@ def remove(path: str | os.PathLike[str] | Store, *, missing_ok: bool = False) ->
 
         distckpt.remove("run/ckpt-10")
     """
-    store = resolve(path)
+    store = open_store(path)
     if is_committed(store):
         retire(store)
         return

@@ -16,7 +16,7 @@ the base's index and compares its bytes with those remembered (one read, one bro
 saved one of the same name), the save writes every piece, and says so in the log.
 
 **Is a piece unchanged?** Only its bytes decide: the rank hashes the data it would
-store and compares the digest with the base's (:mod:`distckpt.storage.digests`;
+store and compares the digest with the base's (:mod:`distckpt.format.digests`;
 :mod:`distckpt.transfer.writer` does it, stopping at the first chunk that differs when
 it knows the base's chunk digests). The dtype, box, block, inner chunks and codec must
 be those of the base's piece too. An unchanged piece is copied from the base by the
@@ -39,13 +39,13 @@ from typing import Any
 
 from distckpt.comm.outcome import announce
 from distckpt.errors import CheckpointError
+from distckpt.format import digests
+from distckpt.format import index as index_mod
+from distckpt.format.index import Index
+from distckpt.format.shard_io import Stored
+from distckpt.format.stored import Pieces
 from distckpt.planning.pieces import Piece
-from distckpt.storage import digests
-from distckpt.storage import index as index_mod
 from distckpt.storage.backend import Store
-from distckpt.storage.index import Index
-from distckpt.storage.shard_io import Stored
-from distckpt.storage.stored import Pieces
 from distckpt.transfer.writer import Reuse
 
 log = logging.getLogger("distckpt")

@@ -8,7 +8,7 @@ The protocol, in the order every rank runs it (collectives marked *):
    the path (:class:`~distckpt.errors.CheckpointExists`), removes abandoned saves,
    validates the descriptions and plans the writes
    (:func:`~distckpt.planning.save_plan.make_save_plan`), begins the save's transaction
-   (:mod:`distckpt.storage.transaction`: a staging directory on a file system, a claim on
+   (:mod:`distckpt.commit.transaction`: a staging directory on a file system, a claim on
    the name on an object store) and broadcasts the plan, or the first error, which every
    rank then raises. Nothing has been written yet when a validation error is raised.
 3. **Exchange** (*one gather per writer of small tensors): the ranks holding boxes of a
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from distckpt import dtypes
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import Failure, coordinate
+from distckpt.commit.transaction import Transaction, begin, save_root
 from distckpt.engine import background, reuse
 from distckpt.engine.agree import agree
 from distckpt.engine.background import AsyncSave, Snapped, save_in_background
@@ -53,17 +54,17 @@ from distckpt.engine.options import (
 )
 from distckpt.engine.results import SaveResult
 from distckpt.errors import interfered
+from distckpt.format import index as index_mod
+from distckpt.format import zarr_meta
+from distckpt.format.shard_io import Stored
 from distckpt.items import gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
 from distckpt.progress import progress
-from distckpt.storage import index as index_mod
-from distckpt.storage import zarr_meta
-from distckpt.storage.backend import Store, location
-from distckpt.storage.backend import resolve as resolve_store
-from distckpt.storage.shard_io import Stored
-from distckpt.storage.transaction import Transaction, begin, save_root
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import location
+from distckpt.storage.registry import open_store as resolve_store
 from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.writer import PieceJob, write_pieces
 

@@ -49,8 +49,9 @@ from distckpt.hf.safetensors import (
     parse_header,
     read_header,
 )
-from distckpt.storage.backend import Store, resolve
+from distckpt.storage.backend import Store
 from distckpt.storage.beneath import open_resolved
+from distckpt.storage.registry import open_store
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -114,7 +115,7 @@ def open_weights(path: str | os.PathLike[str] | Store) -> Weights:
 
 def _open_weights(path: str | os.PathLike[str] | Store) -> Weights:
     if is_stored(path):
-        return _open_in_store(resolve(path))  # type: ignore[arg-type]
+        return _open_in_store(open_store(path))  # type: ignore[arg-type]
     root = Path(path)  # type: ignore[arg-type]
     if root.is_file():
         return _from_files(root.parent, [root], None)

@@ -32,9 +32,9 @@ from typing import Any
 
 from distckpt import dtypes
 from distckpt.errors import ConversionError, CorruptCheckpointError
+from distckpt.format.wellformed import MAX_BYTES, MAX_NDIM
 from distckpt.hf.bounded_json import MAX_KEY_BYTES, MAX_STRING_BYTES, Scanner
 from distckpt.storage.beneath import open_resolved
-from distckpt.storage.wellformed import MAX_BYTES, MAX_NDIM
 
 #: distckpt dtype names and their safetensors names. complex128 has none.
 DTYPES = {

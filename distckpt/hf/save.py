@@ -81,9 +81,10 @@ from distckpt.planning.describe import Desc
 from distckpt.planning.save_plan import Balancer
 from distckpt.planning.validate import owners, validate
 from distckpt.slices import Box, c_order_bands
-from distckpt.storage.backend import Store, resolve
+from distckpt.storage.backend import Store
 from distckpt.storage.beneath import Beneath
 from distckpt.storage.fsutil import atomic_write, fsync_fd
+from distckpt.storage.registry import open_store
 from distckpt.transfer import workers as transfer_workers
 
 if TYPE_CHECKING:
@@ -360,7 +361,7 @@ def write_directory(
     t0 = time.perf_counter()
     target: Target | None = None
     try:
-        target = Target(resolve(path))
+        target = Target(open_store(path))
     except Exception as exc:
         error = error or exc
         contribution = Failure.capture(error, comm.rank)

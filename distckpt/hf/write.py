@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from distckpt import dtypes
+from distckpt.format.shard_io import as_bytes
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import Store, WriteHandle
 from distckpt.storage.beneath import Beneath
 from distckpt.storage.fsutil import regular
-from distckpt.storage.shard_io import as_bytes
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer.sources import HostData, StagedData, source_for
 from distckpt.transfer.workers import Countdown, TaskGroup, interleaved

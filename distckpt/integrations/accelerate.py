@@ -45,7 +45,7 @@ from accelerate.utils import DistributedType
 
 import distckpt
 from distckpt.numbering import numbered
-from distckpt.storage.backend import resolve
+from distckpt.storage.registry import open_store
 
 
 class DistckptAccelerator(Accelerator):
@@ -87,7 +87,7 @@ class DistckptAccelerator(Accelerator):
             if self.is_main_process:
                 parent = self._numbered_dir()
                 numbered = _numbered(parent)
-                checkpoints = resolve(parent)  # an entry swapped for a link: never followed
+                checkpoints = open_store(parent)  # an entry swapped for a link: never followed
                 for _, name in numbered[: max(len(numbered) - limit, 0)]:
                     distckpt.remove(checkpoints.child(name))
             self.wait_for_everyone()

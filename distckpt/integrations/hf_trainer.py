@@ -41,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import distckpt
 from distckpt.numbering import numbered
-from distckpt.storage.backend import resolve
+from distckpt.storage.registry import open_store
 
 log = logging.getLogger("distckpt")
 
@@ -136,7 +136,7 @@ class DistckptTrainerMixin:
             protected.add(os.path.normpath(trainer.state.best_model_checkpoint))
         doomed = [c for c in checkpoints if c not in protected]
         # Through the run directory: an entry of it swapped for a link is never followed.
-        run = resolve(run_dir)
+        run = open_store(run_dir)
         for path in doomed[: len(checkpoints) - max(limit, len(protected))]:
             name = os.path.basename(path)
             try:

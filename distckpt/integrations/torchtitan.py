@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import MODEL, CheckpointManager
 from torchtitan.components.checkpointer.dcp import AsyncMode
 
+from distckpt.format import index as index_mod
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 from distckpt.numbering import numbered
-from distckpt.storage import index as index_mod
-from distckpt.storage.backend import resolve
+from distckpt.storage.registry import open_store
 
 log = logging.getLogger("distckpt")
 
@@ -107,7 +107,7 @@ class DistckptCheckpointManager(CheckpointManager):
         committed = [
             n
             for n, name in steps
-            if index_mod.is_committed(resolve(folder or self.folder).child(name))
+            if index_mod.is_committed(open_store(folder or self.folder).child(name))
         ]
         return max(committed, default=-1)
 
@@ -117,7 +117,7 @@ class DistckptCheckpointManager(CheckpointManager):
         own, writing in place, counts it too)."""
         if self.keep_latest_k <= 0 or (dist.is_initialized() and dist.get_rank() != 0):
             return
-        store = resolve(self.folder)
+        store = open_store(self.folder)
         steps = self._steps(self.folder)
         writing = self.in_flight.rstrip("/").rsplit("/", 1)[-1] if self.in_flight else ""
         n = numbered(writing, "step-")
@@ -129,7 +129,7 @@ class DistckptCheckpointManager(CheckpointManager):
 
     @staticmethod
     def _steps(folder: str) -> list[tuple[int, str]]:
-        found = [(numbered(name, "step-"), name) for name in resolve(folder).list()]
+        found = [(numbered(name, "step-"), name) for name in open_store(folder).list()]
         return sorted((n, name) for n, name in found if n is not None)
 
 

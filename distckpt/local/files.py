@@ -19,7 +19,7 @@ mark on a node vouches for every file of that token on it.
 
 Nothing here is ever unpickled: manifests and marks are JSON, values are typed JSON
 (:mod:`distckpt.values`), and every piece is checked against its crc32c before use.
-Manifests and marks are sealed by their checksum (:mod:`distckpt.storage.seal`, its
+Manifests and marks are sealed by their checksum (:mod:`distckpt.format.seal`, its
 first member): a damaged manifest fails the restore of its step (the manager then falls
 back to the shared directory), a damaged mark is ignored.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distckpt.errors import CorruptCheckpointError
+from distckpt.format import seal
 from distckpt.numbering import number, numbered
-from distckpt.storage import seal
 from distckpt.storage.backend import Store
 
 log = logging.getLogger("distckpt")

@@ -14,9 +14,9 @@ from typing import Any
 
 from distckpt import dtypes, values
 from distckpt.errors import CorruptCheckpointError
+from distckpt.format import wellformed
+from distckpt.format.stored import stored_dtype
 from distckpt.slices import Box
-from distckpt.storage import wellformed
-from distckpt.storage.stored import stored_dtype
 from distckpt.tiling import tiling_problem
 
 
@@ -37,7 +37,7 @@ def checked(
     doc: dict[str, Any], where: str
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """A manifest's tensors, values and per-rank values, every field checked (as an
-    index entry is, see :mod:`distckpt.storage.wellformed`): names, kinds, dtypes, shapes,
+    index entry is, see :mod:`distckpt.format.wellformed`): names, kinds, dtypes, shapes,
     boxes inside the shape, offsets, sizes that match the box, crc32c values."""
     tensors, plain, per_rank = doc.get("tensors"), doc.get("values"), doc.get("per_rank_values")
     if not (isinstance(tensors, list) and isinstance(plain, dict) and isinstance(per_rank, dict)):

@@ -41,13 +41,13 @@ from distckpt.engine.matching import agree_names, assign, prepare
 from distckpt.engine.options import CheckpointOptions
 from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
+from distckpt.format.shard_io import crc32c
 from distckpt.local import files
 from distckpt.local.choose import Choice
 from distckpt.local.manifests import Piece, index_of
 from distckpt.local.save import MESSAGE_BYTES, topology
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
-from distckpt.storage.shard_io import crc32c
 from distckpt.tiling import tiling_problem
 from distckpt.transfer.arrays import copy_exact, writable_view
 from distckpt.transfer.exchange import aligned

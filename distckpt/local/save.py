@@ -45,12 +45,12 @@ from distckpt.engine import background
 from distckpt.engine.background import Snapped, save_in_background
 from distckpt.engine.options import CheckpointOptions, resolve
 from distckpt.engine.results import SaveResult
+from distckpt.format import seal
+from distckpt.format.shard_io import as_bytes, crc32c
 from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
 from distckpt.local.nodes import Topology, node_identity
-from distckpt.storage import seal
 from distckpt.storage.backend import Store
-from distckpt.storage.shard_io import as_bytes, crc32c
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.sources import source_for
 from distckpt.transfer.workers import TaskGroup

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from distckpt import dtypes
+from distckpt.format import codecs, zarr_meta
+from distckpt.format.codecs import Codec
 from distckpt.planning.layout import inner_chunks
 from distckpt.slices import Box
-from distckpt.storage import codecs, zarr_meta
-from distckpt.storage.codecs import Codec
 
 DEFAULT_SMALL_BYTES = 256 * 1024
 

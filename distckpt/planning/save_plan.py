@@ -19,7 +19,7 @@ Decisions, per variable:
 * **per-rank tensors** become a group with one array per rank (``r0``, ``r1``, ...).
 
 Each sharded piece of a variable is compressed as ``compression`` chooses for its name
-(:func:`distckpt.storage.codecs.choose`); plain chunks never are.
+(:func:`distckpt.format.codecs.choose`); plain chunks never are.
 
 Identical boxes on several ranks are replicas: exactly one of them writes. Writers are
 chosen greedily by bytes, largest variable first, so the work spreads over the ranks.
@@ -34,6 +34,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from distckpt import dtypes
+from distckpt.format import codecs
+from distckpt.format.codecs import Compression
 from distckpt.naming import zarr_path
 from distckpt.planning.describe import Desc, RankDesc, rank_desc
 from distckpt.planning.layout import inner_chunks
@@ -45,8 +47,6 @@ from distckpt.planning.pieces import (
     VarSpec,
 )
 from distckpt.planning.validate import Holders, Partition, checked
-from distckpt.storage import codecs
-from distckpt.storage.codecs import Compression
 
 _NONE = np.zeros(0, dtype=np.int64)
 

@@ -9,7 +9,7 @@ What every backend provides, and who calls it during a save (``rank 0`` is the
 coordinator):
 
 1. rank 0: :meth:`Store.read` / :meth:`Store.list` / :meth:`Store.exists` to check the
-   name is free, then begins the save's transaction (:mod:`distckpt.storage.transaction`);
+   name is free, then begins the save's transaction (:mod:`distckpt.commit.transaction`);
 2. every rank: :meth:`Store.prepare` for the keys it will write, :meth:`Store.create` for
    each piece (written at offsets, from several threads, then :meth:`WriteHandle.finish`),
    :meth:`Store.write` for small objects, :meth:`Store.persist` once all are finished;
@@ -21,10 +21,10 @@ A load uses :meth:`Store.open` (ranged reads; :meth:`ReadHandle.will_need` says 
 ranges come next, so an object store fetches each run once).
 
 What a store can do it says in :attr:`Store.capabilities` (:class:`Capabilities`), and how
-a save becomes a checkpoint on it in :attr:`Store.commit_strategy`: "rename a staging
-directory" (:data:`distckpt.storage.staging.RENAME`, for a store that also has the three
-methods of :class:`RenamingStore`) or "claim the name, then create the index last"
-(:data:`distckpt.storage.claim.CLAIM`). distckpt asks the store, never its type.
+a save becomes a checkpoint on it in :attr:`Store.commit_strategy`, by name: ``"rename"``
+a staging directory (for a store that also has the three methods of
+:class:`RenamingStore`) or ``"claim"`` the name, then create the index last
+(:mod:`distckpt.commit` implements both). distckpt asks the store, never its type.
 
 Errors: a missing key is :class:`FileNotFoundError`; a failed condition is
 :class:`ConditionFailed` (a :class:`FileExistsError`); a permanent service failure (no
@@ -35,17 +35,12 @@ naming the location and the operation, never a credential.
 from __future__ import annotations
 
 import builtins
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
-from distckpt.errors import CheckpointError, LocationError, StorageError, UnsafePathError
 from distckpt.errors import ConditionFailed as ConditionFailed  # the seam's own error
-
-if TYPE_CHECKING:
-    from distckpt.storage.strategy import CommitStrategy
+from distckpt.errors import StorageError, UnsafePathError
 
 Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
 
@@ -91,7 +86,7 @@ class Capabilities:
     (:class:`distckpt.testing.StoreTests`) runs the cases the flags select."""
 
     #: A directory renames atomically, and :class:`RenamingStore`'s methods exist: what
-    #: the :data:`~distckpt.storage.staging.RENAME` commit needs.
+    #: the :data:`~distckpt.commit.staging.RENAME` commit needs.
     renames: bool = False
     #: :meth:`Store.put_new` is atomic: of writers racing to create a key, from threads,
     #: processes or hosts, exactly one wins. The claim commit, the manager's lock and
@@ -186,9 +181,10 @@ class Store(Protocol):
         """What the store can do (a class attribute)."""
 
     @property
-    def commit_strategy(self) -> CommitStrategy:
-        """How a save becomes a checkpoint on it (a class attribute):
-        :data:`~distckpt.storage.staging.RENAME` or :data:`~distckpt.storage.claim.CLAIM`."""
+    def commit_strategy(self) -> str:
+        """How a save becomes a checkpoint on it (a class attribute), by name:
+        ``"rename"`` (:data:`~distckpt.commit.staging.RENAME`) or ``"claim"``
+        (:data:`~distckpt.commit.claim.CLAIM`)."""
 
     @property
     def name(self) -> str: ...
@@ -252,7 +248,7 @@ class Store(Protocol):
 @runtime_checkable
 class RenamingStore(Store, Protocol):
     """A store whose directories rename atomically (``capabilities.renames``): what the
-    :data:`~distckpt.storage.staging.RENAME` commit calls beyond :class:`Store`."""
+    :data:`~distckpt.commit.staging.RENAME` commit calls beyond :class:`Store`."""
 
     def rename(self, key: str, new_key: str) -> None:
         """Give the directory ``key`` the name ``new_key``, atomically: readers see one or
@@ -341,120 +337,6 @@ def copying(store: Store) -> CopyingStore | None:
     """``store`` as a :class:`CopyingStore` when it declares ``copies``, else None (asked
     of the flag: an ``isinstance`` of a protocol costs tens of microseconds a call)."""
     return cast(CopyingStore, store) if store.capabilities.copies else None
-
-
-#: The entry-point group through which installed packages add stores: an entry named
-#: after the URL scheme whose object is the store's opener (``opener(url) -> Store``, e.g.
-#: a store class's ``from_url``).
-ENTRY_POINTS = "distckpt.stores"
-
-_openers: dict[str, Callable[[str], Store]] = {}
-
-
-def _open_s3(url: str) -> Store:
-    from distckpt.storage.s3 import S3Store
-
-    return S3Store.from_url(url)
-
-
-def _open_cloud(url: str) -> Store:
-    from distckpt.storage.cloud import CloudStore
-
-    return CloudStore.from_url(url)
-
-
-_BUILT_IN: dict[str, Callable[[str], Store]] = {
-    "s3": _open_s3,
-    "az": _open_cloud,
-    "gs": _open_cloud,
-}
-
-
-def register_store(scheme: str, opener: Callable[[str], Store]) -> None:
-    """Open ``scheme://...`` locations with ``opener(url)`` (which returns a :class:`Store`)
-    in this process; an installed package does the same through the ``distckpt.stores``
-    entry-point group (:data:`ENTRY_POINTS`), without code at start-up. ``opener`` raises
-    :class:`ValueError` for a URL it cannot parse; callers of :func:`resolve` see it as a
-    :class:`~distckpt.errors.LocationError`."""
-    if not scheme.isidentifier() or scheme == "file":
-        raise ValueError(f"bad storage scheme {scheme!r}")
-    _openers[scheme] = opener
-
-
-def _opener(scheme: str, location: str) -> Callable[[str], Store]:
-    found = _openers.get(scheme) or _BUILT_IN.get(scheme)
-    if found is not None:
-        return found
-    from importlib.metadata import entry_points
-
-    for entry in entry_points(group=ENTRY_POINTS, name=scheme):
-        opener = entry.load()
-        _openers[scheme] = opener
-        return opener  # type: ignore[no-any-return]
-    known = sorted({*_BUILT_IN, *_openers, *entry_points(group=ENTRY_POINTS).names})
-    raise LocationError(
-        f"{location}: unsupported storage scheme {scheme!r} (known: "
-        + ", ".join(f"{k}://" for k in known)
-        + ", or a path)"
-    )
-
-
-def _scheme(location: object) -> str | None:
-    """The URL scheme of ``location`` (None: a path; ``file://`` is a path)."""
-    if not isinstance(location, str) or "://" not in location:
-        return None
-    scheme = location.split("://", 1)[0]
-    return None if scheme == "file" else scheme
-
-
-def is_remote(location: str | os.PathLike[str] | Store) -> bool:
-    """Whether ``location`` is reached over a network: its store does not declare
-    ``local_files`` (a path never is; a URL is asked of the store its scheme opens)."""
-    if not isinstance(location, Store) and _scheme(location) is None:
-        return False
-    return not resolve(location).capabilities.local_files
-
-
-def resolve(location: str | os.PathLike[str] | Store) -> Store:
-    """The store at ``location``: a store is returned as is, ``scheme://...`` is opened by
-    the store registered for the scheme (``s3://bucket/prefix`` needs ``pip install
-    'distckpt[s3]'``; others come from :func:`register_store` or an installed package's
-    entry point), anything else is a local or shared directory (made absolute).
-
-    An unknown scheme, or a URL its store cannot parse (the store's opener raised a
-    :class:`ValueError`), is a :class:`~distckpt.errors.LocationError` (a
-    :class:`~distckpt.errors.CheckpointError` and a :class:`ValueError`)."""
-    if isinstance(location, Store):
-        return location
-    scheme = _scheme(location)
-    if scheme is not None:
-        assert isinstance(location, str)
-        opener = _opener(scheme, location)
-        try:
-            return opener(location)
-        except CheckpointError:
-            raise
-        except ValueError as exc:  # the URL does not parse (a plug-in's own message)
-            text = str(exc) or type(exc).__name__
-            raise LocationError(text if location in text else f"{location}: {text}") from exc
-    if isinstance(location, str) and location.startswith("file://"):
-        location = location[len("file://") :]
-    from distckpt.storage.posix import PosixStore
-
-    return PosixStore(Path(location).absolute())
-
-
-def location(store: Store) -> Path | str:
-    """What results report as the place: the path of a store of local files, else the URL."""
-    return Path(store.url) if store.capabilities.local_files else store.url
-
-
-def child_location(directory: str | os.PathLike[str] | Store, name: str) -> str:
-    """``name`` in ``directory`` as users write it: under a store or a URL as the store
-    writes it, else the path ``os.path.join`` makes (relative stays relative)."""
-    if isinstance(directory, Store) or _scheme(directory) is not None:
-        return resolve(directory).where(name)
-    return os.path.join(os.fspath(directory), name)
 
 
 def join(*parts: str) -> str:

@@ -12,7 +12,7 @@ a cloud VM). distckpt never logs them nor puts them in a message or the index.
 
 What each operation is, and what it guarantees (the same as ``s3://``):
 
-* **Commit**: the claim strategy (:mod:`distckpt.storage.claim`). ``put_new`` is a
+* **Commit**: the claim strategy (:mod:`distckpt.commit.claim`). ``put_new`` is a
   create-only put (Azure ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), ``put_if`` a
   put on the version read (the ETag on Azure, the generation on GCS): exactly one of
   racing writers wins each. A conditional put whose answer was lost and whose retry then
@@ -60,7 +60,6 @@ from distckpt.storage.backend import (
     join,
     own_write,
 )
-from distckpt.storage.claim import CLAIM
 from distckpt.storage.cloud_io import CloudReader, CloudWriter
 from distckpt.storage.s3_service import MAX_ATTEMPTS, deadline
 
@@ -159,7 +158,7 @@ class CloudStore:
         parallel_writes=True,
         copies=True,
     )
-    commit_strategy = CLAIM
+    commit_strategy = "claim"
 
     def __init__(self, scheme: str, bucket: str, prefix: str = "") -> None:
         if scheme not in SERVICES:

@@ -9,7 +9,7 @@ complete temporary file is linked to the name, which fails if it exists) and a
 version of a file is the crc32c of its bytes, so it survives a copy of the directory.
 Directories rename atomically (``exchange`` with ``renameat2(RENAME_EXCHANGE)`` where
 the file system has it), so a save commits by renaming its staging directory
-(:data:`~distckpt.storage.staging.RENAME`).
+(:data:`~distckpt.commit.staging.RENAME`).
 
 Every path below the store's ``root`` is resolved without following a link at any step,
 in the same system call that uses it (:mod:`distckpt.storage.beneath`): a directory of a
@@ -58,7 +58,6 @@ from distckpt.storage.fsutil import (
     write_all,
     write_file,
 )
-from distckpt.storage.staging import RENAME
 
 T = TypeVar("T")
 
@@ -191,7 +190,7 @@ class PosixStore:
         syncs=True,
         copies=True,
     )
-    commit_strategy = RENAME
+    commit_strategy = "rename"
 
     def __init__(
         self,

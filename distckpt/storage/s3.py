@@ -49,7 +49,6 @@ from distckpt.storage.backend import (
     join,
     own_write,
 )
-from distckpt.storage.claim import CLAIM
 from distckpt.storage.s3_io import S3Reader, S3Writer, multipart_etag  # noqa: F401
 from distckpt.storage.s3_service import (  # noqa: F401 - public names re-exported
     MAX_ATTEMPTS,
@@ -100,7 +99,7 @@ class S3Store:
         parallel_writes=True,
         copies=True,
     )
-    commit_strategy = CLAIM
+    commit_strategy = "claim"
 
     def __init__(self, bucket: str, prefix: str = "") -> None:
         self.bucket = bucket

@@ -15,7 +15,8 @@ from typing import ClassVar
 
 import pytest
 
-from distckpt.storage.backend import ConditionFailed, Store, resolve
+from distckpt.storage.backend import ConditionFailed, Store
+from distckpt.storage.registry import open_store
 from distckpt.testing.store_helpers import needs, race
 
 
@@ -27,7 +28,7 @@ class ConditionalWriteCases:
 
     def second_client(self, store: Store) -> Store:
         """Another client of the same location as ``store``, for the races."""
-        return resolve(store.url)
+        return open_store(store.url)
 
     @needs("conditional_create")
     def test_put_new(self, store: Store) -> None:

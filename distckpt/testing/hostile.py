@@ -26,7 +26,7 @@ from typing import Any
 import crc32c as _crc
 import numpy as np
 
-from distckpt.storage import seal
+from distckpt.format import seal
 
 #: A shard index entry of an inner chunk that is absent.
 EMPTY = 2**64 - 1
@@ -46,7 +46,7 @@ HOSTILE_VALUES: list[Any] = [
 
 def reseal(raw: bytes) -> bytes:
     """``raw``, a metadata document (an index, a pointer, a manifest) edited by hand, with
-    its checksum recomputed in place (see :mod:`distckpt.storage.seal`); a document that
+    its checksum recomputed in place (see :mod:`distckpt.format.seal`); a document that
     carries none is returned as it is.
 
     ::

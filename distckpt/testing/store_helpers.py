@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from distckpt.storage.backend import Capabilities, ConditionFailed, WriteHandle, resolve
+from distckpt.storage.backend import Capabilities, ConditionFailed, WriteHandle
+from distckpt.storage.registry import open_store
 
 MiB = 1 << 20
 F = TypeVar("F", bound=Callable[..., Any])
@@ -78,7 +79,7 @@ def write_out_of_order(
 def race(url: str, op: str, i: int, version: str, gate: Any, results: Any) -> None:
     """One forked racer: open the store from ``url``, wait for the others, then write."""
     try:
-        store = resolve(url)
+        store = open_store(url)
         gate.wait(30)
         data = f"process {i}".encode()
         if op == "create":

@@ -12,12 +12,12 @@ provides a fresh, empty store::
         def store(self, tmp_path: Path) -> Store:
             return MyStore(tmp_path / "store")
 
-The store's URL must open it again (``resolve(store.url)``: its scheme registered). The
+The store's URL must open it again (``open_store(store.url)``: its scheme registered). The
 cases that its capabilities do not call for are not collected (rather than skipped), nor
 are those of a hook the subclass leaves out:
 
 * :meth:`StoreTests.second_client`: another client of the same location, for the races
-  (default: ``resolve(store.url)``);
+  (default: ``open_store(store.url)``);
 * :attr:`StoreTests.process_races`: the conditional writers also race as forked
   processes, each opening the store from its URL (default True);
 * :meth:`StoreTests.faults`: a context in which the store's requests meet injected
@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from distckpt.commit import transaction
 from distckpt.errors import UnsafePathError
 from distckpt.storage.backend import (
     Capabilities,
@@ -47,10 +48,8 @@ from distckpt.storage.backend import (
     Store,
     SyncingStore,
     WriteHandle,
-    is_remote,
-    location,
-    resolve,
 )
+from distckpt.storage.registry import is_remote, location, open_store
 from distckpt.testing.conditional_cases import ConditionalWriteCases
 from distckpt.testing.store_helpers import (
     HOSTILE_KEYS,
@@ -105,7 +104,8 @@ class StoreTests(ConditionalWriteCases):
     def test_protocols(self, store: Store) -> None:
         assert isinstance(store, Store)
         assert store.capabilities == self.capabilities
-        strategy = store.commit_strategy
+        assert store.commit_strategy in transaction.STRATEGIES
+        strategy = transaction.STRATEGIES[store.commit_strategy]
         lacking = [flag for flag in strategy.requires if not getattr(store.capabilities, flag)]
         assert not lacking, f"its commit strategy {strategy.name!r} needs {lacking}"
         if store.capabilities.renames:
@@ -131,8 +131,8 @@ class StoreTests(ConditionalWriteCases):
         assert child.read("index.json") == b"{}"
         assert child.list() == ["index.json"]
         assert store.list("runs") == ["ckpt-1"]
-        assert resolve(child.url) == child
-        assert resolve(child) is child
+        assert open_store(child.url) == child
+        assert open_store(child) is child
         assert is_remote(child.url) == is_remote(child)
         local = child.capabilities.local_files
         assert location(child) == (Path(child.url) if local else child.url)

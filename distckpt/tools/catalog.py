@@ -17,9 +17,10 @@ import numpy as np
 
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, resolve
-from distckpt.storage.stored import StoredPiece
+from distckpt.format import index as index_mod
+from distckpt.format.stored import StoredPiece
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import open_store
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def per_rank_name(name: str, rank: str | int) -> str:
 def open_catalog(path: str | os.PathLike[str] | Store, *, tiling: bool = True) -> Catalog:
     """Read and check the index of the committed checkpoint at ``path`` (``tiling=False``:
     all but whether each tensor's pieces tile it, which ``verify`` reports itself)."""
-    root = resolve(path)
+    root = open_store(path)
     index = index_mod.read_index(root, tiling=tiling)
     tensors: dict[str, TensorVar] = {}
     values: dict[str, ValueVar] = {}

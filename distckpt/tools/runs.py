@@ -2,7 +2,7 @@
 
 Lists every committed checkpoint (a directory holding a distckpt index) and every
 leftover of a save that did not commit (``.NAME.staging-TOKEN`` and ``.NAME.trash-TOKEN``
-directories, see :mod:`distckpt.storage.staging`), with its step, creation time, bytes on
+directories, see :mod:`distckpt.commit.staging`), with its step, creation time, bytes on
 disk (the sum of its files' sizes), the world size that saved it, and which one the
 ``latest`` pointer names. Reads only indexes and directory listings, never tensor data.
 """
@@ -15,12 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from distckpt.commit.transaction import Pending, pending
 from distckpt.errors import CheckpointError, CheckpointNotFoundError
+from distckpt.format import index as index_mod
+from distckpt.format.zarr_meta import ZARR_JSON
 from distckpt.numbering import number
-from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, location, resolve
-from distckpt.storage.transaction import Pending, pending
-from distckpt.storage.zarr_meta import ZARR_JSON
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import location, open_store
 from distckpt.training.pointer import read_pointer
 
 _STEP = re.compile(r"(?:^|[-_.])([0-9]+)$")  # ckpt-10, step_10, 10
@@ -59,7 +60,7 @@ class Listing:
 
 def list_run(directory: str | os.PathLike[str] | Store) -> Listing:
     """The checkpoints and leftovers in ``directory``, committed ones ordered by step."""
-    root = resolve(directory)
+    root = open_store(directory)
     if not root.is_dir(""):
         raise CheckpointNotFoundError(f"{root.url} is not a directory (or holds nothing)")
     if index_mod.is_committed(root):

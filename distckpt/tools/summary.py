@@ -8,9 +8,9 @@ from typing import Any
 
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
-from distckpt.storage import index as index_mod
-from distckpt.storage import seal
-from distckpt.storage.stored import Pieces
+from distckpt.format import index as index_mod
+from distckpt.format import seal
+from distckpt.format.stored import Pieces
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -6,13 +6,13 @@ For every tensor (per-rank ones included) it checks, in order:
    and together cover it exactly once; each piece's block holds its box, and its inner
    chunks divide the block;
 2. each piece's file: present, of the size the index records, and every byte of it read
-   back through the same code a restore uses (:mod:`distckpt.storage.piece_reader`): the
+   back through the same code a restore uses (:mod:`distckpt.format.piece_reader`): the
    piece's crc32c in the index, the shard's checksum table and index, and the crc32c of
    every inner chunk (of the whole chunk, for a plain piece); a compressed inner chunk
    is also decompressed, and must give exactly one inner chunk of bytes.
 
 The index itself is checked first, as by every reader: its own checksum
-(:mod:`distckpt.storage.seal`; a mismatch raises, naming the file; an index without one,
+(:mod:`distckpt.format.seal`; a mismatch raises, naming the file; an index without one,
 of a distckpt that did not seal it, is reported in :attr:`VerifyReport.notes`), then its
 well-formedness.
 
@@ -33,9 +33,9 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedValueError,
 )
+from distckpt.format import seal
+from distckpt.format.piece_reader import PieceReader
 from distckpt.slices import Box
-from distckpt.storage import seal
-from distckpt.storage.piece_reader import PieceReader
 from distckpt.tiling import tiling_problem
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
 from distckpt.values import decode
@@ -93,7 +93,7 @@ def check_slabs(catalog: Catalog, var: TensorVar, max_slab_bytes: int) -> None:
     """Refuse ``var`` unless it can be read a slab at a time from stored bytes alone
     (``export``, ``diff``): its pieces must cover its shape exactly once, else some bytes
     of a slab would come from no stored byte. (A compressed inner chunk, decompressed
-    whole, is at most :data:`~distckpt.storage.wellformed.MAX_CODEC_CHUNK`: the index's
+    whole, is at most :data:`~distckpt.format.wellformed.MAX_CODEC_CHUNK`: the index's
     own checks refuse a larger one, so ``max_slab_bytes`` bounds the rest.)"""
     problems = coverage_problems(var.name, var.shape, [p.box for p in var.pieces])
     if problems:

@@ -10,7 +10,7 @@ finalizers; nodes are bound to the restore so children added later are restored 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,11 +20,22 @@ from distckpt.training import optim, stateful
 from distckpt.training.modules import ModuleTensor, is_uninitialized, module_tensors
 from distckpt.training.names import join
 from distckpt.training.plan import Plan, Slot
-from distckpt.training.tracking import ObjectGraphError, Position, Visit, walk
+from distckpt.training.tracking import ObjectGraphError, Position, RestoreTarget, Visit, walk
 from distckpt.values import encode
 
-if TYPE_CHECKING:
-    from distckpt.training.session import RestoreSession
+
+class RestoreSession(RestoreTarget, Protocol):
+    """What the planners here use of a restore
+    (:class:`distckpt.training.session.RestoreSession`)."""
+
+    pending: set[str]
+    claimed: set[str]
+
+    def find(self, name: str) -> object | None: ...
+    def has_under(self, name: str) -> bool: ...
+    def tensor_names(self) -> TensorNames: ...
+    def execute(self, plan: Plan) -> None: ...
+
 
 Leaves = Iterator[tuple[str, Any]]
 

@@ -1,6 +1,6 @@
 """A lease lock on a run directory: one :class:`~distckpt.CheckpointManager` at a time.
 
-The lock is ``<dir>/.distckpt-lock``, a lease (:mod:`distckpt.storage.lease`) created
+The lock is ``<dir>/.distckpt-lock``, a lease (:mod:`distckpt.commit.lease`) created
 only if absent and renewed every :data:`HEARTBEAT_SECONDS` by a conditional write, on a
 file system and on an object store alike. Another process takes the lock over when the
 lease has expired (not renewed for ``stale_seconds``, :data:`STALE_SECONDS` by default)
@@ -20,9 +20,10 @@ import os
 import uuid
 from typing import Any
 
+from distckpt.commit.lease import HEARTBEAT_SECONDS, STALE_SECONDS, Lease
 from distckpt.errors import DirectoryLockedError
-from distckpt.storage.backend import Store, resolve
-from distckpt.storage.lease import HEARTBEAT_SECONDS, STALE_SECONDS, Lease
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import open_store
 
 LOCK_FILE = ".distckpt-lock"
 __all__ = [
@@ -43,7 +44,7 @@ class DirectoryLock:
         stale_seconds: float = STALE_SECONDS,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
     ) -> None:
-        self.store = resolve(directory)
+        self.store = open_store(directory)
         self.path = self.store.where(LOCK_FILE)
         self.stale_seconds = float(stale_seconds)
         self._lease = Lease(

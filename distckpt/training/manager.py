@@ -47,14 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import announce
+from distckpt.commit.transaction import collect_garbage
 from distckpt.engine import background
 from distckpt.engine.background import AsyncSave
 from distckpt.engine.options import MANAGER, CheckpointOptions, ManagerKeywords, merge
 from distckpt.engine.results import SaveResult
 from distckpt.errors import DirectoryLockedError
 from distckpt.local import LocalTier
-from distckpt.storage.backend import is_remote, resolve
-from distckpt.storage.transaction import collect_garbage
+from distckpt.storage.registry import is_remote, open_store
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.lock import STALE_SECONDS
 from distckpt.training.ownership import Ownership
@@ -159,7 +159,7 @@ class CheckpointManager:
                 "CheckpointManager: no directory given; using temporary directory %s", directory
             )
         self._directory = os.fspath(directory)
-        store = resolve(self._directory)
+        store = open_store(self._directory)
         self._kept = Retention(
             store,
             self._directory,

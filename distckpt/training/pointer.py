@@ -6,7 +6,7 @@ checkpoint it names has been committed::
     {"checksum": "crc32c:1f0e2d3c", "format": "distckpt-pointer", "version": 1,
      "latest": "ckpt-3", "all": ["ckpt-1", "ckpt-2", "ckpt-3"]}
 
-``checksum`` seals the file (:mod:`distckpt.storage.seal`): a flipped byte that leaves
+``checksum`` seals the file (:mod:`distckpt.format.seal`): a flipped byte that leaves
 the JSON well-formed (another step in a name) is refused, not followed. A pointer
 without it, of a distckpt that did not seal, is read as before.
 
@@ -32,10 +32,11 @@ from distckpt.errors import (
     PointerConflictError,
     UnsupportedFormatError,
 )
+from distckpt.format import index as index_mod
+from distckpt.format import seal
 from distckpt.numbering import numbered
-from distckpt.storage import index as index_mod
-from distckpt.storage import seal
-from distckpt.storage.backend import ConditionFailed, Store, check_name, child_location, resolve
+from distckpt.storage.backend import ConditionFailed, Store, check_name
+from distckpt.storage.registry import child_location, open_store
 
 POINTER_FILE = "latest"
 FORMAT = "distckpt-pointer"
@@ -66,7 +67,7 @@ def dumps(doc: dict[str, Any]) -> bytes:
 
 def read_versioned(directory: str | os.PathLike[str] | Store) -> tuple[dict[str, Any], str] | None:
     """The pointer document of ``directory`` (validated) and its version, or None."""
-    store = resolve(directory)
+    store = open_store(directory)
     where = store.where(POINTER_FILE)
     try:
         raw, version = store.read_versioned(POINTER_FILE)
@@ -110,7 +111,7 @@ def read_pointer(directory: str | os.PathLike[str] | Store) -> Pointer | None:
 def move(directory: str | os.PathLike[str] | Store, doc: bytes, version: str | None) -> str:
     """Write the pointer ``doc`` if the pointer is still at ``version`` (None: if there is
     none); return the new version. Raises :class:`PointerConflictError` otherwise."""
-    store = resolve(directory)
+    store = open_store(directory)
     try:
         if version is None:
             return store.put_new(POINTER_FILE, doc)
@@ -139,7 +140,7 @@ def advance_pointer(checkpoint: str | os.PathLike[str] | Store) -> Pointer:
     Raises :class:`PointerConflictError`, leaving the pointer alone, when it names a newer
     checkpoint that exists (another job got further), so it never moves backwards.
     """
-    store = resolve(checkpoint)
+    store = open_store(checkpoint)
     directory, name = store.parent, store.name
     found = read_versioned(directory)
     old = None if found is None else Pointer.from_doc(found[0])
@@ -171,7 +172,7 @@ def latest_checkpoint(directory: str | os.PathLike[str] | Store) -> str | None:
     path = child_location(directory, pointer.latest)
     if not index_mod.is_committed(path):
         raise CheckpointNotFoundError(
-            f"{resolve(directory).where(POINTER_FILE)} names {pointer.latest!r}, which is not "
+            f"{open_store(directory).where(POINTER_FILE)} names {pointer.latest!r}, which is not "
             "a committed checkpoint"
         )
     return path

@@ -11,7 +11,7 @@ update) is adopted by :meth:`Retention.recover`.
 
 **Retention.** Only after the new checkpoint is committed *and* the pointer names the
 new list does rank 0 delete what fell out of it (:meth:`Retention.delete`, through
-:func:`~distckpt.storage.transaction.retire`: marked, renamed out of sight or withdrawn
+:func:`~distckpt.commit.transaction.retire`: marked, renamed out of sight or withdrawn
 index first, then removed). A crash leaves at worst a leftover that the next save's
 garbage collection removes; a checkpoint marked for deletion is never adopted.
 
@@ -26,11 +26,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from distckpt.commit.transaction import retire, retiring
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from distckpt.format import index as index_mod
 from distckpt.numbering import numbered
-from distckpt.storage import index as index_mod
-from distckpt.storage.backend import Store, child_location
-from distckpt.storage.transaction import retire, retiring
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import child_location
 from distckpt.training.pointer import (
     FORMAT,
     POINTER_FILE,

@@ -39,9 +39,9 @@ from distckpt.engine.matching import gather_left
 from distckpt.engine.options import CheckpointOptions
 from distckpt.engine.options import resolve as resolve_options
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
+from distckpt.format.stored import Pieces
 from distckpt.items import PerRank, Shard, is_dtensor
-from distckpt.storage.backend import location, resolve
-from distckpt.storage.stored import Pieces
+from distckpt.storage.registry import location, open_store
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
 from distckpt.training.plan import Plan, Slot
@@ -72,7 +72,7 @@ class StoredCheckpoint:
     for every round of loads of a restore. Collective to construct."""
 
     def __init__(self, path: str | os.PathLike[str], comm: Communicator) -> None:
-        self.store = resolve(path)
+        self.store = open_store(path)
         self.path = location(self.store)
         self.index = read_shared_index(self.store, comm)
         reuse.remember_index(self.store, self.index)  # the base of the next save

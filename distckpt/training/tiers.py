@@ -26,7 +26,8 @@ from distckpt.local import LocalTier, files
 from distckpt.local.choose import choose
 from distckpt.local.restore import LocalStep
 from distckpt.local.save import Step, save_local, topology
-from distckpt.storage.backend import Store, resolve
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import open_store
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.schedule import Schedule
 
@@ -68,7 +69,7 @@ class LocalSaves:
         self.tier = tier
         self.comm = comm
         self.run = run
-        self.store = resolve(tier.path())
+        self.store = open_store(tier.path())
         self.reason = ""  # why the last restore did or did not take a local step
 
     def save(

@@ -28,12 +28,12 @@ import torch
 
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
+from distckpt.format.piece_reader import ChunkRead, PieceReader, ShardHeader
+from distckpt.format.shard_io import EMPTY
+from distckpt.format.stored import Pieces, StoredPiece
 from distckpt.planning.read_plan import Copy, covered, plan_reads
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
-from distckpt.storage.piece_reader import ChunkRead, PieceReader, ShardHeader
-from distckpt.storage.shard_io import EMPTY
-from distckpt.storage.stored import Pieces, StoredPiece
 from distckpt.transfer import slabs
 from distckpt.transfer.arrays import copy_exact, writable_view
 from distckpt.transfer.sources import copy_context, follow_current, record_event

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
+from distckpt.format.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import Store
-from distckpt.storage.shard_io import ChunkPart, as_bytes, crc32c
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer.arrays import copy_exact, numpy_view, resolved
 from distckpt.transfer.slabs import Region

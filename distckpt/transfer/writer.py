@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 
 from distckpt.errors import CheckpointError
-from distckpt.storage import digests as digests_mod
-from distckpt.storage import shard_io
+from distckpt.format import digests as digests_mod
+from distckpt.format import shard_io
+from distckpt.format.codecs import Codec
+from distckpt.format.piece_reader import PieceReader, scratch
+from distckpt.format.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
 from distckpt.storage.backend import Store, copying, syncing, write_whole
-from distckpt.storage.codecs import Codec
-from distckpt.storage.piece_reader import PieceReader, scratch
-from distckpt.storage.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import HostData, Source
 from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
@@ -99,7 +99,7 @@ def write_pieces(
     ``like`` names, for a small file, a file of an earlier checkpoint that may hold the
     same bytes (taken instead of written when it does).
 
-    Returns {piece id: :class:`~distckpt.storage.shard_io.Stored`}, with each piece's
+    Returns {piece id: :class:`~distckpt.format.shard_io.Stored`}, with each piece's
     content digest when ``digests`` (or a job may be reused); ``on_bytes(n)`` counts the
     pieces' data bytes as they are written (from the workers, one call at a time).
     """

@@ -44,8 +44,8 @@ sys.path.insert(0, str(HERE.parent))
 from crash_states import each_state, recording  # noqa: E402
 
 import distckpt  # noqa: E402
+from distckpt.commit.transaction import collect_garbage  # noqa: E402
 from distckpt.storage import posix  # noqa: E402
-from distckpt.storage.transaction import collect_garbage  # noqa: E402
 from distckpt.training.lock import LOCK_FILE  # noqa: E402
 
 distckpt.register_zarr_dtypes()

@@ -61,6 +61,8 @@ import torch
 
 import distckpt
 from distckpt.comm import Communicator, auto
+from distckpt.commit import staging as staging_mod
+from distckpt.commit.staging import leftovers
 from distckpt.errors import (
     CheckpointExists,
     CorruptCheckpointError,
@@ -69,9 +71,7 @@ from distckpt.errors import (
     UnsupportedValueError,
     ValidationError,
 )
-from distckpt.storage import staging as staging_mod
 from distckpt.storage.posix import PosixStore, PosixWriter
-from distckpt.storage.staging import leftovers
 
 # w: 4 inner chunks of 2 rows per shard
 KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}

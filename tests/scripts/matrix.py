@@ -561,8 +561,8 @@ def check_catalog(c: Checker, path: Path, n_saved: int) -> None:
 
 def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
     """The checkpoint exercises the layouts this test claims to cover."""
-    from distckpt.storage.index import read_index
-    from distckpt.storage.stored import Pieces
+    from distckpt.format.index import read_index
+    from distckpt.format.stored import Pieces
 
     index = read_index(path)
     variables = index["variables"]

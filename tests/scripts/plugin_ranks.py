@@ -30,7 +30,7 @@ from job import say
 
 import distckpt
 from distckpt.comm import auto
-from distckpt.storage.backend import register_store, resolve
+from distckpt.storage.registry import open_store, register_store
 
 SHAPE = (10, 6)  # rows split over the ranks, unevenly on 3 or 4
 
@@ -87,7 +87,7 @@ def save_weights(url: str, comm: Any) -> None:
     result = distckpt.save_hf(weights(1, rank, world), f"{url}/hf", comm, max_shard_size=HF_FILE)
     assert result.bytes_written > 0, result
     distckpt.export_hf(f"{url}/plain", f"{url}/exported", comm, prefix="model/")
-    store = resolve(url)
+    store = open_store(url)
 
     class FlakyWriter:
         """Fails every write past the header of the file of ``w``."""
@@ -119,7 +119,7 @@ def save_weights(url: str, comm: Any) -> None:
         assert "flaky: the service dropped" in str(exc), exc
     else:
         raise AssertionError(f"rank {rank}: a failed write of weights went unnoticed")
-    left = resolve(f"{url}/failed").list()
+    left = open_store(f"{url}/failed").list()
     assert not [n for n in left if n.endswith(".safetensors") or n.endswith(".json")], left
 
 
@@ -138,7 +138,7 @@ def main() -> None:
     comm = auto()
     rank, world = comm.rank, comm.size
     url = f"files://{os.path.abspath(run)}"
-    assert type(resolve(url)).__module__ == "files_store", resolve(url)
+    assert type(open_store(url)).__module__ == "files_store", open_store(url)
     if mode == "save":
         distckpt.save({"model": model(1, rank, world), "step": 1}, f"{url}/plain", comm)
         ckpt = distckpt.Checkpoint(model=model(2, rank, world), step=2)

@@ -37,8 +37,8 @@ import distckpt
 from distckpt.comm import Communicator, auto
 from distckpt.comm.auto import launched_by_torchrun
 from distckpt.errors import ValidationError
-from distckpt.storage.index import read_index
-from distckpt.storage.stored import Pieces
+from distckpt.format.index import read_index
+from distckpt.format.stored import Pieces
 
 SMALL = 1000  # replicated small tensors of 48 x 64 float32 (12 KiB: plain chunks)
 BIG = {"big/a": (1024, 1024), "big/b": (700, 513)}  # replicated, several inner chunks

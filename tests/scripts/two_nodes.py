@@ -45,11 +45,11 @@ import torch
 
 import distckpt
 from distckpt.comm import Communicator
+from distckpt.format.index import read_index
+from distckpt.format.stored import Pieces
 from distckpt.local import nodes
 from distckpt.local.save import topology
 from distckpt.slices import chunk_bounds
-from distckpt.storage.index import read_index
-from distckpt.storage.stored import Pieces
 
 W_SHAPE = (4096, 256)  # float32, sharded by rows: 1 MiB a rank on 4 ranks
 E_SHAPE = (10, 3)

@@ -1,4 +1,4 @@
-"""Reading stored pieces back (formats in :mod:`distckpt.storage.shard_io`), verifying
+"""Reading stored pieces back (formats in :mod:`distckpt.format.shard_io`), verifying
 every checksum on the way.
 
 A restore reads only the inner chunks of a shard that its target box meets. A raw inner
@@ -20,11 +20,11 @@ import crc32c as _crc
 import numpy as np
 
 from distckpt.errors import CorruptCheckpointError, UnsafePathError
+from distckpt.format.codecs import Codec
+from distckpt.format.shard_io import EMPTY, STEP, as_bytes, crc32c, inner_grid
+from distckpt.format.wellformed import MAX_RATIO
 from distckpt.slices import Box
 from distckpt.storage.backend import ReadHandle, Store
-from distckpt.storage.codecs import Codec
-from distckpt.storage.shard_io import EMPTY, STEP, as_bytes, crc32c, inner_grid
-from distckpt.storage.wellformed import MAX_RATIO
 
 
 class PieceReader:
@@ -145,7 +145,7 @@ class PieceReader:
     def _chunk_fits(self, offset: int, length: int, chunk_bytes: int, end: int) -> bool:
         """Whether an index entry can hold one inner chunk: present, inside the data area
         (which ends at ``end``), of its raw size plus 4 or, compressed, of a size it can
-        decompress from (:data:`~distckpt.storage.wellformed.MAX_RATIO`): a reader then
+        decompress from (:data:`~distckpt.format.wellformed.MAX_RATIO`): a reader then
         allocates nothing that the stored bytes do not back."""
         if offset == EMPTY or offset + length > end:
             return False

@@ -35,7 +35,7 @@ def array_meta(
 ) -> dict[str, Any]:
     """An array's metadata: ``inner`` None for plain chunks, else the sharding codec's
     inner chunk shape (``chunk_shape`` is then the shard shape). ``compressor``, the JSON
-    of a :mod:`distckpt.storage.codecs` codec, compresses each inner chunk before its
+    of a :mod:`distckpt.format.codecs` codec, compresses each inner chunk before its
     crc32c: inner codecs ``[bytes, compressor, crc32c]``."""
     if inner is None:
         if compressor is not None:

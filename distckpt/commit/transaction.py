@@ -1,8 +1,8 @@
 """How a save becomes a checkpoint: the store's commit strategy, asked, never guessed.
 
-Every store names its strategy (``commit_strategy``, see :mod:`distckpt.storage.strategy`):
-the rename of a staging directory (:data:`~distckpt.storage.staging.RENAME`, file
-systems) or a claim, then the index last (:data:`~distckpt.storage.claim.CLAIM`, object
+Every store names its strategy (``commit_strategy``, see :mod:`distckpt.commit.strategy`):
+the rename of a staging directory (:data:`~distckpt.commit.staging.RENAME`, file
+systems) or a claim, then the index last (:data:`~distckpt.commit.claim.CLAIM`, object
 stores). The functions here ask the store for it, check that the store declares the
 capabilities it needs, and call it.
 
@@ -16,9 +16,14 @@ Call order (the coordinator makes every call but :func:`save_root`)::
 from __future__ import annotations
 
 import os
+from typing import cast
 
-from distckpt.storage.backend import Store, require, resolve
-from distckpt.storage.strategy import CommitStrategy, Pending, Transaction
+from distckpt.commit.claim import CLAIM
+from distckpt.commit.staging import RENAME
+from distckpt.commit.strategy import CommitStrategy, Pending, Transaction
+from distckpt.errors import StorageError
+from distckpt.storage.backend import Store, require
+from distckpt.storage.registry import open_store
 
 __all__ = [
     "Pending",
@@ -35,10 +40,23 @@ __all__ = [
 ]
 
 
+#: The commit strategies by the name a store declares in ``commit_strategy``.
+STRATEGIES: dict[str, CommitStrategy] = {RENAME.name: RENAME, CLAIM.name: CLAIM}
+
+
 def strategy(store: Store) -> CommitStrategy:
     """The commit strategy ``store`` declares, once it is seen to have what it needs
     (else :class:`~distckpt.errors.StorageError` naming the missing capabilities)."""
-    found = store.commit_strategy
+    declared: object = store.commit_strategy
+    # A name; a plug-in may also hand over a strategy object of its own.
+    found = (
+        STRATEGIES.get(declared) if isinstance(declared, str) else cast(CommitStrategy, declared)
+    )
+    if found is None:
+        raise StorageError(
+            f"{store.url}: unknown commit strategy {declared!r} "
+            f"(a store declares one of {', '.join(map(repr, STRATEGIES))})"
+        )
     require(store, *found.requires, doing=f"commit by {found.name}")
     return found
 
@@ -71,14 +89,14 @@ def retiring(checkpoint: Store) -> bool:
 
 def collect_garbage(directory: str | os.PathLike[str] | Store) -> list[str]:
     """Remove abandoned saves in ``directory`` (never a live one); return what went."""
-    store = resolve(directory)
+    store = open_store(directory)
     return strategy(store).collect_garbage(store)
 
 
 def skipped(directory: str | os.PathLike[str] | Store) -> list[tuple[str, str]]:
     """Entries of ``directory`` named like leftovers of saves that are not (never
     removed, never fatal), with why."""
-    store = resolve(directory)
+    store = open_store(directory)
     return strategy(store).skipped(store)
 
 
@@ -89,5 +107,5 @@ def pending(directory: Store) -> list[Pending]:
 
 def leftovers(directory: str | os.PathLike[str] | Store) -> list[str]:
     """Saves in ``directory`` that are running or were abandoned."""
-    store = resolve(directory)
+    store = open_store(directory)
     return strategy(store).leftovers(store)

@@ -1,6 +1,6 @@
 """What an index entry says is stored: a tensor's pieces, in either form the index
 writes them (listed one by one, or compact columns of a regular array: see
-:mod:`distckpt.storage.index` for the document), checked before any use."""
+:mod:`distckpt.format.index` for the document), checked before any use."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedValueError,
 )
+from distckpt.format import codecs, digests, wellformed, zarr_meta
 from distckpt.slices import Box
-from distckpt.storage import codecs, digests, wellformed, zarr_meta
 from distckpt.tiling import TilingProblem, tiling_problem
 
 #: A regular entry's ``crc`` and ``size`` are JSON lists up to this many shards, base64

@@ -3,15 +3,15 @@
 A store says how its saves commit with one class attribute, ``commit_strategy``, one of
 two objects that implement :class:`CommitStrategy`:
 
-* :data:`~distckpt.storage.staging.RENAME` (``"rename"``): the ranks write into a staging
+* :data:`~distckpt.commit.staging.RENAME` (``"rename"``): the ranks write into a staging
   directory beside the checkpoint's name; the commit renames it into place. Needs
   ``capabilities.renames`` and the methods of
   :class:`~distckpt.storage.backend.RenamingStore` (``rename``, ``exchange``, ``touch``).
-* :data:`~distckpt.storage.claim.CLAIM` (``"claim"``): the coordinator claims the name with
+* :data:`~distckpt.commit.claim.CLAIM` (``"claim"``): the coordinator claims the name with
   a lease beside it, the ranks write under the name itself, and the index, created only
   if absent, is the commit. Needs ``conditional_create`` and ``conditional_update``.
 
-:mod:`distckpt.storage.transaction` asks the store for its strategy and calls it; nothing
+:mod:`distckpt.commit.transaction` asks the store for its strategy and calls it; nothing
 else in distckpt knows which one a store uses. Call order of one save::
 
     root = strategy.save_root(final, token)        # every rank: where it writes

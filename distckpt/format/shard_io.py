@@ -1,5 +1,5 @@
 """Writing the bytes of one stored piece, in zarr v3's own formats (read back by
-:mod:`distckpt.storage.piece_reader`).
+:mod:`distckpt.format.piece_reader`).
 
 A *piece* is one file holding one box of a variable. Two formats, both zarr v3:
 
@@ -14,7 +14,7 @@ A *piece* is one file holding one box of a variable. Two formats, both zarr v3:
 * **plain**: the whole chunk's bytes followed by their crc32c (codecs ``bytes`` +
   ``crc32c``), for small arrays. Plain chunks are never compressed.
 
-A sharded piece may be **compressed** (:mod:`distckpt.storage.codecs`): each inner chunk
+A sharded piece may be **compressed** (:mod:`distckpt.format.codecs`): each inner chunk
 is then stored as its compressed bytes followed by the crc32c *of those compressed
 bytes* (codecs ``bytes`` + ``zstd``/``blosc`` + ``crc32c``), the shard index records each
 chunk's own length, and the checksum table holds the same crc32c values. Inner chunks are
@@ -42,9 +42,9 @@ from typing import Any, NamedTuple
 import crc32c as _crc
 import numpy as np
 
-from distckpt.storage import digests
+from distckpt.format import digests
+from distckpt.format.codecs import Codec
 from distckpt.storage.backend import Store, WriteHandle, write_whole
-from distckpt.storage.codecs import Codec
 
 EMPTY = 2**64 - 1
 #: Bytes read per system call when reading an inner chunk: small enough that the checksum
@@ -69,7 +69,7 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
 class Stored(NamedTuple):
     """What writing one piece stored: the file's bytes, its crc (of the checksum table
     for a shard, of the data for a plain chunk) and, when asked, the content digest of
-    its data (:mod:`distckpt.storage.digests`)."""
+    its data (:mod:`distckpt.format.digests`)."""
 
     size: int
     crc: int

@@ -24,26 +24,26 @@ stored compactly whatever its number of shards: shard ``k`` (in C order of the g
 coordinates) is the file ``<path>/c.<i>.<j>``, holds the box its coordinate gives, and
 ``crc[k]`` and ``size[k]`` are its checksum and bytes; ``codec``, if present, compressed
 every shard's inner chunks. ``crc`` and ``size`` are JSON lists, or for more than
-:data:`~distckpt.storage.stored.INLINE_PIECES` shards the base64 of little-endian
+:data:`~distckpt.format.stored.INLINE_PIECES` shards the base64 of little-endian
 ``uint32``/``uint64`` arrays (a job of 8,192 ranks writes 8,192 shards of each
 variable). The other layouts list their pieces one by one (``pieces``): a small tensor's
 one plain chunk, an irregular partition's boxes, a per-rank tensor's array.
-:class:`~distckpt.storage.stored.Pieces` reads both forms.
+:class:`~distckpt.format.stored.Pieces` reads both forms.
 
 A checkpoint is committed exactly when its index exists under its final name: on a file
 system the index is written last into the staging directory, which is then renamed; on
 an object store the index object is the last written, created only if absent
-(:mod:`distckpt.storage.transaction`). Nothing else in the
+(:mod:`distckpt.commit.transaction`). Nothing else in the
 directory is trusted unless the index names it. ``crc`` is the piece's data checksum:
 the crc32c of a shard's checksum table, or of a plain chunk's bytes
-(see :mod:`distckpt.storage.shard_io`).
+(see :mod:`distckpt.format.shard_io`).
 
 ``codec``, on a compressed regular entry or piece, is the zarr v3 JSON of the codec that
-compressed each of its inner chunks (:mod:`distckpt.storage.codecs`); the checksum table
+compressed each of its inner chunks (:mod:`distckpt.format.codecs`); the checksum table
 and the crc32c after each inner chunk are then of the compressed bytes, as stored.
 
 ``digest`` (an incremental save's, optional) is each piece's content digest
-(:mod:`distckpt.storage.digests`, 16 bytes: 32 hex digits, a regular entry's as a
+(:mod:`distckpt.format.digests`, 16 bytes: 32 hex digits, a regular entry's as a
 column like ``crc``), which the next save compares to decide that a piece is unchanged.
 ``reused`` names the checkpoint a piece was taken from instead of written (its name
 when it lies beside this one, else its location): on a listed piece the name, on a
@@ -53,7 +53,7 @@ information for readers that want them: a reader that does not know them reads t
 checkpoint as before.
 ``checksum``, the first member of the ``distckpt`` object, seals the whole file: the
 crc32c of the root ``zarr.json`` as stored with its own 8 digits read as ``00000000``
-(:mod:`distckpt.storage.seal` specifies it). Every reader checks it before anything
+(:mod:`distckpt.format.seal` specifies it). Every reader checks it before anything
 else, so a damaged byte that leaves the JSON well-formed (another offset, shape or
 checksum) is refused as damaged instead of read as written. An index without it was
 written by a distckpt that did not seal its index: it is read as before (and logged).
@@ -81,10 +81,11 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
+from distckpt.format import seal, wellformed, zarr_meta
+from distckpt.format.stored import Pieces, stored_dtype
 from distckpt.numbering import number
-from distckpt.storage import seal, wellformed, zarr_meta
-from distckpt.storage.backend import Store, resolve
-from distckpt.storage.stored import Pieces, stored_dtype
+from distckpt.storage.backend import Store
+from distckpt.storage.registry import open_store
 
 FORMAT = "distckpt"
 #: The newest version this distckpt reads and writes: a checkpoint holding a binary value
@@ -106,7 +107,7 @@ def read_index(
 ) -> dict[str, Any]:
     """The index of a committed checkpoint, checked for format and version (``tiling``:
     see :func:`check_entry`)."""
-    store = resolve(checkpoint)
+    store = open_store(checkpoint)
     return parse_index(read_index_bytes(store), store, tiling=tiling)
 
 
@@ -204,7 +205,7 @@ def check_entry(
     tiling: bool = True,
 ) -> None:
     """Check one entry of an index's variables table, so that every reader can trust its
-    kind, dtype, shape, pieces and value (see :mod:`distckpt.storage.wellformed`), and
+    kind, dtype, shape, pieces and value (see :mod:`distckpt.format.wellformed`), and
     that its pieces tile its shape exactly once (``tiling=False``: all but that, which
     ``distckpt verify`` reports itself); ``located=False``: the entry names no pieces
     (the node-local tier's). Raises :class:`CorruptCheckpointError` naming ``variable``;

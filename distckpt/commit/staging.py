@@ -3,7 +3,7 @@
 A save of ``<name>`` writes into ``.<name>.staging-<token>/`` beside it, never into
 ``<name>``. The coordinator creates it with an owner file (host, pid, start time) whose
 modification time is a heartbeat, refreshed by a daemon thread while the save runs (the
-file is sealed by its checksum, :mod:`distckpt.storage.seal`: a damaged one names no
+file is sealed by its checksum, :mod:`distckpt.format.seal`: a damaged one names no
 process, and its heartbeat alone decides whether the save is alive). The
 commit writes the index, makes it durable, removes the owner file and renames the
 directory to ``<name>`` (atomically exchanging it with an existing checkpoint when
@@ -35,19 +35,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from distckpt.commit.lease import pid_dead
+from distckpt.commit.strategy import Pending
 from distckpt.errors import CheckpointExists, StorageError, UnsafePathError
-from distckpt.storage import seal
-from distckpt.storage.backend import (
-    RenamingStore,
-    Store,
-    is_name,
-    location,
-    resolve,
-    write_whole,
-)
-from distckpt.storage.lease import pid_dead
-from distckpt.storage.strategy import Pending
-from distckpt.storage.zarr_meta import ZARR_JSON
+from distckpt.format import seal
+from distckpt.format.zarr_meta import ZARR_JSON
+from distckpt.storage.backend import RenamingStore, Store, is_name, write_whole
+from distckpt.storage.registry import location, open_store
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +75,7 @@ class Staging:
     """A staging directory owned by this process (the coordinator), with its heartbeat."""
 
     def __init__(self, final: str | os.PathLike[str] | Store, token: str, world_size: int) -> None:
-        self.final = resolve(final)
+        self.final = open_store(final)
         self.token = token
         self.parent = renaming(self.final.parent)
         self.entry = staging_name(self.final.name, token)
@@ -177,7 +171,7 @@ class RenameCommit:
     """The staging directory of one save and its rename into place (coordinator only)."""
 
     def __init__(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> None:
-        from distckpt.storage.index import is_committed
+        from distckpt.format.index import is_committed
 
         parent = final.parent
         committed = is_committed(final)
@@ -198,7 +192,7 @@ class RenameCommit:
         self.root: Store = self._staging.store
 
     def commit(self, files: dict[str, bytes], index: bytes) -> None:
-        from distckpt.storage.index import is_committed
+        from distckpt.format.index import is_committed
 
         self._staging.check_mine()
         for key, data in files.items():
@@ -239,7 +233,7 @@ def owner_alive(staging: Store, stale_seconds: float = STALE_SECONDS) -> bool:
 
 
 def _complete(staging: Store) -> bool:
-    from distckpt.storage.index import is_committed
+    from distckpt.format.index import is_committed
 
     return not staging.exists(OWNER_FILE) and is_committed(staging)
 
@@ -304,14 +298,14 @@ def collect_garbage(
 ) -> list[Path | str]:
     """Remove abandoned staging and trash directories in ``directory``; return what went
     (paths on a file system)."""
-    store = resolve(directory)
+    store = open_store(directory)
     return [location(store.child(name)) for name in collect(store, stale_seconds)]
 
 
 def leftovers(directory: str | os.PathLike[str] | Store) -> list[Path | str]:
     """Staging and trash directories present in ``directory`` (live or not; paths on a
     file system)."""
-    store = resolve(directory)
+    store = open_store(directory)
     return [location(store.child(name)) for name in leftover_names(store)]
 
 

@@ -14,7 +14,7 @@ that none matches is stored raw.
 
 A compressed array's inner codecs are ``[bytes, zstd | blosc, crc32c]``, configured the
 way zarr-python 3 writes them, so zarr-python and tensorstore decode it; the index records
-the same codec JSON on each piece (:class:`~distckpt.storage.stored.StoredPiece`), and a
+the same codec JSON on each piece (:class:`~distckpt.format.stored.StoredPiece`), and a
 reader refuses a codec it does not know with :class:`~distckpt.errors.UnsupportedFormatError`.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 
 from distckpt.errors import UnsupportedFormatError
-from distckpt.storage import frames
+from distckpt.format import frames
 
 #: What a save's ``compression`` accepts: one choice, or patterns to choices.
 Compression: TypeAlias = str | None | Mapping[str, str | None]
@@ -53,7 +53,7 @@ class Codec(Protocol):
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
         """Decompress ``stored`` into ``out`` (flat uint8), which it must fill exactly:
         a frame that would not (or whose header lies) raises ``ValueError`` before any
-        decoder reads it (:mod:`distckpt.storage.frames`)."""
+        decoder reads it (:mod:`distckpt.format.frames`)."""
         ...
 
 

@@ -2,7 +2,7 @@
 
 The lease is a small JSON object, ``{"checksum", "host", "pid", "time", "beat", "token",
 ...}``, created only if absent (:meth:`~distckpt.storage.backend.Store.put_new`). It is
-sealed by its checksum (:mod:`distckpt.storage.seal`): a damaged one names no holder,
+sealed by its checksum (:mod:`distckpt.format.seal`): a damaged one names no holder,
 which is then judged by its heartbeat alone. While it is held, a daemon thread rewrites
 it every ``heartbeat_seconds``, each time conditional on the version it wrote last
 (:meth:`~distckpt.storage.backend.Store.put_if`), so a holder whose lease was taken over
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from distckpt.storage import seal
+from distckpt.format import seal
 from distckpt.storage.backend import ConditionFailed, Store, require
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ says; a tensor's version counter, its identity or a timestamp never decide.
 
 * An inner chunk's digest is the 128-bit XXH3 hash of its raw bytes as a shard stores
   them before any compression: C order, zeros padding a chunk at the edge of the array
-  (:func:`distckpt.storage.shard_io.stored_chunk`).
+  (:func:`distckpt.format.shard_io.stored_chunk`).
 * A sharded piece's digest is the XXH3-128 hash of its chunks' digests, in the order of
   the shard index; a plain chunk's, of its raw bytes. The codec, dtype, block and inner
   chunk shape are compared separately, as the index records them.

@@ -6,7 +6,7 @@ root ``zarr.json``) exists. A save of ``<prefix>``:
 
 1. **claims the name** (coordinator): creates ``.<name>.distckpt-save`` beside the
    prefix only if absent (a conditional put, ``If-None-Match``), a lease
-   (:mod:`distckpt.storage.lease`) holding the save's token, host and pid: the save's
+   (:mod:`distckpt.commit.lease`) holding the save's token, host and pid: the save's
    heartbeat object. Beside the prefix, not in it: one listing of a run directory finds
    every save in it, so the garbage collection that precedes every save costs one
    request while nothing is stale. A second save of
@@ -45,12 +45,12 @@ import socket
 import time
 from typing import Any
 
+from distckpt.commit.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
+from distckpt.commit.strategy import Pending
 from distckpt.errors import CheckpointExists
-from distckpt.storage import seal
+from distckpt.format import seal
+from distckpt.format.zarr_meta import ZARR_JSON
 from distckpt.storage.backend import ConditionFailed, Store, is_name
-from distckpt.storage.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
-from distckpt.storage.strategy import Pending
-from distckpt.storage.zarr_meta import ZARR_JSON
 
 log = logging.getLogger(__name__)
 
