@@ -14,16 +14,16 @@ a newline when the operation ends, failed or not::
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
+from distckpt import settings
 from distckpt.terminal import printable
 
-ENV = "DISTCKPT_PROGRESS"
+ENV = settings.PROGRESS.name
 THRESHOLD = 256 * 1024 * 1024
 INTERVAL = 0.1  # seconds between redraws
 
@@ -117,7 +117,7 @@ def progress(
         rank == 0
         and total > 0
         and total >= (THRESHOLD if threshold is None else threshold)
-        and os.environ.get(ENV, "1").strip() != "0"
+        and settings.PROGRESS.value()
         and _is_tty(out)
     )
     return Progress(label, total, out, enabled=enabled)

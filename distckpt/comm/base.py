@@ -8,16 +8,16 @@ ordinary size never goes through a communicator; each rank writes its own files.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol, runtime_checkable
 
+from distckpt import settings
 from distckpt.comm.outcome import share
 
 #: Default bound, in seconds, on how long a collective waits for a missing rank.
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = settings.TIMEOUT.built_in
 
 #: Environment variable that overrides :data:`DEFAULT_TIMEOUT` (seconds, a float).
-TIMEOUT_ENV = "DISTCKPT_TIMEOUT"
+TIMEOUT_ENV = settings.TIMEOUT.name
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -26,13 +26,7 @@ def resolve_timeout(timeout: float | None) -> float:
     Purely local (no communication). Raises ValueError for a non-positive or unparsable value.
     """
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV, "").strip()
-        if not raw:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        return settings.TIMEOUT.value()
     timeout = float(timeout)
     if not timeout > 0:
         raise ValueError(f"a communicator timeout must be positive seconds, got {timeout}")

@@ -38,24 +38,24 @@ from typing import Any
 
 import numpy as np
 
+from distckpt import settings
 from distckpt.comm import Communicator
 from distckpt.comm.base import scatter
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
 from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
 from distckpt.planning.validate import check_contents, raise_inconsistent
-from distckpt.transfer.workers import env_int
 
 COORDINATOR = 0
 #: Default ``k``: each replicated tensor is checked at least once every ``k`` saves.
-REPLICA_CHECK_EVERY = 8
-REPLICA_CHECK_ENV = "DISTCKPT_REPLICA_CHECK"
+REPLICA_CHECK_EVERY = settings.REPLICA_CHECK.built_in
+REPLICA_CHECK_ENV = settings.REPLICA_CHECK.name
 #: Plans kept per process (a job may alternate between a few states).
 CACHED_PLANS = 4
 
 
 def replica_check_every() -> int:
-    return env_int(REPLICA_CHECK_ENV, REPLICA_CHECK_EVERY, minimum=0)
+    return settings.REPLICA_CHECK.value()
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 from distckpt.format import codecs, wellformed
 from distckpt.format.codecs import Compression
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
+from distckpt.settings import whole_number
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import is_remote
 from distckpt.storage.registry import open_store as resolve_store
@@ -96,7 +97,7 @@ class CheckpointOptions:
                 f"are at most {wellformed.MAX_CODEC_CHUNK} bytes (each is decompressed whole)"
             )
         if self.io_workers is not None:
-            transfer_workers.positive_int(self.io_workers, "io_workers")
+            whole_number(self.io_workers, "io_workers")
         if self.background_cpus is not None:  # a copy, ordered: a later edit is not ours
             object.__setattr__(self, "background_cpus", tuple(sorted(set(self.background_cpus))))
         self.yielding()  # checked now

@@ -22,17 +22,15 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from distckpt import settings
+
 #: Environment variable that names this process's node, overriding the others.
-NODE_ENV = "DISTCKPT_NODE"
+NODE_ENV = settings.NODE.name
 
 
 def node_identity() -> str:
     """This process's node: ``$DISTCKPT_NODE``, ``$SLURM_NODEID``, or the host name."""
-    for var in (NODE_ENV, "SLURM_NODEID"):
-        value = os.environ.get(var, "").strip()
-        if value:
-            return value
-    return socket.gethostname()
+    return settings.NODE.get() or os.environ.get("SLURM_NODEID", "").strip() or socket.gethostname()
 
 
 @dataclass(frozen=True)

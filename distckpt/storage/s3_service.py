@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from distckpt.comm.base import resolve_timeout
+from distckpt import settings
 from distckpt.errors import StorageError
 
 log = logging.getLogger("distckpt.storage.s3")
@@ -32,7 +32,7 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 8
 
 #: Seconds one request may wait on a service that does not answer (see :class:`Deadline`).
-TIMEOUT_ENV = "DISTCKPT_S3_TIMEOUT"
+TIMEOUT_ENV = settings.S3_TIMEOUT.name
 #: The default deadline is a third of ``$DISTCKPT_TIMEOUT``, but never less than this.
 MIN_DEFAULT_TIMEOUT = 30.0
 # Answers botocore retries besides 5xx and 429 (its standard mode's transient and
@@ -80,15 +80,9 @@ def deadline() -> Deadline:
     :data:`MIN_DEFAULT_TIMEOUT` (100 s by default), so that a rank whose service stops
     answering fails (within twice the deadline) before the other ranks' collectives time
     out waiting for it."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return Deadline(max(MIN_DEFAULT_TIMEOUT, resolve_timeout(None) / 3))
-    try:
-        total = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not total >= 2:
-        raise ValueError(f"{TIMEOUT_ENV} must be at least 2 seconds, got {raw}")
+    total = settings.S3_TIMEOUT.get()
+    if total is None:
+        return Deadline(max(MIN_DEFAULT_TIMEOUT, settings.TIMEOUT.value() / 3))
     return Deadline(total)
 
 

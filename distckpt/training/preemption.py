@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from distckpt import settings
 from distckpt.storage.fsutil import atomic_write
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ log = logging.getLogger("distckpt")
 EXIT_PREEMPTED = 75
 
 #: If set, rank 0 writes this file after the final checkpoint of a preemption.
-MARKER_ENV = "DISTCKPT_PREEMPTED_FILE"
+MARKER_ENV = settings.PREEMPTED_FILE.name
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -154,7 +154,7 @@ class PreemptionHandler:
                 self.checkpoint,
                 time.perf_counter() - t0,
             )
-            marker = os.environ.get(MARKER_ENV)
+            marker = settings.PREEMPTED_FILE.get()
             if marker:
                 step = None if self.step_counter is None else int(self.step_counter)
                 doc = {"step": step, "checkpoint": self.checkpoint, "signal": name}

@@ -31,7 +31,6 @@ reads, and there the exchange (over gloo or MPI) can cost more than it saves.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distckpt import dtypes
+from distckpt import dtypes, settings
 from distckpt.comm import Communicator
 from distckpt.slices import Box
 from distckpt.transfer.arrays import copy_exact, writable_view
@@ -52,7 +51,7 @@ SPLIT_BYTES = 1 << 20
 
 REPLICATED, OTHER = 0, 1
 #: ``0`` turns the exchange off: every rank reads what it restores.
-ENV = "DISTCKPT_EXCHANGE"
+ENV = settings.EXCHANGE.name
 
 
 @dataclass
@@ -110,7 +109,7 @@ def can_exchange(comm: Communicator) -> bool:
 def wanted() -> bool:
     """This rank's ``$DISTCKPT_EXCHANGE`` (``0``: off); the ranks exchange only if all
     want to."""
-    return os.environ.get(ENV, "").strip() != "0"
+    return settings.EXCHANGE.value()
 
 
 def colors(everyone: Sequence[tuple[bytes | None, bytes | None]], kind: int) -> list[int]:

@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from distckpt.transfer.workers import env_int
+from distckpt import settings
 
 MiB = 1 << 20
-DEFAULT_SLAB_BYTES = 64 * MiB
-DEFAULT_SLABS = 4
-SLAB_ENV = "DISTCKPT_SLAB_MIB"
-COUNT_ENV = "DISTCKPT_SLABS"
+DEFAULT_SLAB_BYTES = settings.SLAB_MIB.built_in * MiB
+DEFAULT_SLABS = settings.SLABS.built_in
+SLAB_ENV = settings.SLAB_MIB.name
+COUNT_ENV = settings.SLABS.name
 ALIGN = 64  # every region starts at a multiple of this (any dtype's alignment)
 
 
@@ -198,8 +198,8 @@ def set_staging(slab_bytes: int | None = None, slabs: int | None = None) -> None
 
 
 def _sizes() -> tuple[int, int]:
-    slab_bytes = _config.get("slab_bytes") or env_int(SLAB_ENV, DEFAULT_SLAB_BYTES // MiB) * MiB
-    count = _config.get("slabs") or env_int(COUNT_ENV, DEFAULT_SLABS)
+    slab_bytes = _config.get("slab_bytes") or settings.SLAB_MIB.value() * MiB
+    count = _config.get("slabs") or settings.SLABS.value()
     return slab_bytes, count
 
 

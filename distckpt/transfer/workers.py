@@ -28,12 +28,14 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from distckpt import settings
+from distckpt.settings import whole_number
 from distckpt.transfer import priority
 from distckpt.transfer.priority import Yielding
 
 log = logging.getLogger("distckpt")
 
-ENV = "DISTCKPT_IO_WORKERS"
+ENV = settings.IO_WORKERS.name
 #: The default never exceeds this many workers per rank.
 MAX_DEFAULT = 32
 LOCAL_SIZE_VARS = (
@@ -79,31 +81,12 @@ def local_ranks(comm: Any = None) -> int:
 
 def default_io_workers(local: int | None = None) -> int:
     """The worker count a rank uses when nothing says otherwise (see the module doc)."""
-    raw = os.environ.get(ENV, "").strip()
-    if raw:
-        return positive_int(raw, ENV)
+    found = settings.IO_WORKERS.get()
+    if found is not None:
+        return found
     local = local if local is not None else (local_ranks_from_env() or 1)
     cpus = os.cpu_count() or 1
     return max(1, min(_affinity(), cpus // max(1, local), MAX_DEFAULT))
-
-
-def positive_int(raw: object, what: str, minimum: int = 1) -> int:
-    """``raw`` as a whole number of at least ``minimum``; ValueError naming ``what``
-    otherwise."""
-    try:
-        n = int(str(raw))
-    except ValueError:
-        raise ValueError(f"{what}={raw!r} is not a whole number") from None
-    if n < minimum:
-        raise ValueError(f"{what} must be at least {minimum}, got {n}")
-    return n
-
-
-def env_int(name: str, default: int, minimum: int = 1) -> int:
-    """The environment variable ``name`` as a whole number of at least ``minimum``;
-    ``default`` when unset or empty."""
-    raw = os.environ.get(name, "").strip()
-    return positive_int(raw, name, minimum) if raw else default
 
 
 #: The fewest workers a rank uses by default against an object store, whatever its share
@@ -116,8 +99,8 @@ def resolve(io_workers: int | None, comm: Any = None, *, network: bool = False) 
     rank (which may ask ``comm`` how many ranks share the node: call it on every rank);
     with ``network`` (an object store) at least :data:`NETWORK_WORKERS`."""
     if io_workers is not None:
-        return positive_int(io_workers, "io_workers")
-    if os.environ.get(ENV, "").strip():
+        return whole_number(io_workers, "io_workers")
+    if settings.IO_WORKERS.is_set():
         return default_io_workers()
     found = default_io_workers(local_ranks(comm))
     return max(found, NETWORK_WORKERS) if network else found
