@@ -3,9 +3,10 @@
 The backend below (:data:`BACKEND`, the README's plug-in example, word for word) is a
 ``files://`` store written on :class:`~distckpt.storage.object_store.ObjectStore` (its six
 primitives): a directory of any file system, whose saves commit as on an object store (a
-claim, then the index last), so no directory is ever renamed. The test installs it as a package would be: the module and a
-``files_store-1.0.dist-info`` with ``entry_points.txt`` (group ``distckpt.stores``) in a
-directory on ``sys.path`` here and on ``PYTHONPATH`` in the jobs. Then:
+claim, then the index last), so no directory is ever renamed. The test installs it as a
+package would be: the module and a ``files_store-1.0.dist-info`` with
+``entry_points.txt`` (group ``distckpt.stores``) in a directory on ``sys.path`` here and
+on ``PYTHONPATH`` in the jobs. Then:
 
 * it passes :class:`distckpt.testing.StoreTests`, opened through its URL (the forked
   racers find it by its entry point too);

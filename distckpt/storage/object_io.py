@@ -335,7 +335,6 @@ class ObjectWriter:
             self._sent[part] = tag
 
     def finish(self, durable: bool = True) -> None:
-        objects, path = self._objects, self._path
         with self._lock:
             if self._done:
                 raise ValueError(f"{self._where} is closed")
@@ -343,20 +342,10 @@ class ObjectWriter:
         last = (end - 1) // self.part_bytes if end else 0
         lengths = [self.part_bytes] * last + [end - last * self.part_bytes]
         try:
-            if not (started or (last and objects.uploads_parts)):  # put whole
-                bodies = [self._body(part, n) for part, n in enumerate(lengths)]
-                if len(bodies) == 1:
-                    objects.call("write", path, lambda: objects.put(path, bodies[0]))
-                else:
-                    objects.call("upload", path, lambda: objects.put_parts(path, bodies))
-                return
-            for part, length in enumerate(lengths):
-                if part not in self._sent:
-                    self._send(part, length)
-            upload = self._begin()
-            tags = [self._sent[part] for part in range(len(lengths))]
-            objects.call("upload", path, lambda: objects.complete_upload(path, upload, tags, end))
-            self._upload = None
+            if started or (last and self._objects.uploads_parts):
+                self._complete(lengths, end)
+            else:
+                self._put_whole(lengths)
         except BaseException:
             self.abort()
             raise
@@ -364,6 +353,24 @@ class ObjectWriter:
             with self._lock:
                 self._done = True
                 self._buffers.clear()
+
+    def _put_whole(self, lengths: Sequence[int]) -> None:
+        objects, path = self._objects, self._path
+        bodies = [self._body(part, length) for part, length in enumerate(lengths)]
+        if len(bodies) == 1:
+            objects.call("write", path, lambda: objects.put(path, bodies[0]))
+        else:
+            objects.call("upload", path, lambda: objects.put_parts(path, bodies))
+
+    def _complete(self, lengths: Sequence[int], size: int) -> None:
+        """Upload the parts not sent yet, and complete the upload."""
+        for part, length in enumerate(lengths):
+            if part not in self._sent:
+                self._send(part, length)
+        objects, path, upload = self._objects, self._path, self._begin()
+        tags = [self._sent[part] for part in range(len(lengths))]
+        objects.call("upload", path, lambda: objects.complete_upload(path, upload, tags, size))
+        self._upload = None
 
     def abort(self) -> None:
         with self._lock:

@@ -121,8 +121,9 @@ class S3Store(ObjectStore):
     # -- requests, with errors made ours --------------------------------------------
 
     def call(self, op: str, path: str, fn: Callable[[], T]) -> T:
-        """Run requests (see :meth:`ObjectStore.call`); while the service is silent (see
-        :mod:`distckpt.storage.s3_service`) fail at once, without a request."""
+        """Run requests (see :meth:`~distckpt.storage.object_io.Objects.call`); while the
+        service is silent (see :mod:`distckpt.storage.s3_service`) fail at once, without
+        a request."""
         service = current_service()
         if service.silent_since is not None:
             raise StorageError(
