@@ -114,7 +114,9 @@ class ObjectStore(Objects):
         return f"{type(self).__name__}({self.url!r})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.url == self.url  # type: ignore[attr-defined]
+        return (
+            isinstance(other, ObjectStore) and type(other) is type(self) and other.url == self.url
+        )
 
     def __hash__(self) -> int:
         return hash((type(self), self.url))
