@@ -118,11 +118,11 @@ class TestS3Store(StoreTests):
         if size >= 5 * MiB:
             # What accepts an upload completed with its answer lost (a retry then finds
             # it gone): the ETag computed from the parts is the server's.
-            etags = [handle._etags[k] for k in sorted(handle._etags)]  # type: ignore[attr-defined]
+            etags = [handle._sent[k] for k in sorted(handle._sent)]  # type: ignore[attr-defined]
             assert s3_mod.multipart_etag(etags) == etag
-            assert handle._landed(etags, size)  # type: ignore[attr-defined]
-            assert not handle._landed(etags, size + 1)  # type: ignore[attr-defined]
-            assert not handle._landed(etags[:-1], size)  # type: ignore[attr-defined]
+            assert store.landed(key, etags, size)
+            assert not store.landed(key, etags, size + 1)
+            assert not store.landed(key, etags[:-1], size)
 
     def test_abort_leaves_no_upload(self, store: S3Store) -> None:
         data = payload(6 * MiB, seed=11)
@@ -436,15 +436,16 @@ def test_proxy_relays(s3: S3Server) -> None:
         with store.open("k") as handle:
             assert handle.read(MiB, 10) == data[MiB : MiB + 10]
         assert store.list() == ["k"]
-        assert not store.exists("nope")
+        assert not store.exists("nope")  # no object, nor a prefix: a HEAD and a listing
         assert proxy.faults == 0
-        assert proxy.counts["forward"] == 5
+        assert proxy.counts["forward"] == 6
         assert [(m, k) for m, _, k in proxy.log] == [
             ("PUT", "forward"),
             ("GET", "forward"),
             ("GET", "forward"),
             ("GET", "forward"),
             ("HEAD", "forward"),
+            ("GET", "forward"),
         ]
         proxy.set(error=1.0)
         t0 = time.monotonic()

@@ -1,11 +1,12 @@
 """A newcomer's backend: one new module plus an entry point, proven with the shipped suite.
 
 The backend below (:data:`BACKEND`, the README's plug-in example, word for word) is a
-``files://`` store written from nothing but the protocol: a directory of any file
-system, whose saves commit as on an object store (a claim, then the index last), so no
-directory is ever renamed. The test installs it as a package would be: the module and a
-``files_store-1.0.dist-info`` with ``entry_points.txt`` (group ``distckpt.stores``) in a
-directory on ``sys.path`` here and on ``PYTHONPATH`` in the jobs. Then:
+``files://`` store written on :class:`~distckpt.storage.object_store.ObjectStore` (its six
+primitives): a directory of any file system, whose saves commit as on an object store (a
+claim, then the index last), so no directory is ever renamed. The test installs it as a
+package would be: the module and a ``files_store-1.0.dist-info`` with
+``entry_points.txt`` (group ``distckpt.stores``) in a directory on ``sys.path`` here and
+on ``PYTHONPATH`` in the jobs. Then:
 
 * it passes :class:`distckpt.testing.StoreTests`, opened through its URL (the forked
   racers find it by its entry point too);
@@ -42,236 +43,92 @@ JOB = SCRIPTS / "plugin_ranks.py"
 
 BACKEND = '''\
 """files://<path>: checkpoints in a directory of any file system, committed as on an
-object store (a claim, then the index last): no directory is ever renamed."""
+object store (a claim, then the index last): no directory is ever renamed. The store's
+full paths are the files' paths without their leading "/"."""
 
 from __future__ import annotations
 
-import builtins
 import fcntl
 import hashlib
 import os
 import shutil
-import time
+import stat
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from distckpt.storage.backend import Capabilities, ConditionFailed, byte_view, check_key
+from distckpt.storage.backend import ConditionFailed, byte_view
+from distckpt.storage.object_store import ObjectInfo, ObjectStore
 
 
-class FilesStore:
-    capabilities = Capabilities(
-        conditional_create=True, conditional_update=True, ranged_reads=True, parallel_writes=True
-    )
-    commit_strategy = "claim"
-
+class FilesStore(ObjectStore):
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path).absolute()
-        self.url = f"files://{self.path}"
+        super().__init__("files://", os.path.abspath(path))
 
     @classmethod
     def from_url(cls, url: str) -> FilesStore:
         return cls(url.removeprefix("files://"))
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FilesStore) and other.path == self.path
-
-    def __hash__(self) -> int:
-        return hash(self.path)
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    @property
-    def parent(self) -> FilesStore:
-        return FilesStore(self.path.parent)
-
-    def child(self, key: str) -> FilesStore:
-        return FilesStore(self._p(key)) if key else self
-
-    def where(self, key: str) -> str:
-        return f"{self.url}/{key}" if key else self.url
-
-    def _p(self, key: str) -> Path:
-        return self.path / check_key(key) if key else self.path  # never outside
-
-    def read(self, key: str) -> bytes:
-        return self._p(key).read_bytes()
-
-    def read_versioned(self, key: str) -> tuple[bytes, str]:
-        data = self.read(key)
+    def get(self, path: str) -> tuple[bytes, str]:
+        data = Path("/" + path).read_bytes()
         return data, _version(data)
 
-    def open(self, key: str, size: int | None = None) -> FileReader:
-        return FileReader(self._p(key))
-
-    def write(self, key: str, data: Any) -> None:
-        path = self._p(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        _write_file(tmp, data)
-        os.replace(tmp, path)  # readers see the old object or the new one
-
-    def create(self, key: str, size_hint: int | None = None) -> FileWriter:
-        path = self._p(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return FileWriter(path)
-
-    def put_new(self, key: str, data: Any) -> str:
-        path = self._p(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        _write_file(tmp, data)
+    def get_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        fd = os.open("/" + path, os.O_RDONLY)
         try:
-            os.link(tmp, path)  # fails if the name exists
-        except FileExistsError:
-            raise ConditionFailed(f"{self.where(key)} exists") from None
-        finally:
-            tmp.unlink()
-        return _version(data)
-
-    def put_if(self, key: str, data: Any, version: str) -> str:
-        path = self._p(key)
-        try:
-            fd = os.open(path.parent, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ConditionFailed(f"{self.where(key)} is gone") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one replacement at a time in the directory
-            try:
-                current = self.read_versioned(key)[1]
-            except FileNotFoundError:
-                raise ConditionFailed(f"{self.where(key)} is gone") from None
-            if current != version:
-                raise ConditionFailed(f"{self.where(key)} changed")
-            self.write(key, data)
+            return os.preadv(fd, buffers, offset)
         finally:
             os.close(fd)
+
+    def put(
+        self, path: str, data: Any, *, if_absent: bool = False, if_version: str | None = None
+    ) -> str:
+        directory = os.path.dirname("/" + path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{directory}/.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(byte_view(data))
+            os.fsync(f.fileno())
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one put at a time in the directory
+            if if_absent and os.path.lexists("/" + path):
+                raise ConditionFailed(f"{self.address(path)} exists")
+            if if_version is not None and self.get(path)[1] != if_version:
+                raise ConditionFailed(f"{self.address(path)} changed")
+            os.replace(tmp, "/" + path)  # readers see the old object or the new one
+            os.fsync(fd)  # and so does a crash
+        finally:
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
         return _version(data)
 
-    def exists(self, key: str) -> bool:
-        return os.path.lexists(self._p(key))
+    def head(self, path: str) -> ObjectInfo:
+        st = os.stat("/" + path)
+        if not stat.S_ISREG(st.st_mode):  # a directory is a prefix, not an object
+            raise FileNotFoundError(f"{self.address(path)} is not a file")
+        return ObjectInfo(path, st.st_size, st.st_mtime)
 
-    def is_dir(self, key: str) -> bool:
-        return self._p(key).is_dir()
-
-    def age(self, key: str) -> float:
-        return time.time() - self._p(key).stat().st_mtime
-
-    def list(self, key: str = "") -> list[str]:
-        try:
-            return sorted(os.listdir(self._p(key)))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
-        top, found = self._p(key), []
-        for at, _dirs, files in os.walk(top):
+    def scan(self, prefix: str, limit: int | None = None) -> Iterator[ObjectInfo]:
+        for directory, _, files in os.walk("/" + prefix):
             for name in files:
-                path = os.path.join(at, name)
                 try:
-                    st = os.stat(path)
+                    found = self.head(os.path.join(directory, name)[1:])
                 except FileNotFoundError:
                     continue  # removed while we looked
-                found.append((os.path.relpath(path, top), st.st_size, st.st_mtime))
-        return found
+                yield found
 
-    def delete(self, key: str) -> None:
-        self._p(key).unlink(missing_ok=True)
+    def remove(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            Path("/" + path).unlink(missing_ok=True)
 
     def delete_tree(self, key: str = "") -> None:
-        path = self._p(key)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-    def prepare(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self._p(key).parent.mkdir(parents=True, exist_ok=True)
-
-    def persist(self, keys: Iterable[str]) -> None:
-        for directory in {self._p(key).parent for key in keys}:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-class FileReader:
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self._fd).st_size
-
-    def readinto(self, buffers: Sequence[Any], offset: int) -> int:
-        return os.preadv(self._fd, [byte_view(b) for b in buffers], offset)
-
-    def read(self, offset: int, length: int) -> bytes:
-        return os.pread(self._fd, length, offset)
-
-    def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
-        pass
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __enter__(self) -> FileReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class FileWriter:
-    """Writes at any offset from any thread (``pwrite``); removed unless finished."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._finished = False
-
-    def write(self, buffers: Sequence[Any], offset: int) -> int:
-        if self._fd < 0:
-            raise ValueError(f"{self.path} is closed")
-        start = offset
-        for buffer in buffers:
-            view = byte_view(buffer)
-            while view.nbytes:
-                n = os.pwrite(self._fd, view, offset)
-                view, offset = view[n:], offset + n
-        return offset - start
-
-    def finish(self, durable: bool = True) -> None:
-        if durable:
-            os.fsync(self._fd)
-        self._finished = True
-        self._close()
-
-    def abort(self) -> None:
-        self._close()
-        if not self._finished:
-            self.path.unlink(missing_ok=True)
-
-    def _close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        shutil.rmtree("/" + self.path_of(key), ignore_errors=True)  # the directories too
 
 
 def _version(data: Any) -> str:
     return hashlib.sha256(byte_view(data)).hexdigest()
-
-
-def _write_file(path: Path, data: Any) -> None:
-    with open(path, "wb") as f:
-        f.write(byte_view(data))
-        f.flush()
-        os.fsync(f.fileno())
 '''
 
 ENTRY_POINTS = """\

@@ -1,9 +1,11 @@
 """The storage seam: one small protocol for every place a checkpoint can live.
 
 A :class:`Store` is a directory of a file system (:mod:`distckpt.storage.posix`) or a
-prefix of an object store (:mod:`distckpt.storage.s3`). Keys are relative to it and use
-``/``. The engine, the manager and the CLI reach storage only through it; the
-training-state layer never does.
+prefix of an object store (:mod:`distckpt.storage.s3`, :mod:`distckpt.storage.cloud`: both
+made by :class:`~distckpt.storage.object_store.ObjectStore` of a few primitives). Keys
+are relative to it and use ``/``; its docstring states the rules every store keeps. The
+engine, the manager and the CLI reach storage only through it; the training-state layer
+never does.
 
 What every backend provides, and who calls it during a save (``rank 0`` is the
 coordinator):
@@ -171,7 +173,65 @@ class WriteHandle(Protocol):
 
 @runtime_checkable
 class Store(Protocol):
-    """A directory or object prefix; keys are relative, ``/``-separated."""
+    """A directory or object prefix; keys are relative, ``/``-separated.
+
+    The rules every store keeps, as the conformance suite
+    (:class:`distckpt.testing.StoreTests`) checks them. A subclass of
+    :class:`~distckpt.storage.object_store.ObjectStore` (a store over a flat key space)
+    keeps them by construction, but for what its primitives owe: atomic conditional
+    puts, and clients made per process.
+
+    * **Naming.** ``child(key).url == url + "/" + key`` and ``where(key)`` is the same
+      string; ``child("")`` is the store itself; ``child("a").child("b") ==
+      child("a/b")``; ``child("a/b").name == "b"`` and its ``parent == child("a")``
+      (the parent of a store is the store one component up). A child reads what its
+      parent wrote under its key.
+    * **Identity.** Stores compare equal, and hash alike, when they are of one class at
+      one location; ``__repr__`` names the class and the URL.
+    * **Reopening and configuration.** ``open_store(store.url) == store``, in this
+      process and in any other: every rank, and the processes the suite forks for its
+      races, open a store from its URL alone. So what a store needs comes from the URL
+      and the environment (credentials from the environment only, never in the URL),
+      and a client made in one process is never used in another after a fork.
+    * **Keys.** Every method refuses a key that leads outside the store (``..``, an
+      absolute key, an empty or ``.`` component, a NUL; see :func:`check_key`) with
+      :class:`~distckpt.errors.UnsafePathError`, before it reads or writes anything.
+    * **Objects.** :meth:`write` takes any buffer (bytes, bytearray, memoryview, a
+      NumPy array; empty too) and replaces what was there. A missing key is a
+      :class:`FileNotFoundError` from :meth:`read`, :meth:`read_versioned`, :meth:`age`
+      and :meth:`open` (when opened or at the first read); :meth:`delete` and
+      :meth:`delete_tree` of what is absent do nothing.
+    * **Prefixes.** A directory (on an object store: a prefix with objects under it)
+      exists (:meth:`exists`) as an object does, and :meth:`is_dir` says which it is;
+      its :meth:`age` is since something in it was last written. :meth:`list` names the
+      entries directly under a key, sorted, without repeats (``[]`` for an object or
+      nothing; ``"b/"`` is ``"b"``); :meth:`walk` gives every object below, in any
+      order; :meth:`delete_tree` leaves no entry below, and ``delete_tree()`` empties
+      the store.
+    * **Ranged reads.** A :class:`ReadHandle` knows its size; a read at the end is short
+      and past it empty, as from a file; reads inside and outside the runs
+      :meth:`ReadHandle.will_need` announced (past the end too) give the same bytes.
+    * **Writes at offsets.** A :class:`WriteHandle` takes pieces in any order, from
+      several threads, with or without a size hint; the object appears whole at
+      :meth:`WriteHandle.finish` (``durable=False`` too). :meth:`WriteHandle.abort` is
+      idempotent, leaves nothing of an unfinished object, and after a finish leaves the
+      object alone; a write after either is a :class:`ValueError`.
+    * **Conditional writes.** :meth:`put_new` and :meth:`put_if` return the new version,
+      a non-empty string equal to what :meth:`read_versioned` then gives. ``put_new``
+      fails (:class:`ConditionFailed`, a :class:`FileExistsError`) on any object there,
+      one written plainly too; ``put_if`` fails on a version that is no longer current
+      or an object that is gone, and then creates nothing. Every write gives a new
+      version. Of writers racing for one condition, threads through two clients or
+      processes each opening the URL, exactly one wins and the object holds its bytes.
+    * **Declarations.** :attr:`capabilities` equals the class's declaration; the
+      :attr:`commit_strategy` names a strategy whose needs the capabilities meet; a
+      store that declares ``renames`` is a :class:`RenamingStore`; it is remote
+      (:func:`~distckpt.storage.registry.is_remote`) exactly when it does not declare
+      ``local_files``.
+    * **Flags' own rules** (each case runs only for a store that declares the flag):
+      see :class:`RenamingStore`, :class:`CopyingStore`, :class:`SyncingStore` and
+      :attr:`Capabilities.local_files`.
+    """
 
     #: What users see: an absolute path or ``s3://bucket/prefix``. Never a credential.
     url: str

@@ -1,7 +1,8 @@
 """Azure Blob Storage (``az://container/prefix``) and Google Cloud Storage
 (``gs://bucket/prefix``), through obstore (``pip install 'distckpt[cloud]'``), the Python
 binding of the Rust ``object_store`` crate: one client for both, with conditional puts,
-parallel multipart uploads and concurrent ranged reads.
+parallel multipart uploads and concurrent ranged reads, made into a store by
+:class:`~distckpt.storage.object_store.ObjectStore`.
 
 Credentials and endpoints come from where each vendor's tools find them, read by
 obstore from the environment: ``AZURE_STORAGE_ACCOUNT_NAME`` with
@@ -20,11 +21,12 @@ What each operation is, and what it guarantees (the same as ``s3://``):
 * **Writes** at any offset, from several threads: an object is gathered in memory in
   parts and uploaded when it is finished (a shard's checksum table, at its start, is its
   last write), as one put or, above one part, a multipart upload of
-  :data:`~distckpt.storage.cloud_io.UPLOAD_CONCURRENCY` parts at a time. An unfinished
+  :data:`UPLOAD_CONCURRENCY` parts at a time. An unfinished
   upload leaves uncommitted blocks (Azure) or parts (GCS) that the service drops after
   a week or that a lifecycle rule removes; ``gc`` cannot list them through this client.
-* **Reads** are ranged; :meth:`CloudReader.will_need` fetches a task's runs concurrently
-  in one call.
+* **Reads** are ranged;
+  :meth:`~distckpt.storage.object_io.ObjectReader.will_need` fetches a task's runs
+  concurrently in one call.
 * **Copies** (incremental saves) are server-side copies within a bucket; the source's
   version is checked before and after, so a copy of an object written again meanwhile
   fails and the piece is written instead.
@@ -39,34 +41,25 @@ What each operation is, and what it guarantees (the same as ``s3://``):
 
 from __future__ import annotations
 
-import builtins
-import contextlib
 import json
 import os
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, TypeVar
+from itertools import islice
+from typing import Any
 
-from distckpt.errors import StorageError, UnsafePathError
-from distckpt.storage.backend import (
-    Buffer,
-    Capabilities,
-    ConditionFailed,
-    Store,
-    byte_view,
-    check_key,
-    join,
-    own_write,
-)
-from distckpt.storage.cloud_io import CloudReader, CloudWriter
+from distckpt.errors import StorageError
+from distckpt.storage.backend import Buffer, ConditionFailed, Store, byte_view
+from distckpt.storage.object_io import fill
+from distckpt.storage.object_store import ObjectInfo, ObjectStore
 from distckpt.storage.s3_service import MAX_ATTEMPTS, deadline
-
-T = TypeVar("T")
 
 #: Bytes per part of a multipart upload (Azure blocks and GCS parts; 5 MiB at least).
 PART_BYTES = int(os.environ.get("DISTCKPT_CLOUD_PART_BYTES", 8 << 20))
+#: Parts of one object uploaded at once.
+UPLOAD_CONCURRENCY = 8
 #: Set to 1 to let a service be reached over plain ``http://`` (an emulator on loopback).
 ALLOW_HTTP_ENV = "DISTCKPT_CLOUD_ALLOW_HTTP"
 #: The services, by URL scheme: obstore's store class and what the URL names.
@@ -141,6 +134,12 @@ def _version(meta: Any) -> str:
     return str(e_tag) if version is None else json.dumps([e_tag, version])
 
 
+def _info(meta: Any) -> ObjectInfo:
+    return ObjectInfo(
+        str(meta["path"]), int(meta["size"]), meta["last_modified"].timestamp(), _version(meta)
+    )
+
+
 def _update_mode(version: str) -> dict[str, Any]:
     if version.startswith("["):
         e_tag, number = json.loads(version)
@@ -148,26 +147,20 @@ def _update_mode(version: str) -> dict[str, Any]:
     return {"e_tag": version}
 
 
-class CloudStore:
+class CloudStore(ObjectStore):
     """A prefix of an Azure Blob container (``az://``) or a GCS bucket (``gs://``)."""
 
-    capabilities = Capabilities(
-        conditional_create=True,
-        conditional_update=True,
-        ranged_reads=True,
-        parallel_writes=True,
-        copies=True,
-    )
-    commit_strategy = "claim"
+    capabilities = replace(ObjectStore.capabilities, copies=True)
+    # obstore refuses a range that starts at or past the end (the reader cuts ranges).
+    reads_past_end = False
+    remove_batch = 256
 
     def __init__(self, scheme: str, bucket: str, prefix: str = "") -> None:
         if scheme not in SERVICES:
             raise ValueError(f"{scheme}:// is not a cloud store (known: az://, gs://)")
         self.scheme = scheme
         self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        root = f"{scheme}://{bucket}"
-        self.url = f"{root}/{self.prefix}" if self.prefix else root
+        super().__init__(f"{scheme}://{bucket}", prefix)
 
     @classmethod
     def from_url(cls, url: str) -> CloudStore:
@@ -178,162 +171,81 @@ class CloudStore:
             raise ValueError(f"{url}: no {what} named (use {scheme}://{what}/prefix)")
         return cls(scheme, bucket, prefix)
 
-    def __repr__(self) -> str:
-        return f"CloudStore({self.url!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CloudStore) and other.url == self.url
-
-    def __hash__(self) -> int:
-        return hash(self.url)
-
     @property
-    def name(self) -> str:
-        return self.prefix.rsplit("/", 1)[-1] if self.prefix else self.bucket
+    def part_bytes(self) -> int:
+        return PART_BYTES
 
-    @property
-    def parent(self) -> CloudStore:
-        up = self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else ""
-        return CloudStore(self.scheme, self.bucket, up)
+    def _service(self) -> tuple[Any, Any]:
+        """obstore, and this process's client of the bucket."""
+        return _obstore(), _client(self.scheme, self.bucket)
 
-    def child(self, key: str) -> CloudStore:
-        return CloudStore(self.scheme, self.bucket, self._key(key)) if key else self
-
-    def where(self, key: str) -> str:
-        return f"{self.scheme}://{self.bucket}/{join(self.prefix, key)}"
-
-    def _key(self, key: str) -> str:
-        # A key read from an index never leaves the prefix: no "..", no absolute key.
-        return join(self.prefix, check_key(key))
-
-    def _dir(self, key: str) -> str:
-        full = self._key(key)
-        return f"{full}/" if full else ""
-
-    # -- requests, with errors made ours --------------------------------------------
-
-    def call(self, op: str, key: str, fn: Callable[[Any, Any], T]) -> T:
-        """``fn(obstore, client)``, its failure mapped to FileNotFoundError,
-        ConditionFailed or StorageError naming the location and ``op``."""
-        obstore = _obstore()
-        start = time.monotonic()
-        try:
-            return fn(obstore, _client(self.scheme, self.bucket))
-        except (StorageError, ConditionFailed, UnsafePathError):
-            raise
-        except Exception as exc:
-            raise self._translate(exc, op, key, time.monotonic() - start) from None
-
-    def _translate(self, exc: BaseException, op: str, key: str, waited: float) -> BaseException:
-        where = self.where(key)
+    def translate(self, exc: Exception, op: str, path: str, waited: float) -> BaseException:
+        where = self.address(path)
         name = type(exc).__name__
         if isinstance(exc, FileNotFoundError) or name == "NotFoundError":
             return FileNotFoundError(f"{where} does not exist")
         if name in {"AlreadyExistsError", "PreconditionError"}:
             return ConditionFailed(f"{where}: {op}: the condition failed")
-        root = f"{self.scheme}://{self.bucket}"
+        failed = f"{self.root}: {op} {where} failed"
         if name == "PermissionDeniedError":
-            return StorageError(f"{root}: {op} {where} failed: access denied")
+            return StorageError(f"{failed}: access denied")
         if name == "UnauthenticatedError":
             return StorageError(
-                f"{root}: {op} {where} failed: not authenticated (see the credentials "
-                "the README's section on object stores names)"
+                f"{failed}: not authenticated (see the credentials the README's section on "
+                "object stores names)"
             )
         said = " ".join(str(exc).split("\n\nDebug source")[0].split())[:300]  # not the dump
-        return StorageError(f"{root}: {op} {where} failed after {waited:.1f} s: {said}")
+        return StorageError(f"{failed} after {waited:.1f} s: {said}")
 
-    def head(self, key: str) -> dict[str, Any]:
-        """The object's ``size``, ``e_tag``, ``version`` and ``last_modified``."""
-        return dict(self.call("stat", key, lambda o, c: o.head(c, self._key(key))))
+    # -- the primitives -------------------------------------------------------------
 
-    # -- the protocol -------------------------------------------------------------
+    def get(self, path: str) -> tuple[bytes, str]:
+        o, c = self._service()
+        result = o.get(c, path)
+        return bytes(result.bytes()), _version(result.meta)
 
-    def read(self, key: str) -> bytes:
-        return self.read_versioned(key)[0]
+    def get_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        o, c = self._service()
+        length = sum(b.nbytes for b in buffers)
+        return fill(buffers, memoryview(o.get_range(c, path, start=offset, length=length)))
 
-    def read_versioned(self, key: str) -> tuple[bytes, str]:
-        def get(o: Any, c: Any) -> tuple[bytes, str]:
-            result = o.get(c, self._key(key))
-            return bytes(result.bytes()), _version(result.meta)
+    def get_runs(self, path: str, runs: Sequence[tuple[int, int]]) -> list[Buffer]:
+        o, c = self._service()
+        starts, lengths = [start for start, _ in runs], [length for _, length in runs]
+        return list(o.get_ranges(c, path, starts=starts, lengths=lengths))
 
-        return self.call("read", key, get)
+    def put(
+        self, path: str, data: Buffer, *, if_absent: bool = False, if_version: str | None = None
+    ) -> str:
+        o, c = self._service()
+        mode: Any = "create" if if_absent else "overwrite"
+        if if_version is not None:
+            mode = _update_mode(if_version)
+        return _version(o.put(c, path, byte_view(data), mode=mode))
 
-    def open(self, key: str, size: int | None = None) -> CloudReader:
-        return CloudReader(self, key, size)
+    def put_parts(self, path: str, parts: Sequence[bytearray]) -> None:
+        o, c = self._service()
+        o.put(c, path, list(parts), chunk_size=len(parts[0]), max_concurrency=UPLOAD_CONCURRENCY)
 
-    def write(self, key: str, data: Buffer) -> None:
-        body = byte_view(data)
-        self.call("write", key, lambda o, c: o.put(c, self._key(key), body))
+    def head(self, path: str) -> ObjectInfo:
+        o, c = self._service()
+        return _info(o.head(c, path))
 
-    def create(self, key: str, size_hint: int | None = None) -> CloudWriter:
-        return CloudWriter(self, key, size_hint, PART_BYTES)
+    def scan(self, prefix: str, limit: int | None = None) -> list[ObjectInfo]:
+        o, c = self._service()
+        batches = o.list(c, prefix or None, chunk_size=limit or 50)
+        return [_info(meta) for batch in islice(batches, 1 if limit else None) for meta in batch]
 
-    def put_new(self, key: str, data: Buffer) -> str:
-        return self._conditional(key, bytes(data), "create", "create")
+    def scan_level(self, prefix: str) -> list[str]:
+        o, c = self._service()
+        found = o.list_with_delimiter(c, prefix or None)
+        return [*found["common_prefixes"], *(meta["path"] for meta in found["objects"])]
 
-    def put_if(self, key: str, data: Buffer, version: str) -> str:
-        try:
-            return self._conditional(key, bytes(data), _update_mode(version), "replace")
-        except FileNotFoundError:
-            # Replacing a version of an object that is gone: the condition failed.
-            raise ConditionFailed(f"{self.where(key)}: replace: it is gone") from None
+    def remove(self, paths: Sequence[str]) -> None:
+        o, c = self._service()
+        o.delete(c, paths[0] if len(paths) == 1 else list(paths))
 
-    def _conditional(self, key: str, body: bytes, mode: Any, op: str) -> str:
-        try:
-            return self.call(
-                op, key, lambda o, c: _version(o.put(c, self._key(key), body, mode=mode))
-            )
-        except ConditionFailed as error:
-            return own_write(self, key, body, error)  # our earlier try may have landed
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.head(key)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def age(self, key: str) -> float:
-        return time.time() - self.head(key)["last_modified"].timestamp()
-
-    def _objects(self, op: str, key: str) -> builtins.list[dict[str, Any]]:
-        prefix = self._dir(key)
-        return self.call(
-            op,
-            key,
-            lambda o, c: [m for batch in o.list(c, prefix or None) for m in batch],
-        )
-
-    def list(self, key: str = "") -> builtins.list[str]:
-        prefix = self._dir(key)
-        found = self.call("list", key, lambda o, c: o.list_with_delimiter(c, prefix or None))
-        cut = len(prefix)
-        names = {p[cut:].rstrip("/") for p in found["common_prefixes"]}
-        names.update(m["path"][cut:] for m in found["objects"])
-        names.discard("")
-        return sorted(names)
-
-    def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
-        """Every object under ``key``: (key relative to ``key``, size, modification time)."""
-        cut = len(self._dir(key))
-        return [
-            (m["path"][cut:], int(m["size"]), m["last_modified"].timestamp())
-            for m in self._objects("list", key)
-        ]
-
-    def is_dir(self, key: str) -> bool:
-        prefix = self._dir(key)
-
-        def first(o: Any, c: Any) -> bool:
-            for batch in o.list(c, prefix or None, chunk_size=1):
-                return bool(batch)
-            return False
-
-        return self.call("list", key, first)
-
-    def stamp(self, key: str) -> str | None:
-        """The object's version (see :meth:`put_if`)."""
-        return _version(self.head(key))
+    # -- beyond the primitives --------------------------------------------------------
 
     def copy(self, source: Store, source_key: str, key: str, *, expect: str | None = None) -> None:
         """A server-side copy of ``source_key`` of ``source`` (a prefix of the same
@@ -347,27 +259,9 @@ class CloudStore:
         before = source.stamp(source_key)
         if expect is not None and before != expect:
             raise ConditionFailed(f"{source.where(source_key)} was written again since")
-        origin = source._key(source_key)
-        self.call("copy", key, lambda o, c: o.copy(c, origin, self._key(key)))
+        origin, path = source.path_of(source_key), self.path_of(key)
+        o, c = self._service()
+        self.call("copy", path, lambda: o.copy(c, origin, path))
         if source.stamp(source_key) != before:
             self.delete(key)
             raise ConditionFailed(f"{source.where(source_key)} was written during the copy")
-
-    def delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):  # absent: nothing to do
-            self.call("delete", key, lambda o, c: o.delete(c, self._key(key)))
-
-    def delete_tree(self, key: str = "") -> None:
-        paths = [m["path"] for m in self._objects("delete", key)]
-        for start in range(0, len(paths), 256):
-            batch = paths[start : start + 256]
-            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                self.call("delete", key, lambda o, c, b=batch: o.delete(c, b))  # type: ignore[misc]
-
-    def prepare(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            check_key(key)  # an object store has no directories: only the keys to check
-
-    def persist(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            check_key(key)  # a finished upload is durable: only the keys to check

@@ -1,6 +1,5 @@
-"""An object written at offsets, cut into the fixed-size parts of a multipart upload:
-what the object stores' writers (:mod:`distckpt.storage.s3_io`,
-:mod:`distckpt.storage.cloud_io`) share."""
+"""An object written at offsets, cut into the fixed-size parts of a multipart upload
+(:class:`~distckpt.storage.object_io.ObjectWriter`)."""
 
 from __future__ import annotations
 

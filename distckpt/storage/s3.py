@@ -1,5 +1,6 @@
 """The object-store backend of the storage seam: a prefix of an S3-compatible bucket
-(Amazon S3, MinIO, Ceph RGW, ...), through boto3 (``pip install 'distckpt[s3]'``).
+(Amazon S3, MinIO, Ceph RGW, ...), through boto3 (``pip install 'distckpt[s3]'``), made of
+the primitives :class:`~distckpt.storage.object_store.ObjectStore` builds a store of.
 
 Credentials, region and endpoint come from where every AWS tool finds them: the
 ``AWS_*`` environment variables (``AWS_ENDPOINT_URL`` for a non-AWS service, plain
@@ -9,8 +10,9 @@ distckpt never logs them nor puts them in a message or the index.
 * **Large objects** are multipart uploads whose parts (:data:`PART_BYTES`) are sent by
   the thread whose write completes them, so a save's I/O workers upload in parallel and
   in any order; an object that fits in one part is one PUT.
-* **Reads** are ranged GETs; :meth:`S3Reader.will_need` fetches each run of adjacent
-  inner chunks a task needs in one request.
+* **Reads** are ranged GETs;
+  :meth:`~distckpt.storage.object_io.ObjectReader.will_need` fetches each run of
+  adjacent inner chunks a task needs in one request.
 * **Retries**: botocore's standard mode retries throttling, 5xx answers and dropped
   connections with exponential backoff, up to :data:`MAX_ATTEMPTS` tries (unless
   ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` say otherwise); a body cut off mid-read is
@@ -31,25 +33,16 @@ distckpt never logs them nor puts them in a message or the index.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import logging
+import hashlib
 import os
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
-from distckpt.errors import StorageError, UnsafePathError
-from distckpt.storage.backend import (
-    Buffer,
-    Capabilities,
-    ConditionFailed,
-    Store,
-    check_key,
-    join,
-    own_write,
-)
-from distckpt.storage.s3_io import S3Reader, S3Writer, multipart_etag  # noqa: F401
+from distckpt.errors import StorageError
+from distckpt.storage.backend import Buffer, ConditionFailed, Store
+from distckpt.storage.object_store import ObjectInfo, ObjectStore
 from distckpt.storage.s3_service import (  # noqa: F401 - public names re-exported
     MAX_ATTEMPTS,
     TIMEOUT_ENV,
@@ -65,8 +58,6 @@ from distckpt.storage.s3_service import (  # noqa: F401 - public names re-export
     one_line,
     transient,
 )
-
-log = logging.getLogger(__name__)
 
 #: Bytes per part of a multipart upload (S3 needs at least 5 MiB but for the last).
 PART_BYTES = int(os.environ.get("DISTCKPT_S3_PART_BYTES", 8 << 20))
@@ -89,236 +80,221 @@ _PERMANENT = {
 T = TypeVar("T")
 
 
-class S3Store:
+def multipart_etag(etags: Sequence[str]) -> str:
+    """The ETag S3 gives the object a multipart upload of parts with ``etags`` makes: the
+    MD5 of the parts' MD5s, then ``-`` and their count (not so under SSE-KMS: there the
+    check fails, safely)."""
+    digests = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
+    return f'"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"'
+
+
+def _info(path: str, found: dict[str, Any], size: str) -> ObjectInfo:
+    """An object as a HEAD (``size``: ``ContentLength``) or a listing (``Size``) tells it."""
+    version = str(found.get("ETag", ""))
+    return ObjectInfo(path, int(found[size]), found["LastModified"].timestamp(), version)
+
+
+class S3Store(ObjectStore):
     """A prefix of an S3 bucket (``s3://bucket/prefix``)."""
 
-    capabilities = Capabilities(
-        conditional_create=True,
-        conditional_update=True,
-        ranged_reads=True,
-        parallel_writes=True,
-        copies=True,
-    )
-    commit_strategy = "claim"
+    capabilities = replace(ObjectStore.capabilities, copies=True)
+    uploads_parts = True
 
     def __init__(self, bucket: str, prefix: str = "") -> None:
         self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        super().__init__(f"s3://{bucket}", prefix)
 
     @classmethod
     def from_url(cls, url: str) -> S3Store:
-        rest = url[len("s3://") :]
-        bucket, _, prefix = rest.partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         if not bucket:
             raise ValueError(f"{url}: no bucket named (use s3://bucket/prefix)")
         return cls(bucket, prefix)
 
-    def __repr__(self) -> str:
-        return f"S3Store({self.url!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, S3Store) and (other.bucket, other.prefix) == (
-            self.bucket,
-            self.prefix,
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.bucket, self.prefix))
-
     @property
-    def name(self) -> str:
-        return self.prefix.rsplit("/", 1)[-1] if self.prefix else self.bucket
+    def part_bytes(self) -> int:
+        return PART_BYTES
 
-    @property
-    def parent(self) -> S3Store:
-        return S3Store(self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
-
-    def child(self, key: str) -> S3Store:
-        return S3Store(self.bucket, self._key(key)) if key else self
-
-    def where(self, key: str) -> str:
-        return f"s3://{self.bucket}/{join(self.prefix, key)}"
-
-    def _key(self, key: str) -> str:
-        # A key read from an index never leaves the prefix: no "..", no absolute key.
-        return join(self.prefix, check_key(key))
-
-    def _dir(self, key: str) -> str:
-        full = self._key(key)
-        return f"{full}/" if full else ""
+    def operation(self) -> contextlib.AbstractContextManager[Any]:
+        return one_deadline()  # a conditional write and its read-back: one deadline
 
     # -- requests, with errors made ours --------------------------------------------
 
-    def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run one request; map its failure to FileNotFoundError, ConditionFailed or
-        StorageError (naming the bucket, key and ``op``). While the service is silent
-        (see :mod:`distckpt.storage.s3_service`) it fails at once, without a request."""
+    def call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        """Run requests (see :meth:`~distckpt.storage.object_io.Objects.call`); while the
+        service is silent (see :mod:`distckpt.storage.s3_service`) fail at once, without
+        a request."""
         service = current_service()
         if service.silent_since is not None:
             raise StorageError(
-                f"s3://{self.bucket}: {op} {self.where(key)} failed: the service is not "
+                f"{self.root}: {op} {self.address(path)} failed: the service is not "
                 f"answering (an earlier request got no answer; {TIMEOUT_ENV} "
                 f"{service.deadline.total:g} s); not waiting again until it answers"
             )
-        start = time.monotonic()
-        try:
-            return fn()
-        except (StorageError, ConditionFailed, FileNotFoundError, UnsafePathError):
-            raise  # a nested request's, or a key refused before any request: already ours
-        except Exception as exc:
-            if transient(exc):
-                service.fell_silent(self.bucket)
-            raise self._translate(exc, op, key, time.monotonic() - start) from None
+        return super().call(op, path, fn)
 
-    def request(self, op: str, key: str, method: str, **kwargs: Any) -> Any:
-        """One request about object ``key``: ``client().<method>(Bucket=, Key=, ...)``,
-        its failure made ours (see :meth:`call`)."""
-        return self.call(
-            op,
-            key,
-            lambda: getattr(client(), method)(Bucket=self.bucket, Key=self._key(key), **kwargs),
-        )
+    def _s3(self, method: str, path: str, **kwargs: Any) -> Any:
+        """``client().<method>(Bucket=, Key=path, ...)``: one request about one object."""
+        return getattr(client(), method)(Bucket=self.bucket, Key=path, **kwargs)
 
-    def _translate(
-        self, exc: BaseException, op: str, key: str, waited: float | None = None
-    ) -> BaseException:
+    def request(self, op: str, path: str, method: str, **kwargs: Any) -> Any:
+        """One request about the object at ``path`` (:meth:`_s3`) through :meth:`call`."""
+        return self.call(op, path, lambda: self._s3(method, path, **kwargs))
+
+    def translate(self, exc: Exception, op: str, path: str, waited: float) -> BaseException:
+        if isinstance(exc, FileNotFoundError):
+            return exc  # a nested request's: already ours
+        if transient(exc):
+            current_service().fell_silent(self.bucket)
         code = error_code(exc)
-        where = self.where(key)
+        where, failed = self.address(path), f"{self.root}: {op} {self.address(path)} failed"
         if code in _NOT_FOUND:
             return FileNotFoundError(f"{where} does not exist")
         if code in _CONDITION:
             return ConditionFailed(f"{where}: {op}: the condition failed")
         if code in _PERMANENT:
-            return StorageError(f"s3://{self.bucket}: {op} {where} failed: {_PERMANENT[code]}")
+            return StorageError(f"{failed}: {_PERMANENT[code]}")
         name = type(exc).__name__
         if name == "NoCredentialsError":
             return StorageError(
-                f"s3://{self.bucket}: {op} failed: no AWS credentials found "
+                f"{self.root}: {op} failed: no AWS credentials found "
                 "(set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile)"
             )
         if code is not None:
             message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", ""))
+            return StorageError(f"{failed}: {code} {message}".rstrip())
+        if transient(exc):
             return StorageError(
-                f"s3://{self.bucket}: {op} {where} failed: {code} {message}".rstrip()
+                f"{failed}: no answer from the service in {waited:.1f} s ({name}: {one_line(exc)})"
             )
-        if transient(exc) and waited is not None:
-            return StorageError(
-                f"s3://{self.bucket}: {op} {where} failed: no answer from the service in "
-                f"{waited:.1f} s ({name}: {one_line(exc)})"
-            )
-        return StorageError(f"s3://{self.bucket}: {op} {where} failed: {name}: {one_line(exc)}")
+        return StorageError(f"{failed}: {name}: {one_line(exc)}")
 
-    # -- the protocol -------------------------------------------------------------
+    # -- the primitives -------------------------------------------------------------
 
-    def read(self, key: str) -> bytes:
-        return self.read_versioned(key)[0]
-
-    def read_versioned(self, key: str) -> tuple[bytes, str]:
+    def get(self, path: str) -> tuple[bytes, str]:
         def get() -> tuple[bytes, str]:
-            response = client().get_object(Bucket=self.bucket, Key=self._key(key))
+            response = self._s3("get_object", path)
             return response["Body"].read(), str(response["ETag"])
 
-        return self.call("read", key, lambda: body_retry(get))
+        return body_retry(get)
 
-    def open(self, key: str, size: int | None = None) -> S3Reader:
-        return S3Reader(self, key, size)
+    def get_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        last = offset + sum(b.nbytes for b in buffers) - 1
 
-    def head(self, key: str) -> dict[str, Any]:
-        return self.request("stat", key, "head_object")
-
-    def write(self, key: str, data: Buffer) -> None:
-        self.request("write", key, "put_object", Body=bytes(data))
-
-    def create(self, key: str, size_hint: int | None = None) -> S3Writer:
-        return S3Writer(self, key, size_hint, PART_BYTES)
-
-    def put_new(self, key: str, data: Buffer) -> str:
-        body = bytes(data)
-        return self._conditional(key, body, {"IfNoneMatch": "*"}, "create")
-
-    def put_if(self, key: str, data: Buffer, version: str) -> str:
-        return self._conditional(key, bytes(data), {"IfMatch": version}, "replace")
-
-    def _conditional(self, key: str, body: bytes, condition: dict[str, str], op: str) -> str:
-        with one_deadline() as start:
-
-            def put() -> Any:
-                for attempt in range(MAX_ATTEMPTS):
-                    try:
-                        return client().put_object(
-                            Bucket=self.bucket, Key=self._key(key), Body=body, **condition
-                        )
-                    except Exception as exc:
-                        if (
-                            error_code(exc) not in _CONFLICT
-                            or attempt + 1 == MAX_ATTEMPTS
-                            or not current_service().may_retry(start)
-                        ):
-                            raise
-                        back_off(attempt, start)  # a concurrent conditional write: try again
-                raise AssertionError("unreachable")
-
+        def get() -> int:
             try:
-                return str(self.call(op, key, put)["ETag"])
-            except FileNotFoundError:
-                if "IfMatch" not in condition:
-                    raise
-                # Replacing a version of an object that is gone: the condition failed
-                # (as on a file system), whatever the service's answer (404 or 412).
-                raise ConditionFailed(f"{self.where(key)}: {op}: it is gone") from None
-            except ConditionFailed as error:
-                return own_write(self, key, body, error)  # our earlier try may have landed
+                response = self._s3("get_object", path, Range=f"bytes={offset}-{last}")
+            except Exception as exc:
+                if error_code(exc) in {"InvalidRange", "416"}:
+                    return 0  # past the end: a short read, as from a file
+                raise
+            body = response["Body"]
+            got = 0
+            for buf in buffers:
+                filled = 0
+                while filled < buf.nbytes:
+                    n = body.readinto(buf[filled:])
+                    if not n:
+                        return got + filled
+                    filled += n
+                got += filled
+            return got
 
-    def exists(self, key: str) -> bool:
+        return body_retry(get)
+
+    def put(
+        self, path: str, data: Buffer, *, if_absent: bool = False, if_version: str | None = None
+    ) -> str:
+        body = data if isinstance(data, bytearray) else bytes(data)  # a part: not copied
+        condition = {"IfNoneMatch": "*"} if if_absent else {}
+        if if_version is not None:
+            condition = {"IfMatch": if_version}
+        with one_deadline() as start:
+            for attempt in range(MAX_ATTEMPTS):
+                try:
+                    return str(self._s3("put_object", path, Body=body, **condition)["ETag"])
+                except Exception as exc:
+                    if (
+                        not condition
+                        or error_code(exc) not in _CONFLICT
+                        or attempt + 1 == MAX_ATTEMPTS
+                        or not current_service().may_retry(start)
+                    ):
+                        raise
+                    back_off(attempt, start)  # a concurrent conditional write: try again
+        raise AssertionError("unreachable")
+
+    def head(self, path: str) -> ObjectInfo:
+        return _info(path, self._s3("head_object", path), "ContentLength")
+
+    def _pages(self, listing: str, prefix: str, **kwargs: Any) -> list[Any]:
+        """Every page of the paginated ``listing`` of the objects under ``prefix``."""
+        paginator = client().get_paginator(listing)
+        return list(paginator.paginate(Bucket=self.bucket, Prefix=prefix, **kwargs))
+
+    def scan(self, prefix: str, limit: int | None = None) -> list[ObjectInfo]:
+        if limit is None:
+            pages = self._pages("list_objects_v2", prefix)
+        else:
+            pages = [client().list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=limit)]
+        return [_info(o["Key"], o, "Size") for page in pages for o in page.get("Contents", ())]
+
+    def scan_level(self, prefix: str) -> list[str]:
+        pages = self._pages("list_objects_v2", prefix, Delimiter="/")
+        found = [p["Prefix"] for page in pages for p in page.get("CommonPrefixes", ())]
+        return found + [o["Key"] for page in pages for o in page.get("Contents", ())]
+
+    def remove(self, paths: Sequence[str]) -> None:
+        if len(paths) == 1:
+            self._s3("delete_object", paths[0])
+            return
+        objects = [{"Key": path} for path in paths]
+        response = client().delete_objects(
+            Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+        )
+        errors = response.get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise StorageError(
+                f"{self.root}: delete failed for {len(errors)} objects, first "
+                f"{self.address(first.get('Key', ''))}: {first.get('Code')}"
+            )
+
+    def start_upload(self, path: str) -> str:
+        return str(self._s3("create_multipart_upload", path)["UploadId"])
+
+    def put_part(self, path: str, upload: str, number: int, body: bytearray) -> str:
+        response = self._s3("upload_part", path, UploadId=upload, PartNumber=number, Body=body)
+        return str(response["ETag"])
+
+    def complete_upload(self, path: str, upload: str, tags: Sequence[str], size: int) -> None:
+        parts = [{"PartNumber": k + 1, "ETag": tag} for k, tag in enumerate(tags)]
         try:
-            self.head(key)
+            self._s3(
+                "complete_multipart_upload",
+                path,
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
+            )
+        except Exception as exc:
+            # A retry after a lost answer finds the upload gone (NoSuchUpload): it
+            # completed if the object is the one these parts make.
+            if error_code(exc) != "NoSuchUpload" or not self.landed(path, tags, size):
+                raise
+
+    def landed(self, path: str, tags: Sequence[str], size: int) -> bool:
+        """Whether the object at ``path`` holds exactly the parts with ``tags``, ``size``
+        bytes (a multipart upload of them completed)."""
+        try:
+            found = self.call("stat", path, lambda: self.head(path))
         except FileNotFoundError:
             return False
-        return True
+        return found.size == size and found.version == multipart_etag(tags)
 
-    def age(self, key: str) -> float:
-        return time.time() - self.head(key)["LastModified"].timestamp()
+    def abort_upload(self, path: str, upload: str) -> None:
+        self._s3("abort_multipart_upload", path, UploadId=upload)
 
-    def _pages(self, op: str, key: str, listing: str, **kwargs: Any) -> builtins.list[Any]:
-        """Every page of the paginated ``listing`` of the objects under ``key``."""
-        paginator = client().get_paginator(listing)
-        return self.call(
-            op,
-            key,
-            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._dir(key), **kwargs)),
-        )
-
-    def list(self, key: str = "") -> builtins.list[str]:
-        cut = len(self._dir(key))
-        names: set[str] = set()
-        for page in self._pages("list", key, "list_objects_v2", Delimiter="/"):
-            names.update(p["Prefix"][cut:].rstrip("/") for p in page.get("CommonPrefixes", ()))
-            names.update(o["Key"][cut:] for o in page.get("Contents", ()))
-        names.discard("")
-        return sorted(names)
-
-    def walk(self, key: str = "") -> builtins.list[tuple[str, int, float]]:
-        """Every object under ``key``: (key relative to ``key``, size, modification time)."""
-        cut = len(self._dir(key))
-        return [
-            (o["Key"][cut:], int(o["Size"]), o["LastModified"].timestamp())
-            for page in self._pages("list", key, "list_objects_v2")
-            for o in page.get("Contents", ())
-        ]
-
-    def is_dir(self, key: str) -> bool:
-        prefix = self._dir(key)
-        response = self.call(
-            "list",
-            key,
-            lambda: client().list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
-        )
-        return bool(response.get("KeyCount", 0))
-
-    def stamp(self, key: str) -> str | None:
-        """The object's ETag."""
-        return str(self.head(key)["ETag"])
+    # -- beyond the primitives --------------------------------------------------------
 
     def copy(self, source: Store, source_key: str, key: str, *, expect: str | None = None) -> None:
         """A server-side copy of ``source_key`` of ``source`` (a prefix of this service),
@@ -326,23 +302,23 @@ class S3Store:
         multipart copy of :data:`COPY_PART_BYTES` parts."""
         if not isinstance(source, S3Store):
             raise TypeError(f"{self.url} copies from s3://, not from {source.url}")
-        origin = {"Bucket": source.bucket, "Key": source._key(source_key)}
-        head = source.head(source_key)
-        if expect is not None and str(head["ETag"]) != expect:
+        origin = {"Bucket": source.bucket, "Key": source.path_of(source_key)}
+        found = source.stat(source_key)
+        if expect is not None and found.version != expect:
             raise ConditionFailed(f"{source.where(source_key)} was written again since")
-        size = int(head["ContentLength"])
+        path = self.path_of(key)
         condition = {} if expect is None else {"CopySourceIfMatch": expect}
-        if size <= COPY_PART_BYTES:
-            self.request("copy", key, "copy_object", CopySource=origin, **condition)
+        if found.size <= COPY_PART_BYTES:
+            self.request("copy", path, "copy_object", CopySource=origin, **condition)
             return
-        upload = self.request("copy", key, "create_multipart_upload")["UploadId"]
+        upload = self.request("copy", path, "create_multipart_upload")["UploadId"]
         try:
-            parts = []
-            for number, start in enumerate(range(0, size, COPY_PART_BYTES), 1):
-                end = min(size, start + COPY_PART_BYTES) - 1
+            tags = []
+            for number, start in enumerate(range(0, found.size, COPY_PART_BYTES), 1):
+                end = min(found.size, start + COPY_PART_BYTES) - 1
                 got = self.request(
                     "copy",
-                    key,
+                    path,
                     "upload_part_copy",
                     UploadId=upload,
                     PartNumber=number,
@@ -350,58 +326,27 @@ class S3Store:
                     CopySourceRange=f"bytes={start}-{end}",
                     **condition,
                 )
-                parts.append({"PartNumber": number, "ETag": got["CopyPartResult"]["ETag"]})
-            self.request(
-                "copy",
-                key,
-                "complete_multipart_upload",
-                UploadId=upload,
-                MultipartUpload={"Parts": parts},
-            )
+                tags.append(got["CopyPartResult"]["ETag"])
+            self.call("copy", path, lambda: self.complete_upload(path, upload, tags, found.size))
         except BaseException:
             with contextlib.suppress(Exception):
-                self.request("abort", key, "abort_multipart_upload", UploadId=upload)
+                self.request("abort", path, "abort_multipart_upload", UploadId=upload)
             raise
 
-    def delete(self, key: str) -> None:
-        self.request("delete", key, "delete_object")
-
     def delete_tree(self, key: str = "") -> None:
-        keys = [join(self._dir(key), k) for k, _, _ in self.walk(key)]
-        for start in range(0, len(keys), 1000):
-            batch = [{"Key": k} for k in keys[start : start + 1000]]
-            response = self.call(
-                "delete",
-                key,
-                lambda b=batch: client().delete_objects(  # type: ignore[misc]
-                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
-                ),
-            )
-            errors = response.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise StorageError(
-                    f"s3://{self.bucket}: delete {self.where(key)} failed for "
-                    f"{len(errors)} objects, first {first.get('Key')}: {first.get('Code')}"
-                )
+        super().delete_tree(key)
         self.abort_uploads(key)
 
     def abort_uploads(self, key: str = "") -> None:
         """Abort the unfinished multipart uploads under ``key`` (a dead writer's parts)."""
-        for page in self._pages("abort uploads", key, "list_multipart_uploads"):
+        prefix, path = self._dir(key), self.path_of(key)
+        pages = self.call(
+            "abort uploads", path, lambda: self._pages("list_multipart_uploads", prefix)
+        )
+        for page in pages:
             for upload in page.get("Uploads", ()):
                 self.call(
                     "abort uploads",
-                    key,
-                    lambda u=upload: client().abort_multipart_upload(  # type: ignore[misc]
-                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
-                    ),
+                    path,
+                    lambda u=upload: self.abort_upload(u["Key"], u["UploadId"]),  # type: ignore[misc]
                 )
-
-    def prepare(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            check_key(key)  # an object store has no directories: only the keys to check
-
-    def persist(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            check_key(key)  # a finished upload is durable: only the keys to check

@@ -253,6 +253,7 @@ class StoreTests(ConditionalWriteCases):
         assert store.is_dir("b")
         assert store.is_dir("b/d")
         assert store.is_dir("c/x")
+        assert store.exists("b/d") and -2.0 < store.age("b/d") < 60.0  # a prefix is there too
         assert not store.is_dir("a")
         assert not store.is_dir("b/c")
         assert not store.is_dir("nope")
@@ -263,7 +264,7 @@ class StoreTests(ConditionalWriteCases):
         assert not store.exists("a")
         store.delete("a")  # absent: nothing happens
         store.delete_tree("b")
-        assert not store.is_dir("b")
+        assert not store.is_dir("b") and not store.exists("b")
         assert not store.exists("b/c")
         assert sorted(k for k, _, _ in store.walk()) == ["c/x/y", "z.json"]
         store.delete_tree("b")

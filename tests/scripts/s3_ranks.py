@@ -414,7 +414,7 @@ def kill_mode(url: str, markers: Path) -> int:
     """Save ``URL/prev`` (version 1), then ``URL/target`` (version 3) while the last rank
     SIGKILLs itself in the middle of its multipart upload of ``w`` (after one part went
     up), once every other rank has finished its own shard of ``w``."""
-    from distckpt.storage.s3_io import S3Writer
+    from distckpt.storage.object_io import ObjectWriter
 
     comm = setup()
     rank, world = comm.rank, comm.size
@@ -422,30 +422,33 @@ def kill_mode(url: str, markers: Path) -> int:
     distckpt.save(kill_state(rank, world, 1), f"{url}/prev", comm)
     markers.mkdir(parents=True, exist_ok=True)
     comm.barrier()
-    real_write, real_finish = S3Writer.write, S3Writer.finish
+    real_write, real_finish = ObjectWriter.write, ObjectWriter.finish
 
-    def finish(self: S3Writer, durable: bool = True) -> None:
+    def key_of(writer: ObjectWriter) -> str:
+        return writer._where.removeprefix(f"{url}/target/")
+
+    def finish(self: ObjectWriter, durable: bool = True) -> None:
         real_finish(self, durable)
-        key = self._key
+        key = key_of(self)
         if key.startswith("w/"):
             (markers / f"wrote-{rank}").write_text(key)
             emit(f"WROTE {rank} {key}")
 
-    def write(self: S3Writer, buffers: Any, offset: int) -> int:
+    def write(self: ObjectWriter, buffers: Any, offset: int) -> int:
         n = real_write(self, buffers, offset)
-        if self._key.startswith("w/") and self._etags:  # a part is uploaded
+        if key_of(self).startswith("w/") and self._sent:  # a part is uploaded
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 if all((markers / f"wrote-{r}").exists() for r in range(last)):
                     break
                 time.sleep(0.02)
-            emit(f"KILLING {rank} {self._key}")
+            emit(f"KILLING {rank} {key_of(self)}")
             os.kill(os.getpid(), signal.SIGKILL)
         return n
 
-    S3Writer.finish = finish  # type: ignore[method-assign]
+    ObjectWriter.finish = finish  # type: ignore[method-assign]
     if rank == last:
-        S3Writer.write = write  # type: ignore[method-assign]
+        ObjectWriter.write = write  # type: ignore[method-assign]
     start = time.monotonic()
     try:
         distckpt.save(kill_state(rank, world, 3), f"{url}/target", comm, inner_bytes=1 << 20)
