@@ -50,6 +50,7 @@ from datetime import timedelta
 from itertools import islice
 from typing import Any
 
+from distckpt import settings
 from distckpt.errors import StorageError
 from distckpt.storage.backend import Buffer, ConditionFailed, Store, byte_view
 from distckpt.storage.object_io import fill
@@ -57,11 +58,11 @@ from distckpt.storage.object_store import ObjectInfo, ObjectStore
 from distckpt.storage.s3_service import MAX_ATTEMPTS, deadline
 
 #: Bytes per part of a multipart upload (Azure blocks and GCS parts; 5 MiB at least).
-PART_BYTES = int(os.environ.get("DISTCKPT_CLOUD_PART_BYTES", 8 << 20))
+PART_BYTES = settings.CLOUD_PART_BYTES.value()
 #: Parts of one object uploaded at once.
 UPLOAD_CONCURRENCY = 8
 #: Set to 1 to let a service be reached over plain ``http://`` (an emulator on loopback).
-ALLOW_HTTP_ENV = "DISTCKPT_CLOUD_ALLOW_HTTP"
+ALLOW_HTTP_ENV = settings.CLOUD_ALLOW_HTTP.name
 #: The services, by URL scheme: obstore's store class and what the URL names.
 #: (``s3`` is obstore's S3 client, which benchmarks/bench_s3.py compares with boto3's;
 #: ``s3://`` locations open :class:`~distckpt.storage.s3.S3Store`.)
@@ -101,8 +102,8 @@ def _client(scheme: str, bucket: str) -> Any:
             f"{scheme}:// locations, which obstore cannot do; start it with the 'spawn' "
             "or 'forkserver' method of multiprocessing instead"
         )
-    settings = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_SETTINGS)))
-    key = (scheme, bucket, settings)
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_SETTINGS)))
+    key = (scheme, bucket, environment)
     with _clients_lock:
         found = _clients.get(key)
         if found is None:
@@ -114,7 +115,7 @@ def _client(scheme: str, bucket: str) -> Any:
                 "connect_timeout": f"{limits.connect:g}s",
                 "timeout": f"{limits.connect + limits.read:g}s",
             }
-            if os.environ.get(ALLOW_HTTP_ENV, "").lower() in {"1", "true"}:
+            if settings.CLOUD_ALLOW_HTTP.value():
                 options["allow_http"] = "true"
             found = _clients[key] = cls(
                 bucket,

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from distckpt import settings
 from distckpt.errors import StorageError
 from distckpt.storage.backend import Buffer, ConditionFailed, Store
 from distckpt.storage.object_store import ObjectInfo, ObjectStore
@@ -60,7 +60,7 @@ from distckpt.storage.s3_service import (  # noqa: F401 - public names re-export
 )
 
 #: Bytes per part of a multipart upload (S3 needs at least 5 MiB but for the last).
-PART_BYTES = int(os.environ.get("DISTCKPT_S3_PART_BYTES", 8 << 20))
+PART_BYTES = settings.S3_PART_BYTES.value()
 #: The largest object one CopyObject request copies (S3's limit); larger ones are copied
 #: in parts of this size.
 COPY_PART_BYTES = 5 << 30

@@ -25,7 +25,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from distckpt.storage.posix import pwrite_all
+from distckpt.storage.posix_io import pwrite_all
 
 _EOCD = b"PK\x05\x06"
 _ZIP64_LOCATOR = b"PK\x06\x07"
