@@ -10,6 +10,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import distckpt
 from distckpt import settings
 
@@ -191,29 +193,23 @@ def test_every_setting_is_in_the_table_and_the_readme_shows_it() -> None:
     assert table in (ROOT / "README.md").read_text()
 
 
-def test_settings_parse_and_name_what_is_wrong(monkeypatch) -> None:
+def test_settings_parse_and_name_what_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DISTCKPT_IO_WORKERS", " 3 ")
     assert settings.IO_WORKERS.value() == 3
     monkeypatch.setenv("DISTCKPT_IO_WORKERS", "x")
-    try:
+    with pytest.raises(ValueError, match="DISTCKPT_IO_WORKERS='x' is not a whole number"):
         settings.IO_WORKERS.value()
-    except ValueError as exc:
-        assert "DISTCKPT_IO_WORKERS='x'" in str(exc)
-    else:
-        raise AssertionError("a bad value was taken")
     monkeypatch.setenv("DISTCKPT_S3_TIMEOUT", "1")
-    try:
+    with pytest.raises(ValueError, match="DISTCKPT_S3_TIMEOUT must be at least 2 seconds"):
         settings.S3_TIMEOUT.get()
-    except ValueError as exc:
-        assert "DISTCKPT_S3_TIMEOUT must be at least 2 seconds" in str(exc)
-    else:
-        raise AssertionError("a bad value was taken")
     monkeypatch.delenv("DISTCKPT_TIMEOUT", raising=False)
     assert settings.TIMEOUT.value() == 300.0
     monkeypatch.setenv("DISTCKPT_EXCHANGE", "0")
     assert settings.EXCHANGE.value() is False
     monkeypatch.delenv("DISTCKPT_NODE", raising=False)
     assert settings.NODE.get() is None
+    with pytest.raises(LookupError, match="DISTCKPT_NODE has no fixed default"):
+        settings.NODE.value()
 
 
 def test_packaging() -> None:
