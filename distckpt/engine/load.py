@@ -97,7 +97,7 @@ def load_indexed(
     checkpoint's ``index`` already read on every rank (by :func:`read_shared_index`; None:
     read it now), as a restore that loads in several rounds does. ``refused``: this rank's
     arguments were refused (reported on every rank)."""
-    return restore(comm, _Indexed(run, index, refused), state, run.options)
+    return restore(comm, _Indexed(run, index, refused), state)
 
 
 def read_shared_index(store: Store, comm: Communicator) -> index_mod.Index:
@@ -118,6 +118,7 @@ class _Indexed(RestoreKind[Prepared]):
         self, run: Resolved, index: dict[str, Any] | None, refused: BaseException | None
     ) -> None:
         self.run = run
+        self.options = run.options
         self.index = index
         self.refused = refused
         self.path = location(run.store)
@@ -131,16 +132,12 @@ class _Indexed(RestoreKind[Prepared]):
         self.stored = self.index["variables"]
 
     def match(
-        self,
-        comm: Communicator,
-        state: dict[str, Any],
-        options: CheckpointOptions,
-        result: LoadResult,
+        self, comm: Communicator, state: dict[str, Any], result: LoadResult
     ) -> Prepared | None:
         if self.refused is not None:
             raise self.refused
         assert self.index is not None
-        return prepare(state, self.index, result, comm.rank, comm.size, options)
+        return prepare(state, self.index, result, comm.rank, comm.size, self.options)
 
     def offer(self, comm: Communicator, matched: Prepared) -> Any:
         """Whether this rank shares reads, and the digests of what it restores

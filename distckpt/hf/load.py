@@ -92,7 +92,7 @@ def load_hf(
     comm = communicator(comm)
     names_mod.for_loading(prefix, rename)  # checks the pair before any communication
     opts, error = merge_or_refuse(options, keywords, HF_LOAD, "load_hf")
-    return restore(comm, _Weights(path, prefix, rename, opts, error), state, opts)
+    return restore(comm, _Weights(path, prefix, rename, opts, error), state)
 
 
 @dataclass
@@ -133,16 +133,12 @@ class _Weights(RestoreKind[_Matched]):
         )
 
     def match(
-        self,
-        comm: Communicator,
-        state: dict[str, Any],
-        options: CheckpointOptions,
-        result: LoadResult,
+        self, comm: Communicator, state: dict[str, Any], result: LoadResult
     ) -> _Matched | None:
         if self.error is not None:
             raise self.error
         self.stored = _stored(self.weights, self.prefix, self.rename)
-        return _match(state, self.stored, self.prefix, self.rename, result, options.strict)
+        return _match(state, self.stored, self.prefix, self.rename, result, self.options.strict)
 
     def offer(self, comm: Communicator, matched: _Matched) -> Any:
         return True

@@ -89,10 +89,14 @@ class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
         path: str | os.PathLike[str] | Store,
         options: CheckpointOptions,
         refused: BaseException | None,
+        to_weights: Callable[[str], str | None],
+        max_shard_size: int | str,
     ) -> None:
         self.path = path
         self.options = options
         self.refused = refused  # this rank's arguments were refused
+        self.to_weights = to_weights  # a stored name to its weights name (None: left out)
+        self.max_shard_size = max_shard_size
         self.where = path.url if isinstance(path, Store) else os.fspath(path)
         self.target: Target | None = None
         self.plans: list[Plan] = []  # the coordinator's
@@ -225,19 +229,8 @@ class _StateWeights(WeightsSave):
     """save_hf: a state's boxes, each written once by a rank that holds it (in a store,
     by its file's writer, which receives it from a rank that holds it)."""
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | Store,
-        options: CheckpointOptions,
-        refused: BaseException | None,
-        to_weights: Callable[[str], str | None],
-        max_shard_size: int | str,
-    ) -> None:
-        super().__init__(path, options, refused)
-        self.to_weights = to_weights
-        self.max_shard_size = max_shard_size
-        self.max_bytes = 0
-        self.local: dict[str, Any] = {}  # this rank's leaves, by state name
+    max_bytes = 0
+    local: dict[str, Any]  # this rank's leaves, by state name (step 1)
 
     def capture(self, state: dict[str, Any]) -> dict[str, Any]:
         self.max_bytes = parse_size(self.max_shard_size)
@@ -247,6 +240,7 @@ class _StateWeights(WeightsSave):
         """The tensors to write, by weights name, with dtype, global shape and this
         rank's box."""
         descs: list[Desc] = []
+        self.local = {}
         for leaf in flatten(local, allow_pickle=True):
             name = self.to_weights(leaf.name)
             if name is None or leaf.kind != "tensor" or leaf.tensor is None:

@@ -100,6 +100,7 @@ class LocalStep(RestoreKind[_Matched]):
     index: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # what the saver kept beside
     stored: Collection[str] = field(default_factory=dict)  # the stored names
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)  # the load's
     _pieces: dict[tuple[str, int | None], list[Piece]] = field(default_factory=dict)
     _files: dict[int, ReadHandle] = field(default_factory=dict)  # this node's, by saved rank
     _copies: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # checked copies
@@ -137,18 +138,16 @@ class LocalStep(RestoreKind[_Matched]):
         """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
         checkpoint with ``options`` (but ``io_workers``: reads are ``pread`` of local
         files, the page cache does the work); collective."""
-        return restore(comm, self, state, options)
+        self.options = options
+        return restore(comm, self, state)
 
     def match(
-        self,
-        comm: Communicator,
-        state: dict[str, Any],
-        options: CheckpointOptions,
-        result: LoadResult,
+        self, comm: Communicator, state: dict[str, Any], result: LoadResult
     ) -> _Matched | None:
         """This rank's reads, and the parts of pieces it asks each holder for; None when
         strict and a name is missing."""
-        prepared = prepare(state, self.index, result, comm.rank, comm.size, options, located=False)
+        rank, size = comm.rank, comm.size
+        prepared = prepare(state, self.index, result, rank, size, self.options, located=False)
         if prepared is None:
             return None
         reads = prepared.reads

@@ -40,7 +40,7 @@ through ``kind.abort(exc)``, which undoes what this rank began and says what to 
 
 1. *Metadata* (*): ``kind.read_metadata(comm)``: what is stored, read once and shared
    (an error is the same on every rank, and raised once the ranks agree, step 5).
-2. *Match*: ``kind.match(comm, state, options, result)`` checks every name, kind, shape
+2. *Match*: ``kind.match(comm, state, result)`` checks every name, kind, shape
    and dtype before anything is read (None: a name is missing under ``strict``), then
    ``kind.offer(comm, matched)`` is what this rank tells the others.
 3. *Agree* (*): one :func:`~distckpt.engine.matching.agree_names`: every rank's offer,

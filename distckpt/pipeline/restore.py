@@ -29,6 +29,8 @@ class RestoreKind(Protocol[M]):
     :meth:`again` (nothing to do).
     """
 
+    #: The restore's settings: ``strict`` for the names agreement, the rest the kind's.
+    options: CheckpointOptions
     #: What the result names as the place restored from.
     path: Path | str
     #: What a names error calls the stored side (``"checkpoint"``, ``"weights"``).
@@ -42,13 +44,7 @@ class RestoreKind(Protocol[M]):
         error on every rank: the restore then fails once the ranks agree)."""
         return None
 
-    def match(
-        self,
-        comm: Communicator,
-        state: dict[str, Any],
-        options: CheckpointOptions,
-        result: LoadResult,
-    ) -> M | None:
+    def match(self, comm: Communicator, state: dict[str, Any], result: LoadResult) -> M | None:
         """This rank's reads, every leaf checked before anything is read; sets
         ``result.missing`` and ``result.unexpected`` (this rank's). None when
         ``options.strict`` and a name is missing (the job then fails with the names)."""
@@ -68,14 +64,9 @@ class RestoreKind(Protocol[M]):
         return False
 
 
-def restore(
-    comm: Communicator,
-    kind: RestoreKind[Any],
-    state: dict[str, Any],
-    options: CheckpointOptions,
-) -> LoadResult:
-    """Fill ``state`` in place through ``kind`` as ``options`` say (``strict`` and what the
-    kind takes); every rank returns its result or raises the same error. Collective."""
+def restore(comm: Communicator, kind: RestoreKind[Any], state: dict[str, Any]) -> LoadResult:
+    """Fill ``state`` in place through ``kind`` as its options say; every rank returns its
+    result or raises the same error. Collective."""
     t0 = time.perf_counter()
     unopened: BaseException | None = None
     try:
@@ -89,14 +80,15 @@ def restore(
         offer: Any = None  # None: this rank cannot read
         try:
             if error is None:
-                matched = kind.match(comm, state, options, result)
+                matched = kind.match(comm, state, result)
             if matched is not None:
                 offer = kind.offer(comm, matched)
         except Exception as exc:
             error = exc
         try:
             try:
-                offers = agree_names(comm, offer, kind.stored, result, options.strict, kind.source)
+                strict = kind.options.strict
+                offers = agree_names(comm, offer, kind.stored, result, strict, kind.source)
             finally:
                 t_plan = time.perf_counter()
             if all(o is not None for o in offers):

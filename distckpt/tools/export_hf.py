@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator
@@ -58,30 +57,18 @@ def export_hf(
     comm = communicator(comm)
     opts, error = merge_or_refuse(options, keywords, HF_SAVE, "export_hf")
     to_weights = names_mod.for_saving(prefix, rename)
-    kind = _CheckpointWeights(path, opts, error, checkpoint, to_weights, max_shard_size)
-    return save_blocking(kind, None, comm)
+    kind = _CheckpointWeights(path, opts, error, to_weights, max_shard_size)
+    return save_blocking(kind, checkpoint, comm)
 
 
 class _CheckpointWeights(WeightsSave):
     """export_hf: the coordinator reads the checkpoint's index and packs its tensors into
     files; each rank copies whole files of its own, a slab at a time."""
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | Store,
-        options: CheckpointOptions,
-        refused: BaseException | None,
-        checkpoint: str | os.PathLike[str] | Store,
-        to_weights: Callable[[str], str | None],
-        max_shard_size: int | str,
-    ) -> None:
-        super().__init__(path, options, refused)
-        self.checkpoint = checkpoint
-        self.to_weights = to_weights
-        self.max_shard_size = max_shard_size
+    checkpoint: str | os.PathLike[str] | Store
 
-    def capture(self, state: None) -> None:
-        return None
+    def capture(self, state: str | os.PathLike[str] | Store) -> None:
+        self.checkpoint = state  # what the coordinator reads, what each rank copies from
 
     def describe(self, local: None) -> None:
         return None  # the coordinator reads the checkpoint's index
