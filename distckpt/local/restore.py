@@ -13,7 +13,7 @@ each rank's partitions fetched from whichever rank holds them.
 3. **Fetch** (*one allgather of requests, then rounds of point-to-point sends*): each rank
    asks, for every stored piece that intersects a box it restores, a rank that holds it
    (itself when it can, else one spread over the holders) for the intersection. Data
-   travels in messages of at most :data:`~distckpt.local.save.MESSAGE_BYTES`.
+   travels in messages of at most :data:`~distckpt.local.messages.MESSAGE_BYTES`.
 
 What is checked is what is copied: a piece is read (``pread``, never mapped: another
 process may truncate or rewrite the file meanwhile) into memory of this process, the

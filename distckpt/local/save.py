@@ -230,10 +230,10 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
                 len(topo.nodes),
                 len(peers),
             )
-        failed = isinstance(described, Failure)
-        plain = _plain_writers(comm, topo, None if failed else described)  # type: ignore[arg-type]
+        held = None if isinstance(described, Failure) else described
+        plain = _plain_writers(comm, topo, held)
         layout: _Layout | None = None
-        if not failed:
+        if held is not None:
             assert self.local is not None
             try:
                 leaves, arrays, values = self.local
@@ -246,7 +246,7 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
         # Files are created only after this: no rank writes into a step its node's leader
         # still removes. (A snapshot that failed on the background thread is a Failure
         # without ``error``.)
-        mine = described if failed else (layout and layout.messages)
+        mine = described if held is None else (layout and layout.messages)
         plans = share(comm, mine, error)
         assert layout is not None
         return _Plan(layout, plans, peers, sources, leader)
@@ -275,7 +275,7 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
         except Exception as exc:
             error = error or exc
             own = []
-        try:
+        try:  # every rank makes every round, whatever failed: the confirmation reports it
             received = _replicate(
                 comm, layout, plan.plans, plan.peers, plan.sources, handles, group, own
             )

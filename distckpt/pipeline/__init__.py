@@ -36,6 +36,34 @@ order (collectives marked *):
 An exception that escapes steps 2 to 4 (a dead rank, a time-out in a collective) goes
 through ``kind.abort(exc)``, which undoes what this rank began and says what to raise.
 
+A new kind of save, in outline: the coordinator plans and publishes through
+:func:`~distckpt.comm.outcome.coordinate`, which gives every rank the decision or the
+same error::
+
+    class Mine(SaveKind[dict, list]):
+        def __init__(self, store, options):
+            self.store, self.options, self.where = store, options, store.url
+
+        def capture(self, state):                     # every rank, no communication
+            return state
+
+        def describe(self, local):                    # every rank, no communication
+            return describe_mine(local)
+
+        def plan(self, comm, described, error):       # collective
+            return coordinate(comm, described, plan_on_coordinator, error=error)
+
+        def write(self, comm, plan, stage):           # every rank, its share
+            return write_mine(self.store, plan[comm.rank])
+
+        def commit(self, comm, plan, report, error):  # collective
+            coordinate(comm, report, publish, error=error, settle=remove_unless_published)
+
+        def finish(self, comm, plan, timings):
+            return SaveResult(self.store.url, timings=timings)
+
+    pipeline.save(Mine(store, options), state, comm)
+
 **Restore** (:func:`restore`); every rank, collectives marked *:
 
 1. *Metadata* (*): ``kind.read_metadata(comm)``: what is stored, read once and shared
