@@ -1,6 +1,6 @@
 """``distckpt.load``: fill a state in place from a checkpoint, on any world size.
 
-A kind of the restore pipeline (:mod:`distckpt.pipeline`). Every rank reads the index,
+A kind of the restore pipeline (:mod:`distckpt.engine.pipeline`). Every rank reads the index,
 matches its leaves to stored variables by name, checks kind, dtype and shape, and then
 reads only the stored pieces that intersect its own boxes, verifying every checksum on
 the way (:mod:`distckpt.planning.read_plan`). Ranks need not talk to each other to read.
@@ -37,9 +37,9 @@ from distckpt.engine.options import (
     merge_or_refuse,
     resolve,
 )
+from distckpt.engine.pipeline import RestoreKind, communicator, restore
 from distckpt.engine.results import LoadResult
 from distckpt.format import index as index_mod
-from distckpt.pipeline import RestoreKind, communicator, restore
 from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage.backend import Store
@@ -109,7 +109,7 @@ def read_shared_index(store: Store, comm: Communicator) -> index_mod.Index:
 
 
 class _Indexed(RestoreKind[Prepared]):
-    """A restore from a checkpoint's index (:mod:`distckpt.pipeline`): each rank reads
+    """A restore from a checkpoint's index (:mod:`distckpt.engine.pipeline`): each rank reads
     the pieces its boxes need, sharing with the ranks that restore the same targets."""
 
     source = "checkpoint"

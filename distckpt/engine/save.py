@@ -1,6 +1,6 @@
 """``distckpt.save``: one checkpoint, written by every rank, committed by the coordinator.
 
-A kind of the save pipeline (:mod:`distckpt.pipeline`, which runs the stages, reports a
+A kind of the save pipeline (:mod:`distckpt.engine.pipeline`, which runs the stages, reports a
 failure on every rank and runs background saves). The protocol, in the order every rank
 runs it (collectives marked *):
 
@@ -34,11 +34,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from distckpt import dtypes, pipeline
+from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.commit.transaction import Transaction, begin, save_root
-from distckpt.engine import reuse
+from distckpt.engine import pipeline, reuse
 from distckpt.engine.agree import Agreed, agree
 from distckpt.engine.background import AsyncSave, Snapped
 from distckpt.engine.commit import Report, commit
@@ -52,13 +52,13 @@ from distckpt.engine.options import (
     merge_or_refuse,
     resolve,
 )
+from distckpt.engine.pipeline import SaveKind, Stage, communicator
 from distckpt.engine.results import SaveResult
 from distckpt.errors import interfered
 from distckpt.format import index as index_mod
 from distckpt.format import zarr_meta
 from distckpt.format.shard_io import Stored
 from distckpt.items import gather_leaves
-from distckpt.pipeline import SaveKind, Stage, communicator
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
@@ -78,7 +78,7 @@ COORDINATOR = 0
 
 class _CheckpointSave(SaveKind[LocalState, Agreed]):
     """One save of a checkpoint (steps 1 to 5 of the module doc, as a kind of
-    :mod:`distckpt.pipeline`): its options, resolved once (store, I/O workers), the
+    :mod:`distckpt.engine.pipeline`): its options, resolved once (store, I/O workers), the
     callback after its commit, the checkpoint it builds on, and what each step leaves
     for the next."""
 

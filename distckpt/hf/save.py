@@ -5,7 +5,7 @@ The layout follows ``save_pretrained`` (:mod:`distckpt.hf.directory`): files of 
 ``max_shard_size`` and, when there are several, ``model.safetensors.index.json``.
 
 The protocol, in the order every rank runs it (collectives marked *): a kind of the save
-pipeline (:mod:`distckpt.pipeline`), :class:`WeightsSave`, which :func:`save_hf` and
+pipeline (:mod:`distckpt.engine.pipeline`), :class:`WeightsSave`, which :func:`save_hf` and
 :func:`distckpt.tools.export_hf.export_hf` extend with what they write and how:
 
 1. **Describe** (every rank): the tensors to write, by weights name, with dtype, global
@@ -47,10 +47,11 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distckpt import pipeline
 from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure, coordinate
+from distckpt.engine import pipeline
 from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
+from distckpt.engine.pipeline import SaveKind, Stage, communicator
 from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
@@ -58,7 +59,6 @@ from distckpt.hf.directory import DEFAULT_MAX_BYTES, OutFile, parse_size, plan_f
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import BoxWrite, Piece, Sink, Work, unit_bytes, write_boxes
 from distckpt.items import flatten
-from distckpt.pipeline import SaveKind, Stage, communicator
 from distckpt.planning.describe import Desc
 from distckpt.planning.save_plan import Balancer
 from distckpt.planning.validate import owners, validate
@@ -79,7 +79,7 @@ COORDINATOR = 0
 
 class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
     """A save of Hugging Face weights to a directory or a store (steps 2 to 4 of the
-    module doc, as a kind of :mod:`distckpt.pipeline`). What is written and how is a
+    module doc, as a kind of :mod:`distckpt.engine.pipeline`). What is written and how is a
     subclass's: :meth:`capture` and :meth:`describe` (step 1), :meth:`files` (the
     coordinator's plan: the files and each rank's :class:`Work`) and :meth:`write_work`
     (a rank's writes)."""

@@ -38,6 +38,7 @@ import torch
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.engine.matching import assign, prepare
 from distckpt.engine.options import CheckpointOptions
+from distckpt.engine.pipeline import RestoreKind, restore
 from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format.shard_io import crc32c
@@ -46,7 +47,6 @@ from distckpt.local.choose import Choice
 from distckpt.local.manifests import Piece, index_of
 from distckpt.local.messages import MESSAGE_BYTES, pack, packed_size
 from distckpt.local.nodes import topology
-from distckpt.pipeline import RestoreKind, restore
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.tiling import tiling_problem
@@ -89,7 +89,7 @@ class _Matched:
 class LocalStep(RestoreKind[_Matched]):
     """A restorable local step, as :class:`~distckpt.training.session.RestoreSession`
     reads it: an ``index`` like a persistent checkpoint's and a :meth:`load`, a kind of
-    the restore pipeline (:mod:`distckpt.pipeline`)."""
+    the restore pipeline (:mod:`distckpt.engine.pipeline`)."""
 
     source = "checkpoint"
 

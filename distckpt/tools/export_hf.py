@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator
 from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
+from distckpt.engine.pipeline import communicator, save_blocking
 from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
@@ -18,7 +19,6 @@ from distckpt.hf.directory import DEFAULT_MAX_BYTES, parse_size, plan_files
 from distckpt.hf.save import WeightsSave
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import Sink, Work
-from distckpt.pipeline import communicator, save_blocking
 from distckpt.planning.save_plan import Balancer
 from distckpt.storage.backend import Store
 from distckpt.tools.catalog import open_catalog

@@ -1,6 +1,6 @@
 """The restore pipeline: what a kind of restore implements (:class:`RestoreKind`) and the
 driver that runs its stages on every rank (:func:`restore`); the call order is in
-:mod:`distckpt.pipeline`."""
+:mod:`distckpt.engine.pipeline`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The save pipeline: what a kind of save implements (:class:`SaveKind`) and the driver
 that runs its stages on every rank (:func:`save`); the call order is in
-:mod:`distckpt.pipeline`."""
+:mod:`distckpt.engine.pipeline`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure
 from distckpt.engine.background import AsyncSave, Snapped, save_in_background
 from distckpt.engine.options import CheckpointOptions
+from distckpt.engine.pipeline.stage import Stage
 from distckpt.engine.results import SaveResult
-from distckpt.pipeline.stage import Stage
 
 L = TypeVar("L")  # this rank's state as the kind reads it
 P = TypeVar("P")  # the plan the ranks agreed on

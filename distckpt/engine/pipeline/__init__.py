@@ -81,9 +81,9 @@ same error::
 
 from __future__ import annotations
 
-from distckpt.pipeline.restore import RestoreKind, restore
-from distckpt.pipeline.save import SaveKind, save, save_blocking
-from distckpt.pipeline.stage import Stage, communicator
+from distckpt.engine.pipeline.restore import RestoreKind, restore
+from distckpt.engine.pipeline.save import SaveKind, save, save_blocking
+from distckpt.engine.pipeline.stage import Stage, communicator
 
 __all__ = [
     "RestoreKind",
