@@ -397,6 +397,6 @@ def save_local(
     Blocking, or (``async_save``) in the background after a snapshot into the same host
     buffers as a background save to the shared store; ``lazy`` as there. Of ``options``,
     ``allow_pickle`` and ``io_workers`` apply (a local step is never compressed)."""
-    background.finish_pending()
+    comm = pipeline.communicator(comm)
     kind = _LocalSave(store, step, options)
     return pipeline.save(kind, state, comm, async_save=async_save, lazy=lazy)
