@@ -151,7 +151,7 @@ MUTATIONS = [
     ("no-syncfs", "transfer/writer.py", "barrier.sync(small)", "pass", ["manager"]),
     (
         "delete-before-rename",
-        "storage/staging.py",
+        "commit/staging.py",
         "            if parent.exchange(mine, name):\n",
         "            parent.delete_tree(name)\n"
         "            parent.rename(mine, name)\n"
@@ -162,7 +162,7 @@ MUTATIONS = [
     ),
     (  # the groups' metadata, written at the commit, left out of the directories' fsync
         "group-metadata-not-durable",
-        "storage/staging.py",
+        "commit/staging.py",
         "        self.root.persist(files)\n",
         "",
         ["overwrite"],

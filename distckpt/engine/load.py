@@ -1,13 +1,15 @@
 """``distckpt.load``: fill a state in place from a checkpoint, on any world size.
 
-Every rank reads the index, matches its leaves to stored variables by name, checks kind,
-dtype and shape, and then reads only the stored pieces that intersect its own boxes,
-verifying every checksum on the way (:mod:`distckpt.planning.read_plan`). Ranks need not
-talk to each other to read. One collective before reading (:func:`agree_names`) tells
-every rank whether all can read and which stored names no rank restores: ranks may hold
-different variables (pipeline stages), so a name is unexpected only when the whole job
-leaves it. One collective at the end makes every rank raise if any rank failed, so a job
-never continues half-restored on some ranks.
+A kind of the restore pipeline (:mod:`distckpt.engine.pipeline`). Every rank reads the index,
+matches its leaves to stored variables by name, checks kind, dtype and shape, and then
+reads only the stored pieces that intersect its own boxes, verifying every checksum on
+the way (:mod:`distckpt.planning.read_plan`). Ranks need not talk to each other to read.
+One collective before reading (the pipeline's names agreement) tells every rank whether
+all can read and which stored names no rank restores: ranks may hold different
+variables (pipeline stages), so a name is unexpected only when the whole job leaves it;
+it also carries each rank's offer to share reads with the ranks that restore the same
+targets (:mod:`distckpt.transfer.exchange`). One collective at the end makes every rank
+raise if any rank failed, so a job never continues half-restored on some ranks.
 
 Each rank reads with its I/O workers (:mod:`distckpt.transfer.reader`). If a read fails
 (a corrupted chunk), the targets may be partly filled with new values; the error names
@@ -16,19 +18,17 @@ the variable and the file.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distckpt import dtypes
-from distckpt.comm import Communicator, auto, raise_if_any_failed
+from distckpt.comm import Communicator
 from distckpt.comm.outcome import announce
-from distckpt.engine import background, reuse
-from distckpt.engine.matching import Prepared, agree_names, assign, prepare
+from distckpt.engine import reuse
+from distckpt.engine.matching import Prepared, assign, prepare
 from distckpt.engine.options import (
     LOAD,
     CheckpointOptions,
@@ -37,6 +37,7 @@ from distckpt.engine.options import (
     merge_or_refuse,
     resolve,
 )
+from distckpt.engine.pipeline import RestoreKind, communicator, restore
 from distckpt.engine.results import LoadResult
 from distckpt.format import index as index_mod
 from distckpt.progress import progress
@@ -48,8 +49,6 @@ from distckpt.transfer.reader import ReadTarget, read_targets
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-log = logging.getLogger("distckpt")
 
 
 def load(
@@ -81,8 +80,7 @@ def load(
     see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS`` overrides it). GPU
     targets are filled through pinned staging slabs (:mod:`distckpt.transfer.slabs`).
     """
-    background.finish_pending()  # also raises the error of a save nobody waited for
-    comm = comm or auto()
+    comm = communicator(comm)  # also raises the error of a save nobody waited for
     merged, refused = merge_or_refuse(options, keywords, LOAD, "load")
     return load_indexed(state, resolve(merged, path, comm), None, comm, refused=refused)
 
@@ -99,31 +97,7 @@ def load_indexed(
     checkpoint's ``index`` already read on every rank (by :func:`read_shared_index`; None:
     read it now), as a restore that loads in several rounds does. ``refused``: this rank's
     arguments were refused (reported on every rank)."""
-    store, opts = run.store, run.options
-    result = LoadResult(location(store))
-    t0 = time.perf_counter()
-    error: BaseException | None = None
-    prepared: Prepared | None = None
-    try:
-        if index is None:
-            index = read_shared_index(store, comm)
-            reuse.remember_index(store, index)  # the base of a later save
-        if refused is not None:
-            raise refused
-        prepared = prepare(state, index, result, comm.rank, comm.size, opts)
-    except Exception as exc:
-        error = exc
-    try:
-        stored = index["variables"] if index is not None else {}
-        groups = _agree(comm, stored, prepared, result, opts.strict)
-        if groups is not None and prepared is not None:
-            _read(comm, store, prepared, groups, result, run.io_workers)
-    except Exception as exc:
-        error = error or exc
-    if prepared is not None:
-        result.timings["plan"] = prepared.t_plan - t0
-        result.timings["read"] = time.perf_counter() - prepared.t_plan
-    return settle(comm, result, error, t0)
+    return restore(comm, _Indexed(run, index, refused), state)
 
 
 def read_shared_index(store: Store, comm: Communicator) -> index_mod.Index:
@@ -134,56 +108,64 @@ def read_shared_index(store: Store, comm: Communicator) -> index_mod.Index:
     return index_mod.parse_index(payload, store)
 
 
-def settle(
-    comm: Communicator, result: LoadResult, error: BaseException | None, t0: float
-) -> LoadResult:
-    """The end of a load on every rank: raise if any rank failed, else time and log it."""
-    raise_if_any_failed(comm, error)
-    result.timings["total"] = time.perf_counter() - t0
-    if comm.rank == 0:
-        log.info(
-            "restored %s: %d variables, %d bytes read by rank 0 in %.3fs (%s)",
-            result.path,
-            len(result.loaded),
-            result.bytes_read,
-            result.timings["total"],
-            ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
-        )
-    return result
+class _Indexed(RestoreKind[Prepared]):
+    """A restore from a checkpoint's index (:mod:`distckpt.engine.pipeline`): each rank reads
+    the pieces its boxes need, sharing with the ranks that restore the same targets."""
 
+    source = "checkpoint"
 
-def _agree(
-    comm: Communicator,
-    stored: Collection[str],
-    prepared: Prepared | None,
-    result: LoadResult,
-    strict: bool,
-) -> list[exchange.Group] | None:
-    """Collective, before anything is read, even for a rank whose preparation failed
-    (``prepared`` None): one :func:`agree_names` carrying each rank's offer to share
-    reads (:mod:`distckpt.transfer.exchange`). Raises the names error under ``strict``;
-    returns the exchange groups this rank belongs to, or None when a rank cannot read
-    (every rank then skips reading: the load fails on every rank anyway)."""
-    sharing = exchange.can_exchange(comm)
-    kinds: list[list[ReadTarget]] = [[], []]
-    offer = None
-    if prepared is not None:
-        if sharing:
-            kinds = exchange.classes(prepared.reads, prepared.replicated)
-        offer = (exchange.wanted(), *map(exchange.digest, kinds))
-    offers = agree_names(comm, offer, stored, result, strict)
-    if any(o is None for o in offers):
-        return None
-    groups: list[exchange.Group] = []
-    everyone = [o[1:] for o in offers] if sharing and all(o[0] for o in offers) else []
-    for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
-        colors = exchange.colors(everyone, kind)
-        if max(colors) < 0:  # nobody shares these targets: no group to make
-            continue
-        sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
-        if sub is not None:
-            groups.append(exchange.Group(sub, kinds[kind]))
-    return groups
+    def __init__(
+        self, run: Resolved, index: dict[str, Any] | None, refused: BaseException | None
+    ) -> None:
+        self.run = run
+        self.options = run.options
+        self.index = index
+        self.refused = refused
+        self.path = location(run.store)
+        self.stored: Collection[str] = {}
+        self.kinds: list[list[ReadTarget]] = [[], []]  # this rank's reads, by exchange class
+
+    def read_metadata(self, comm: Communicator) -> None:
+        if self.index is None:
+            self.index = read_shared_index(self.run.store, comm)
+            reuse.remember_index(self.run.store, self.index)  # the base of a later save
+        self.stored = self.index["variables"]
+
+    def match(
+        self, comm: Communicator, state: dict[str, Any], result: LoadResult
+    ) -> Prepared | None:
+        if self.refused is not None:
+            raise self.refused
+        assert self.index is not None
+        return prepare(state, self.index, result, comm.rank, comm.size, self.options)
+
+    def offer(self, comm: Communicator, matched: Prepared) -> Any:
+        """Whether this rank shares reads, and the digests of what it restores
+        (:mod:`distckpt.transfer.exchange`)."""
+        if exchange.can_exchange(comm):
+            self.kinds = exchange.classes(matched.reads, matched.replicated)
+        return (exchange.wanted(), *map(exchange.digest, self.kinds))
+
+    def read(
+        self, comm: Communicator, matched: Prepared, offers: list[Any], result: LoadResult
+    ) -> None:
+        groups = self._groups(comm, offers)
+        _read(comm, self.run.store, matched, groups, result, self.run.io_workers)
+
+    def _groups(self, comm: Communicator, offers: list[Any]) -> list[exchange.Group]:
+        """Collective: the exchange groups this rank belongs to, made from every rank's
+        offer: the ranks that restore the same targets of one class read them once."""
+        groups: list[exchange.Group] = []
+        sharing = exchange.can_exchange(comm) and all(o[0] for o in offers)
+        everyone = [o[1:] for o in offers] if sharing else []
+        for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
+            colors = exchange.colors(everyone, kind)
+            if max(colors) < 0:  # nobody shares these targets: no group to make
+                continue
+            sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
+            if sub is not None:
+                groups.append(exchange.Group(sub, self.kinds[kind]))
+        return groups
 
 
 def _read(

@@ -10,7 +10,6 @@ rules.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,6 @@ class Prepared:
     reads: list[ReadTarget]
     replicated: list[bool]  # per read: a plain tensor's (the same on every rank)
     fresh: list[tuple[Leaf, Any]]  # tensors and values to put in place once all is read
-    t_plan: float
 
 
 def prepare(
@@ -102,7 +100,7 @@ def prepare(
             saved_world,
             ", ".join(moved),
         )
-    prepared = Prepared([], [], [], 0.0)
+    prepared = Prepared([], [], [])
     for leaf, entry, pieces in jobs:
         box = target_box(leaf, entry)
         if box is None:  # decoded now (a refused pickle fails here), in place once all is read
@@ -119,7 +117,6 @@ def prepare(
             prepared.reads.append(ReadTarget(leaf.name, entry, box, leaf.tensor, stored=pieces))
             prepared.replicated.append(leaf.replicated)
         result.loaded.append(leaf.name)
-    prepared.t_plan = time.perf_counter()
     return prepared
 
 

@@ -1,6 +1,8 @@
 """``distckpt.save``: one checkpoint, written by every rank, committed by the coordinator.
 
-The protocol, in the order every rank runs it (collectives marked *):
+A kind of the save pipeline (:mod:`distckpt.engine.pipeline`, which runs the stages, reports a
+failure on every rank and runs background saves). The protocol, in the order every rank
+runs it (collectives marked *):
 
 1. **Describe** (every rank): flatten the state; describe each leaf (name, dtype, global
    shape, box; a crc32c of each replicated tensor; values as typed JSON).
@@ -11,8 +13,8 @@ The protocol, in the order every rank runs it (collectives marked *):
    (:mod:`distckpt.commit.transaction`: a staging directory on a file system, a claim on
    the name on an object store) and broadcasts the plan, or the first error, which every
    rank then raises. Nothing has been written yet when a validation error is raised.
-3. **Exchange** (*one gather per writer of small tensors): the ranks holding boxes of a
-   small tensor send their bytes to its writer.
+3. **Exchange** (*one gather per writer of small tensors, the start of the pipeline's
+   write stage): the ranks holding boxes of a small tensor send their bytes to its writer.
 4. **Write** (every rank): each rank writes its pieces and the ``zarr.json`` of the arrays
    it starts, durably, through the store (:mod:`distckpt.storage.backend`). No two ranks
    write one file.
@@ -29,18 +31,16 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from distckpt import dtypes
-from distckpt.comm import Communicator, auto
+from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.commit.transaction import Transaction, begin, save_root
-from distckpt.engine import background, reuse
-from distckpt.engine.agree import agree
-from distckpt.engine.background import AsyncSave, Snapped, save_in_background
+from distckpt.engine import pipeline, reuse
+from distckpt.engine.agree import Agreed, agree
+from distckpt.engine.background import AsyncSave, Snapped
 from distckpt.engine.commit import Report, commit
 from distckpt.engine.gather_small import assemble, send_small
 from distckpt.engine.local_state import LocalState, describe_state, replica_checksums
@@ -52,6 +52,7 @@ from distckpt.engine.options import (
     merge_or_refuse,
     resolve,
 )
+from distckpt.engine.pipeline import SaveKind, Stage, communicator
 from distckpt.engine.results import SaveResult
 from distckpt.errors import interfered
 from distckpt.format import index as index_mod
@@ -61,7 +62,6 @@ from distckpt.items import gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
-from distckpt.progress import progress
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import location
 from distckpt.storage.registry import open_store as resolve_store
@@ -76,44 +76,209 @@ log = logging.getLogger("distckpt")
 COORDINATOR = 0
 
 
-@dataclass
-class _Job:
-    """One save as it runs: its options, resolved once (store, I/O workers), the callback
-    after its commit, and whether rank 0 may show progress."""
+class _CheckpointSave(SaveKind[LocalState, Agreed]):
+    """One save of a checkpoint (steps 1 to 5 of the module doc, as a kind of
+    :mod:`distckpt.engine.pipeline`): its options, resolved once (store, I/O workers), the
+    callback after its commit, the checkpoint it builds on, and what each step leaves
+    for the next."""
 
-    run: Resolved
-    after_commit: Callable[[], None] | None = None
-    show_progress: bool = True  # rank 0's progress on a terminal (not for background saves)
-    error: BaseException | None = None  # the options were refused on this rank
-    base: Store | None = None  # the checkpoint it builds on (an incremental save)
-
-    @classmethod
-    def of(
-        cls,
+    def __init__(
+        self,
         options: CheckpointOptions | None,
         keywords: Mapping[str, Any],
         path: str | os.PathLike[str],
         comm: Communicator,
         where: str,
-        **job: Any,
-    ) -> _Job:
-        """The job of a save to ``path``. Options refused on this rank (a bad compression,
-        say) do not raise here: the save reports them on every rank (see ``error``)."""
-        merged, error = merge_or_refuse(options, keywords, SAVE, where)
-        base = job.pop("base", None)
+        *,
+        source_of: Callable[[Any, str], Source] = source_for,
+        after_commit: Callable[[], None] | None = None,
+        base: str | os.PathLike[str] | Store | None = None,
+    ) -> None:
+        # Options refused on this rank (a bad compression, say) do not raise here: the
+        # save reports them on every rank (see ``check``).
+        merged, self.error = merge_or_refuse(options, keywords, SAVE, where)
+        self.base: Store | None = None  # the checkpoint it builds on (an incremental save)
         try:
-            job["base"] = None if base is None or not merged.incremental else resolve_store(base)
+            self.base = None if base is None or not merged.incremental else resolve_store(base)
         except (TypeError, ValueError) as exc:
-            error = error or exc
-        return cls(resolve(merged, path, comm), error=error, **job)
+            self.error = self.error or exc
+        self.run: Resolved = resolve(merged, path, comm)
+        self.source_of = source_of
+        self.after_commit = after_commit
+        self.final: Store = self.run.store
+        self.options: CheckpointOptions = self.run.options
+        self.where = self.final.url
+        self.result = SaveResult(location(self.final))
+        self.local: LocalState | None = None
+        self.staging: Transaction | None = None  # begun, not committed: aborted on failure
+        self.known_base: reuse.Known | None = None
+        self.stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
+        self.stored_bytes = 0  # by every rank: known to the coordinator
 
-    @property
-    def final(self) -> Store:
-        return self.run.store
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
-    @property
-    def options(self) -> CheckpointOptions:
-        return self.run.options
+    def capture(self, state: dict[str, Any]) -> LocalState:
+        leaves, values = gather_leaves(state, self.options.allow_pickle)
+        sources = {
+            leaf.name: self.source_of(leaf.tensor, leaf.name)
+            for leaf in leaves
+            if leaf.tensor is not None
+        }
+        return LocalState(leaves, sources, values)
+
+    def hosted(self, snapped: Snapped) -> LocalState:
+        """A snapshot's leaves, read in place from its host copies."""
+        leaves, arrays, values = snapped
+        return LocalState(leaves, {name: HostData(array) for name, array in arrays.items()}, values)
+
+    def describe(self, local: LocalState) -> list[Desc]:
+        self.local = local
+        return describe_state(local)
+
+    def plan(
+        self, comm: Communicator, described: list[Desc] | Failure, error: BaseException | None
+    ) -> Agreed:
+        """Steps 1-2: agree on a plan (the last one, while nothing changed), begin the
+        transaction; with a base, learn what may be taken from it."""
+        opts = self.options
+        # What a cached plan must have been made with (a mapping of compression choices is
+        # ordered: its first matching pattern wins).
+        made_with = (opts.small_bytes, opts.inner_bytes, opts.compression_key(), comm.size)
+        agreed = agree(
+            comm,
+            described,
+            lambda names: replica_checksums(self.local, names, self.run.io_workers),  # type: ignore[arg-type]
+            made_with,
+            lambda ranks: plan_save(
+                ranks,
+                small_bytes=opts.small_bytes,
+                inner_bytes=opts.inner_bytes,
+                compression=opts.compression,
+            ),
+            lambda token: begin(self.final, token, comm.size, overwrite=opts.overwrite),
+            error,
+        )
+        self.staging = agreed.begun
+        self.known_base = None if self.base is None else reuse.check_base(comm, self.base)
+        return agreed
+
+    def write(self, comm: Communicator, plan: Agreed, stage: Stage) -> Report | Failure:
+        """Steps 3-4: exchange small tensors, write."""
+        assert self.local is not None
+        received, failure = send_small(comm, plan.work, self.local.sources)
+        stage.lap("exchange")
+        if failure is not None:
+            return failure
+        return self._write(plan.work, received, comm.rank, stage)
+
+    def commit(
+        self,
+        comm: Communicator,
+        plan: Agreed,
+        report: Report | Failure,
+        error: BaseException | None,
+    ) -> None:
+        """Step 5, the coordinator once every rank's report is in."""
+        index_version: str | None = None
+
+        def commit_all(reports: list[Report]) -> None:
+            nonlocal index_version
+            assert self.staging is not None and plan.plan is not None
+            self.stored_bytes = sum(report.nbytes for report in reports)
+            raw = commit(plan.plan, reports, plan.values or {}, self.staging, plan.work.token)
+            index_version = index_mod.version_of(raw)
+            self.staging = None  # committed: nothing left to abort
+            if self.after_commit is not None:
+                self.after_commit()  # its error is every rank's, the checkpoint committed
+
+        def abort_unless_committed(failure: Failure | None) -> None:
+            if self.staging is not None:
+                self.staging.abort()
+                self.staging = None
+
+        coordinate(comm, report, commit_all, error=error, settle=abort_unless_committed)
+        if self.options.incremental:
+            reuse.remember_saved(self.final, index_version, self.stored)
+
+    def abort(self, exc: BaseException) -> BaseException:
+        # A collective that failed (a dead rank, a time-out) skips the normal abort: never
+        # leave a staging directory whose heartbeat would keep it looking alive.
+        if self.staging is not None:
+            self.staging.abort()
+        return interfered(exc, f"saving {self.final.url}")
+
+    def finish(self, comm: Communicator, plan: Agreed, timings: dict[str, float]) -> SaveResult:
+        result = self.result
+        result.plan_reused = plan.reused
+        result.save_id = plan.work.token
+        result.timings = timings
+        if comm.rank == COORDINATOR:
+            assert plan.plan is not None
+            log.info(
+                "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s plan; %s)",
+                self.final.url,
+                len(plan.plan.specs),
+                self.stored_bytes,
+                comm.size,
+                timings["total"],
+                "reused" if plan.reused else "new",
+                ", ".join(f"{k} {v:.3f}s" for k, v in timings.items() if k != "total"),
+            )
+        return result
+
+    def _write(
+        self, work: RankWork, received: dict[int, dict[int, bytes]], rank: int, stage: Stage
+    ) -> Report:
+        """Write this rank's pieces into the staging directory with its I/O workers (or
+        take them from the base, when unchanged); return what each stores.
+
+        On a terminal, rank 0 shows its own progress (its pieces' bytes before
+        compression) when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
+        assert self.local is not None
+        root = save_root(self.final, work.token)
+        jobs: list[PieceJob] = []
+        files: list[tuple[str, bytes]] = []
+        like: dict[str, tuple[Store, str]] = {}  # metadata an incremental save may link
+        caps = self.final.capabilities
+        for piece in work.writes:
+            if piece.meta_file is not None and piece.meta is not None:
+                files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
+            data = assemble(piece, self.local.sources, received.get(piece.id, {}), rank)
+            taken = (
+                None
+                if self.base is None
+                else reuse.reuse_for(self.base, self.known_base, self.final, piece)
+            )
+            jobs.append(
+                PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec, taken)
+            )
+            if taken is not None and piece.meta_file is not None and caps.local_files:
+                like[piece.meta_file] = (taken.store, piece.meta_file)
+        keys = [job.key for job in jobs] + [key for key, _ in files]
+        root.prepare(keys)
+        total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
+        with stage.progress(f"saving {self.final.name} (rank 0's share)", total) as bar:
+            written = write_pieces(
+                root,
+                jobs,
+                files,
+                like,
+                workers=self.run.io_workers,
+                on_bytes=bar.update,
+                digests=self.options.incremental,
+            )
+        result = self.result
+        reused = [s for s in written.values() if s.reused is not None]
+        result.bytes_reused += sum(s.size for s in reused)
+        result.pieces_reused += len(reused)
+        result.bytes_written += sum(s.size for s in written.values()) - result.bytes_reused
+        result.files_written += len(files) + sum(
+            1 for s in written.values() if s.size and s.reused is None
+        )
+        self.stored.update((piece.file, (piece, written[piece.id])) for piece in work.writes)
+        return Report.of(written)
 
 
 @overload
@@ -227,66 +392,11 @@ def save(
     """
     if lazy is not False and not async_save:
         raise ValueError("lazy saves run in the background: pass async_save=True as well")
-    background.finish_pending()
-    comm = comm or auto()
-    job = _Job.of(
-        options,
-        keywords,
-        path,
-        comm,
-        "save",
-        after_commit=after_commit,
-        show_progress=not async_save,
-        base=base,
+    comm = communicator(comm)
+    kind = _CheckpointSave(
+        options, keywords, path, comm, "save", after_commit=after_commit, base=base
     )
-    if not async_save:
-        return _save_blocking(state, comm, job, source_for)
-
-    def check() -> None:
-        if job.error is not None:
-            raise job.error
-
-    return save_in_background(
-        state,
-        comm,
-        job.options.allow_pickle,
-        lazy,
-        job.final.url,
-        lambda bg_comm, snapped, error: _protocol(bg_comm, _hosted(snapped), job, error),
-        check=check,
-        yielding=job.options.yielding(),
-    )
-
-
-def _hosted(snapped: Snapped | Failure) -> LocalState | Failure:
-    """A snapshot's leaves, read in place from its host copies."""
-    if isinstance(snapped, Failure):
-        return snapped
-    leaves, arrays, values = snapped
-    return LocalState(leaves, {name: HostData(array) for name, array in arrays.items()}, values)
-
-
-def _save_blocking(
-    state: dict[str, Any],
-    comm: Communicator,
-    job: _Job,
-    source_of: Callable[[Any, str], Source],
-) -> SaveResult:
-    local: LocalState | Failure
-    error: BaseException | None = None
-    try:
-        if job.error is not None:
-            raise job.error
-        leaves, values = gather_leaves(state, job.options.allow_pickle)
-        sources = {
-            leaf.name: source_of(leaf.tensor, leaf.name)
-            for leaf in leaves
-            if leaf.tensor is not None
-        }
-        local = LocalState(leaves, sources, values)
-    except Exception as exc:
-        local, error = Failure.capture(exc, comm.rank), exc
-    return _protocol(comm, local, job, error=error)
+    return pipeline.save(kind, state, comm, async_save=async_save, lazy=lazy)
 
 
 def save_from(
@@ -302,175 +412,6 @@ def save_from(
     name)``: an import's state holds meta tensors (their shapes and dtypes) whose bytes
     come from the source files (:class:`~distckpt.transfer.sources.FileData`) as the
     writer asks for them, through the staging slabs, so the state is never in memory."""
-    background.finish_pending()
-    comm = comm or auto()
-    return _save_blocking(state, comm, _Job.of(options, keywords, path, comm, "save"), source_of)
-
-
-def _protocol(
-    comm: Communicator, local: LocalState | Failure, job: _Job, error: BaseException | None
-) -> SaveResult:
-    """Steps 1 to 5 of the protocol, from this rank's leaves or the failure that replaced
-    them (``error``, the local exception, is re-raised as itself on this rank)."""
-    final = job.final
-    opts = job.options
-    result = SaveResult(location(final))
-    stored_bytes = 0  # by every rank: known to the coordinator
-    t0 = time.perf_counter()
-
-    # 1-2. Describe, and agree on a plan (the last one, while nothing changed).
-    descs: list[Desc] | Failure = local if isinstance(local, Failure) else []
-    if isinstance(local, LocalState):
-        try:
-            descs = describe_state(local)
-        except Exception as exc:
-            error, descs = exc, Failure.capture(exc, comm.rank)
-    # What a cached plan must have been made with (a mapping of compression choices is
-    # ordered: its first matching pattern wins).
-    made_with = (opts.small_bytes, opts.inner_bytes, opts.compression_key(), comm.size)
-    staging: Transaction | None = None
-    try:
-        agreed = agree(
-            comm,
-            descs,
-            lambda names: replica_checksums(local, names, job.run.io_workers),  # type: ignore[arg-type]
-            made_with,
-            lambda ranks: plan_save(
-                ranks,
-                small_bytes=opts.small_bytes,
-                inner_bytes=opts.inner_bytes,
-                compression=opts.compression,
-            ),
-            lambda token: begin(final, token, comm.size, overwrite=opts.overwrite),
-            error,
-        )
-        staging = agreed.begun
-        known_base = None if job.base is None else reuse.check_base(comm, job.base)
-        stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
-        work = agreed.work
-        local_error: BaseException | None = error
-        assert isinstance(local, LocalState)
-        t_plan = time.perf_counter()
-
-        # 3-4. Exchange small tensors, write.
-        report: Any
-        received, report = send_small(comm, work, local.sources)
-        t_exchange = time.perf_counter()
-        if not isinstance(report, Failure):
-            try:
-                report = _write(work, local, received, comm.rank, job, result, known_base, stored)
-            except Exception as exc:
-                local_error, report = exc, Failure.capture(exc, comm.rank)
-        t_write = time.perf_counter()
-
-        # 5. Commit (the coordinator, once every rank's report is in).
-        index_version: str | None = None
-
-        def commit_all(reports: list[Report]) -> None:
-            nonlocal staging, stored_bytes, index_version
-            assert staging is not None and agreed.plan is not None
-            stored_bytes = sum(report.nbytes for report in reports)
-            raw = commit(agreed.plan, reports, agreed.values or {}, staging, work.token)
-            index_version = index_mod.version_of(raw)
-            staging = None  # committed: nothing left to abort
-            if job.after_commit is not None:
-                job.after_commit()  # its error is every rank's, the checkpoint committed
-
-        def abort_unless_committed(failure: Failure | None) -> None:
-            nonlocal staging
-            if staging is not None:
-                staging.abort()
-                staging = None
-
-        coordinate(comm, report, commit_all, error=local_error, settle=abort_unless_committed)
-        if job.options.incremental:
-            reuse.remember_saved(final, index_version, stored)
-    except BaseException as exc:
-        # A collective that failed (a dead rank, a time-out) skips the normal abort: never
-        # leave a staging directory whose heartbeat would keep it looking alive.
-        if staging is not None:
-            staging.abort()
-        error = interfered(exc, f"saving {final.url}")
-        if error is exc:
-            raise
-        raise error from exc
-    t_end = time.perf_counter()
-    result.plan_reused = agreed.reused
-    result.save_id = work.token
-    result.timings = {
-        "plan": t_plan - t0,
-        "exchange": t_exchange - t_plan,
-        "write": t_write - t_exchange,
-        "commit": t_end - t_write,
-        "total": t_end - t0,
-    }
-    if comm.rank == COORDINATOR:
-        assert agreed.plan is not None
-        log.info(
-            "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s plan; %s)",
-            final.url,
-            len(agreed.plan.specs),
-            stored_bytes,
-            comm.size,
-            result.timings["total"],
-            "reused" if agreed.reused else "new",
-            ", ".join(f"{k} {v:.3f}s" for k, v in result.timings.items() if k != "total"),
-        )
-    return result
-
-
-def _write(
-    work: RankWork,
-    local: LocalState,
-    received: dict[int, dict[int, bytes]],
-    rank: int,
-    job: _Job,
-    result: SaveResult,
-    known_base: reuse.Known | None,
-    stored: dict[str, tuple[Piece, Stored]],
-) -> Report:
-    """Write this rank's pieces into the staging directory with its I/O workers (or take
-    them from the base, when unchanged); return what each stores.
-
-    On a terminal, rank 0 shows its own progress (its pieces' bytes before compression)
-    when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
-    root = save_root(job.final, work.token)
-    jobs: list[PieceJob] = []
-    files: list[tuple[str, bytes]] = []
-    like: dict[str, tuple[Store, str]] = {}  # metadata an incremental save may link
-    caps = job.final.capabilities
-    for piece in work.writes:
-        if piece.meta_file is not None and piece.meta is not None:
-            files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
-        data = assemble(piece, local.sources, received.get(piece.id, {}), rank)
-        taken = (
-            None if job.base is None else reuse.reuse_for(job.base, known_base, job.final, piece)
-        )
-        jobs.append(
-            PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec, taken)
-        )
-        if taken is not None and piece.meta_file is not None and caps.local_files:
-            like[piece.meta_file] = (taken.store, piece.meta_file)
-    keys = [job.key for job in jobs] + [key for key, _ in files]
-    root.prepare(keys)
-    total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
-    label = f"saving {job.final.name} (rank 0's share)"
-    with progress(label, total if job.show_progress else 0, rank=rank) as bar:
-        written = write_pieces(
-            root,
-            jobs,
-            files,
-            like,
-            workers=job.run.io_workers,
-            on_bytes=bar.update,
-            digests=job.options.incremental,
-        )
-    reused = [s for s in written.values() if s.reused is not None]
-    result.bytes_reused += sum(s.size for s in reused)
-    result.pieces_reused += len(reused)
-    result.bytes_written += sum(s.size for s in written.values()) - result.bytes_reused
-    result.files_written += len(files) + sum(
-        1 for s in written.values() if s.size and s.reused is None
-    )
-    stored.update((piece.file, (piece, written[piece.id])) for piece in work.writes)
-    return Report.of(written)
+    comm = communicator(comm)
+    kind = _CheckpointSave(options, keywords, path, comm, "save", source_of=source_of)
+    return pipeline.save_blocking(kind, state, comm)

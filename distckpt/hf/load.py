@@ -8,11 +8,11 @@ the target where it is a contiguous host tensor, else a band at a time through t
 staging slabs (GPU targets, views), as :func:`distckpt.load` does. Names, shapes and
 dtypes are checked before anything is read, with the errors of a checkpoint load.
 
-Protocol: rank 0 reads the index and every file's header and broadcasts them (one
-reader of the metadata however many ranks); each rank then plans on its own; one
-collective (:func:`~distckpt.engine.load.agree_names`) tells every rank whether all can
-read and which weights no rank loads; each rank reads on its own; a last collective
-makes every rank raise if any rank failed.
+A kind of the restore pipeline (:mod:`distckpt.engine.pipeline`): rank 0 reads the index and
+every file's header and broadcasts them (one reader of the metadata however many ranks);
+each rank then plans on its own; one collective (the pipeline's names agreement) tells
+every rank whether all can read and which weights no rank loads; each rank reads on its
+own; a last collective makes every rank raise if any rank failed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,12 +28,11 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
-from distckpt.comm import Communicator, auto
+from distckpt.comm import Communicator
 from distckpt.comm.outcome import announce
-from distckpt.engine import background
-from distckpt.engine.load import settle
-from distckpt.engine.matching import agree_names, assign, check_leaf, target_box
+from distckpt.engine.matching import assign, check_leaf, target_box
 from distckpt.engine.options import HF_LOAD, CheckpointOptions, merge_or_refuse
+from distckpt.engine.pipeline import RestoreKind, communicator, restore
 from distckpt.engine.results import LoadResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
@@ -91,31 +89,64 @@ def load_hf(
     ``options`` (or the keywords ``strict``, ``io_workers``) as for :func:`distckpt.load`;
     ``path`` may be a store (``s3://bucket/model``, ``az://...``, ``gs://...``).
     """
-    background.finish_pending()
-    comm = comm or auto()
+    comm = communicator(comm)
     names_mod.for_loading(prefix, rename)  # checks the pair before any communication
     opts, error = merge_or_refuse(options, keywords, HF_LOAD, "load_hf")
-    result = LoadResult(path if is_stored(path) else Path(path).absolute())  # type: ignore[arg-type]
-    t0 = time.perf_counter()
-    weights = announce(comm, lambda: open_weights(path))
-    workers = transfer_workers.resolve(opts.io_workers, comm, network=is_stored(path))
-    stored: dict[str, StoredTensor] = {}
-    matched: _Matched | None = None
-    try:
-        if error is not None:
-            raise error
-        stored = _stored(weights, prefix, rename)
-        matched = _match(state, stored, prefix, rename, result, opts.strict)
-    except Exception as exc:
-        error = exc
-    try:
-        payload = None if matched is None else True  # None: this rank cannot read
-        ready = agree_names(comm, payload, stored, result, opts.strict, "weights")
-        if matched is not None and None not in ready:
-            _read_local(matched, result, workers, comm.rank, _reader(weights))
-    except Exception as exc:
-        error = error or exc
-    return settle(comm, result, error, t0)
+    return restore(comm, _Weights(path, prefix, rename, opts, error), state)
+
+
+@dataclass
+class _Matched:
+    """A rank's reads from the weights, checked before anything is read."""
+
+    jobs: list[tuple[Leaf, StoredTensor, Box]]
+    aliases: list[str]  # names filled by a loaded tensor they share memory with
+
+
+class _Weights(RestoreKind[_Matched]):
+    """A restore from Hugging Face weights (:mod:`distckpt.engine.pipeline`): rank 0 reads the
+    metadata for every rank, each rank reads its own boxes."""
+
+    source = "weights"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        prefix: str,
+        rename: names_mod.Rename | None,
+        options: CheckpointOptions,
+        error: BaseException | None,
+    ) -> None:
+        self.at = path
+        self.path = path if is_stored(path) else Path(path).absolute()  # type: ignore[assignment]
+        self.prefix = prefix
+        self.rename = rename
+        self.options = options
+        self.error = error  # this rank's arguments were refused
+        self.stored: dict[str, StoredTensor] = {}
+        self.workers = 0
+
+    def read_metadata(self, comm: Communicator) -> None:
+        self.weights = announce(comm, lambda: open_weights(self.at))
+        self.workers = transfer_workers.resolve(
+            self.options.io_workers, comm, network=is_stored(self.at)
+        )
+
+    def match(
+        self, comm: Communicator, state: dict[str, Any], result: LoadResult
+    ) -> _Matched | None:
+        if self.error is not None:
+            raise self.error
+        self.stored = _stored(self.weights, self.prefix, self.rename)
+        return _match(state, self.stored, self.prefix, self.rename, result, self.options.strict)
+
+    def offer(self, comm: Communicator, matched: _Matched) -> Any:
+        return True
+
+    def read(
+        self, comm: Communicator, matched: _Matched, offers: list[Any], result: LoadResult
+    ) -> None:
+        _read_local(matched, result, self.workers, comm.rank, _reader(self.weights))
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -127,15 +158,6 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
         t.shape,
         t.stride(),
     )
-
-
-@dataclass
-class _Matched:
-    """A rank's reads from the weights, checked before anything is read."""
-
-    jobs: list[tuple[Leaf, StoredTensor, Box]]
-    aliases: list[str]  # names filled by a loaded tensor they share memory with
-    t0: float
 
 
 def _stored(
@@ -167,7 +189,6 @@ def _match(
     """Match the state's tensors to ``stored`` and check each; sets ``result.missing``
     and this rank's ``result.unexpected``. None when ``strict`` and a name is missing
     (raised once the job agrees on the names)."""
-    t0 = time.perf_counter()
     # Only tensors (and None placeholders for new ones) can come from weights: Python
     # values and per-rank entries are not theirs to fill, nor names outside the prefix.
     leaves = [
@@ -200,7 +221,7 @@ def _match(
         box = target_box(leaf, doc)
         assert box is not None
         jobs.append((leaf, entry, box))
-    return _Matched(jobs, aliases, t0)
+    return _Matched(jobs, aliases)
 
 
 def _reader(weights: Any) -> Any:
@@ -215,7 +236,6 @@ def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int, 
     new tensors in place."""
     jobs, aliases = matched.jobs, matched.aliases
     total = sum(box.numel * dtypes.itemsize(e.dtype) for _, e, box in jobs)
-    t_plan = time.perf_counter()
     fresh: list[tuple[Leaf, torch.Tensor]] = []
     used: set[slabs.SlabPool] = set()
     with progress(f"loading {Path(result.path).name} (rank 0's share)", total, rank=rank) as bar:
@@ -248,8 +268,6 @@ def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int, 
     result.loaded = [leaf.name for leaf, _, _ in jobs] + aliases
     for leaf, new in fresh:
         assign(leaf, new)
-    result.timings["plan"] = t_plan - matched.t0
-    result.timings["read"] = time.perf_counter() - t_plan
 
 
 def _submit_staged(

@@ -4,9 +4,9 @@ bounded memory, to a directory or a store (``s3://``, ``az://``, ``gs://``, a pl
 The layout follows ``save_pretrained`` (:mod:`distckpt.hf.directory`): files of at most
 ``max_shard_size`` and, when there are several, ``model.safetensors.index.json``.
 
-The protocol, in the order every rank runs it (collectives marked *), which
-:func:`write_directory` runs for :func:`save_hf` and for
-:func:`distckpt.tools.export_hf.export_hf`:
+The protocol, in the order every rank runs it (collectives marked *): a kind of the save
+pipeline (:mod:`distckpt.engine.pipeline`), :class:`WeightsSave`, which :func:`save_hf` and
+:func:`distckpt.tools.export_hf.export_hf` extend with what they write and how:
 
 1. **Describe** (every rank): the tensors to write, by weights name, with dtype, global
    shape and this rank's box (:func:`save_hf`); or nothing (``export_hf``: the
@@ -42,48 +42,28 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import time
 import uuid
+from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distckpt.comm import Communicator, auto
+from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure, coordinate
-from distckpt.engine import background
+from distckpt.engine import pipeline
 from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
+from distckpt.engine.pipeline import SaveKind, Stage, communicator
 from distckpt.engine.results import SaveResult
-from distckpt.errors import CheckpointExists, ValidationError
+from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
-from distckpt.hf.directory import (
-    DEFAULT_MAX_BYTES,
-    INDEX,
-    OutFile,
-    index_document,
-    parse_size,
-    plan_files,
-)
-from distckpt.hf.write import (
-    BoxWrite,
-    Files,
-    Objects,
-    Piece,
-    Sink,
-    Work,
-    temporary_name,
-    unit_bytes,
-    write_boxes,
-)
+from distckpt.hf.directory import DEFAULT_MAX_BYTES, OutFile, parse_size, plan_files
+from distckpt.hf.target import Plan, Target
+from distckpt.hf.write import BoxWrite, Piece, Sink, Work, unit_bytes, write_boxes
 from distckpt.items import flatten
 from distckpt.planning.describe import Desc
 from distckpt.planning.save_plan import Balancer
 from distckpt.planning.validate import owners, validate
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import Store
-from distckpt.storage.beneath import Beneath
-from distckpt.storage.fsutil import atomic_write, fsync_fd
 from distckpt.storage.registry import open_store
 from distckpt.transfer import workers as transfer_workers
 
@@ -95,24 +75,120 @@ if TYPE_CHECKING:
 log = logging.getLogger("distckpt")
 
 COORDINATOR = 0
-_OLD_WEIGHTS = re.compile(
-    r"^model(-[0-9]+-of-[0-9]+)?\.safetensors$|^model\.safetensors\.index\.json$"
-)
 
 
-@dataclass
-class Plan:
-    """The coordinator's decision: the files and each rank's :class:`Work`."""
+class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
+    """A save of Hugging Face weights to a directory or a store (steps 2 to 4 of the
+    module doc, as a kind of :mod:`distckpt.engine.pipeline`). What is written and how is a
+    subclass's: :meth:`capture` and :meth:`describe` (step 1), :meth:`files` (the
+    coordinator's plan: the files and each rank's :class:`Work`) and :meth:`write_work`
+    (a rank's writes)."""
 
-    token: str
-    files: list[OutFile]
-    work: list[Work]
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Store,
+        options: CheckpointOptions,
+        refused: BaseException | None,
+        to_weights: Callable[[str], str | None],
+        max_shard_size: int | str,
+    ) -> None:
+        self.path = path
+        self.options = options
+        self.refused = refused  # this rank's arguments were refused
+        self.to_weights = to_weights  # a stored name to its weights name (None: left out)
+        self.max_shard_size = max_shard_size
+        self.where = path.url if isinstance(path, Store) else os.fspath(path)
+        self.target: Target | None = None
+        self.plans: list[Plan] = []  # the coordinator's
+        self.workers = 0
+        self.report: Any = None
 
+    @abstractmethod
+    def files(self, comm: Communicator, gathered: list[Any], target: Target) -> Plan:
+        """The coordinator: the plan, from every rank's contribution (step 1)."""
 
-#: The coordinator's planner: every rank's contribution and the target in, the plan out.
-Planner = Callable[[list[Any], "Target"], Plan]
-#: A rank's writer: its work, the sink to write it to, its I/O workers; the bytes out.
-Writer = Callable[[Work, Sink, int], int]
+    @abstractmethod
+    def write_work(self, comm: Communicator, work: Work, sink: Sink, workers: int) -> int:
+        """This rank's writes of ``work`` to ``sink`` with ``workers``; the bytes written."""
+
+    def check(self) -> None:
+        if self.refused is not None:
+            raise self.refused
+
+    def plan(
+        self, comm: Communicator, described: Any, error: BaseException | None
+    ) -> tuple[str, list[Work]]:
+        """Step 2: the coordinator plans and prepares the directory."""
+        target: Target | None = None
+        try:
+            target = Target(open_store(self.path))
+        except Exception as exc:
+            error = error or exc
+            described = Failure.capture(error, comm.rank)
+        network = target is not None and not target.files
+        self.workers = transfer_workers.resolve(self.options.io_workers, comm, network=network)
+
+        def decide(gathered: list[Any]) -> tuple[str, list[Work]]:
+            assert target is not None
+            plan = self.files(comm, gathered, target)
+            target.prepare(plan, self.options.overwrite)
+            self.plans.append(plan)
+            return plan.token, plan.work
+
+        agreed = coordinate(comm, described, decide, error=error)
+        assert target is not None  # every rank failed otherwise
+        self.target = target
+        return agreed
+
+    def write(self, comm: Communicator, plan: tuple[str, list[Work]], stage: Stage) -> int:
+        """Step 3."""
+        assert self.target is not None
+        token, work = plan
+        mine = work[comm.rank]
+        return self.write_work(comm, mine, self.target.sink(mine, token), self.workers)
+
+    def commit(
+        self,
+        comm: Communicator,
+        plan: tuple[str, list[Work]],
+        report: Any,
+        error: BaseException | None,
+    ) -> None:
+        """Step 4."""
+        target = self.target
+        assert target is not None
+        self.report = report
+
+        def finish(reports: list[Any]) -> None:
+            target.finish(self.plans[0], self.options.overwrite)
+
+        def settle(failure: Failure | None) -> None:
+            target.settle(self.plans[0], self.options.overwrite, failed=failure is not None)
+
+        coordinate(comm, report, finish, error=error, settle=settle)
+
+    def finish(
+        self, comm: Communicator, plan: tuple[str, list[Work]], timings: dict[str, float]
+    ) -> SaveResult:
+        target = self.target
+        assert target is not None
+        result = SaveResult(target.store.url if not target.files else target.root)
+        result.bytes_written = self.report
+        result.timings = {
+            "plan": timings["plan"],
+            "write": timings["write"],
+            "finish": timings["commit"],
+            "total": timings["total"],
+        }
+        if comm.rank == COORDINATOR:
+            result.files_written = len(self.plans[0].files)
+            log.info(
+                "wrote %d weight files to %s in %.3fs",
+                len(self.plans[0].files),
+                target.store.url,
+                timings["total"],
+            )
+        return result
 
 
 def save_hf(
@@ -143,34 +219,41 @@ def save_hf(
     staging slabs, the I/O workers' buffers and, in a store, at most 64 MiB of messages
     each way, whatever the state's size.
     """
-    background.finish_pending()
-    comm = comm or auto()
+    comm = communicator(comm)
     opts, error = merge_or_refuse(options, keywords, HF_SAVE, "save_hf")
-    to_weights = names_mod.for_saving(prefix, rename)
-    descs: list[Desc] = []
-    contribution: list[Desc] | Failure = descs
-    local: dict[str, Any] = {}
+    kind = _StateWeights(path, opts, error, names_mod.for_saving(prefix, rename), max_shard_size)
+    return pipeline.save_blocking(kind, state, comm)
+
+
+class _StateWeights(WeightsSave):
+    """save_hf: a state's boxes, each written once by a rank that holds it (in a store,
+    by its file's writer, which receives it from a rank that holds it)."""
+
     max_bytes = 0
-    try:
-        if error is not None:
-            raise error
-        max_bytes = parse_size(max_shard_size)
-        for leaf in flatten(state, allow_pickle=True):
-            name = to_weights(leaf.name)
+    local: dict[str, Any]  # this rank's leaves, by state name (step 1)
+
+    def capture(self, state: dict[str, Any]) -> dict[str, Any]:
+        self.max_bytes = parse_size(self.max_shard_size)
+        return state
+
+    def describe(self, local: dict[str, Any]) -> list[Desc]:
+        """The tensors to write, by weights name, with dtype, global shape and this
+        rank's box."""
+        descs: list[Desc] = []
+        self.local = {}
+        for leaf in flatten(local, allow_pickle=True):
+            name = self.to_weights(leaf.name)
             if name is None or leaf.kind != "tensor" or leaf.tensor is None:
                 continue
-            local[leaf.name] = leaf
+            self.local[leaf.name] = leaf
             descs.append(Desc(name, "tensor", leaf.dtype, leaf.shape, leaf.box, value=leaf.name))
-    except Exception as exc:
-        error, contribution = exc, Failure.capture(exc, comm.rank)
+        return descs
 
-    def plan(gathered: list[Any], target: Target) -> Plan:
-        return plan_boxes(gathered, max_bytes, comm, objects=not target.files)
+    def files(self, comm: Communicator, gathered: list[Any], target: Target) -> Plan:
+        return plan_boxes(gathered, self.max_bytes, comm, objects=not target.files)
 
-    def write(work: Work, sink: Sink, workers: int) -> int:
-        return write_boxes(work, local, sink, workers, comm)
-
-    return write_directory(comm, path, opts, contribution, error, plan, write)
+    def write_work(self, comm: Communicator, work: Work, sink: Sink, workers: int) -> int:
+        return write_boxes(work, self.local, sink, workers, comm)
 
 
 def plan_boxes(gathered: list[list[Desc]], max_bytes: int, comm: Any, *, objects: bool) -> Plan:
@@ -255,160 +338,3 @@ def _writers(
         writer[f.name] = rank
         load[rank] += f.size
     return writer
-
-
-class Target:
-    """The directory the weights go to: files of a file system (a store with
-    ``local_files``), written at offsets by several ranks and renamed into place, or
-    objects of a store, each written by one rank."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.files = store.capabilities.local_files
-        self.root = Path(store.url)
-        # Its files: created, renamed and removed in the directory, never through a link.
-        self.dir = Beneath(store.url)
-
-    def existing(self) -> list[str]:
-        """The weights files (and index) the directory holds now."""
-        if self.files:
-            if not self.root.is_dir():
-                return []
-            names = os.listdir(self.root)
-        else:
-            names = self.store.list("")
-        return sorted(n for n in names if _OLD_WEIGHTS.match(n))
-
-    def prepare(self, plan: Plan, overwrite: bool) -> None:
-        """Coordinator: check the directory; on a file system, create every file with its
-        header at its full size; in a store, with ``overwrite``, remove the old index."""
-        if self.files and self.root.exists() and not self.root.is_dir():
-            raise CheckpointExists(f"{self.root} exists and is not a directory")
-        old = self.existing()
-        if old and not overwrite:
-            raise CheckpointExists(
-                f"{self.store.url} already holds weights ({', '.join(old[:3])}); pass "
-                "overwrite=True to replace them"
-            )
-        if not any(f.tensors for f in plan.files):
-            raise ValidationError(
-                f"no tensor to write to {self.store.url}: none of the state's names is under "
-                "the prefix, or the rename function left every one out"
-            )
-        if not self.files:
-            if INDEX in old:
-                self.store.delete(INDEX)
-            return
-        self.dir.makedirs("")
-        try:
-            for f in plan.files:
-                fd = self.dir.create(temporary_name(f.name, plan.token))
-                try:
-                    os.pwrite(fd, f.header, 0)
-                    os.ftruncate(fd, f.size)
-                finally:
-                    os.close(fd)
-        except BaseException:
-            self.settle(plan, None, failed=True)
-            raise
-
-    def sink(self, work: Work, token: str) -> Sink:
-        """Where this rank writes its work."""
-        return Files(self.dir, token) if self.files else Objects(self.store, work.create)
-
-    def finish(self, plan: Plan, overwrite: bool) -> None:
-        """Coordinator, every rank's writes done: the files under their names, then the
-        index (several files) last."""
-        new = {f.name for f in plan.files}
-        for old in self.existing() if overwrite else []:
-            if self.files:
-                self.dir.unlink(old)
-            elif old not in new:
-                self.store.delete(old)
-        if self.files:
-            top = self.dir.fd()
-            for f in plan.files:
-                temp = temporary_name(f.name, plan.token)
-                os.replace(temp, f.name, src_dir_fd=top, dst_dir_fd=top)
-            if len(plan.files) > 1:
-                atomic_write(INDEX, index_document(plan.files), dir_fd=top)
-            fsync_fd(top, self.root)
-        elif len(plan.files) > 1:
-            self.store.write(INDEX, index_document(plan.files))
-
-    def settle(self, plan: Plan, overwrite: bool | None, *, failed: bool) -> None:
-        """Coordinator, last: remove what is left of the save (its temporary files; after a
-        failure in a store, the objects it created, unless they replaced old ones)."""
-        if self.files:
-            for f in plan.files:
-                self.dir.unlink(temporary_name(f.name, plan.token))
-        elif failed and not overwrite:
-            for f in plan.files:
-                self.store.delete(f.name)
-
-
-def write_directory(
-    comm: Communicator,
-    path: str | os.PathLike[str] | Store,
-    options: CheckpointOptions,
-    contribution: Any,
-    error: BaseException | None,
-    plan_fn: Planner,
-    write_fn: Writer,
-) -> SaveResult:
-    """Steps 2 to 4 of the protocol (see the module doc); ``contribution`` is this rank's
-    step 1 (or the :class:`Failure` of ``error``). Collective."""
-    t0 = time.perf_counter()
-    target: Target | None = None
-    try:
-        target = Target(open_store(path))
-    except Exception as exc:
-        error = error or exc
-        contribution = Failure.capture(error, comm.rank)
-    network = target is not None and not target.files
-    workers = transfer_workers.resolve(options.io_workers, comm, network=network)
-    plans: list[Plan] = []
-
-    def decide(gathered: list[Any]) -> tuple[str, list[Work]]:
-        assert target is not None
-        plan = plan_fn(gathered, target)
-        target.prepare(plan, options.overwrite)
-        plans.append(plan)
-        return plan.token, plan.work
-
-    token, work = coordinate(comm, contribution, decide, error=error)
-    assert target is not None  # every rank failed otherwise
-    t_plan = time.perf_counter()
-    report: Any = None
-    error = None
-    try:
-        report = write_fn(work[comm.rank], target.sink(work[comm.rank], token), workers)
-    except Exception as exc:
-        error, report = exc, Failure.capture(exc, comm.rank)
-    t_write = time.perf_counter()
-
-    def finish(reports: list[Any]) -> None:
-        target.finish(plans[0], options.overwrite)
-
-    def settle(failure: Failure | None) -> None:
-        target.settle(plans[0], options.overwrite, failed=failure is not None)
-
-    coordinate(comm, report, finish, error=error, settle=settle)
-    t_end = time.perf_counter()
-    result = SaveResult(target.store.url if not target.files else target.root)  # type: ignore[arg-type]
-    result.bytes_written = report
-    result.timings = {
-        "plan": t_plan - t0,
-        "write": t_write - t_plan,
-        "finish": t_end - t_write,
-        "total": t_end - t0,
-    }
-    if comm.rank == COORDINATOR:
-        result.files_written = len(plans[0].files)
-        log.info(
-            "wrote %d weight files to %s in %.3fs",
-            len(plans[0].files),
-            target.store.url,
-            t_end - t0,
-        )
-    return result

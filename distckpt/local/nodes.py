@@ -17,10 +17,15 @@ node to copy to.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from distckpt.comm import Communicator
 
 from distckpt import settings
 
@@ -85,3 +90,18 @@ class Topology:
                 if rank in self.peers(r, replicas):
                     out.append(r)
         return sorted(out)
+
+
+_topologies: weakref.WeakKeyDictionary[Any, Topology] = weakref.WeakKeyDictionary()
+
+
+def topology(comm: Communicator) -> Topology:
+    """Collective the first time for ``comm``: every rank's node (cached)."""
+    try:
+        return _topologies[comm]
+    except (KeyError, TypeError):
+        pass
+    topo = Topology.of(comm.allgather(node_identity()))
+    with contextlib.suppress(TypeError):  # a communicator that cannot be weakly referenced
+        _topologies[comm] = topo
+    return topo

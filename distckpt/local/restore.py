@@ -13,7 +13,7 @@ each rank's partitions fetched from whichever rank holds them.
 3. **Fetch** (*one allgather of requests, then rounds of point-to-point sends*): each rank
    asks, for every stored piece that intersects a box it restores, a rank that holds it
    (itself when it can, else one spread over the holders) for the intersection. Data
-   travels in messages of at most :data:`~distckpt.local.save.MESSAGE_BYTES`.
+   travels in messages of at most :data:`~distckpt.local.messages.MESSAGE_BYTES`.
 
 What is checked is what is copied: a piece is read (``pread``, never mapped: another
 process may truncate or rewrite the file meanwhile) into memory of this process, the
@@ -27,8 +27,8 @@ rank ``r`` from saved rank ``r % saved_world``, as in a persistent restore.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +36,17 @@ import numpy as np
 import torch
 
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.engine.load import settle
-from distckpt.engine.matching import agree_names, assign, prepare
+from distckpt.engine.matching import assign, prepare
 from distckpt.engine.options import CheckpointOptions
+from distckpt.engine.pipeline import RestoreKind, restore
 from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format.shard_io import crc32c
 from distckpt.local import files
 from distckpt.local.choose import Choice
 from distckpt.local.manifests import Piece, index_of
-from distckpt.local.save import MESSAGE_BYTES, topology
+from distckpt.local.messages import MESSAGE_BYTES, pack, packed_size
+from distckpt.local.nodes import topology
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.tiling import tiling_problem
@@ -75,9 +76,22 @@ class _Request:
 
 
 @dataclass
-class LocalStep:
+class _Matched:
+    """A rank's reads, checked, and the parts of pieces it restores (from itself or
+    asked of another rank)."""
+
+    reads: list[ReadTarget]
+    fresh: list[tuple[Any, Any]]  # tensors and values to put in place once all is read
+    requests: list[_Request]
+
+
+@dataclass
+class LocalStep(RestoreKind[_Matched]):
     """A restorable local step, as :class:`~distckpt.training.session.RestoreSession`
-    reads it: an ``index`` like a persistent checkpoint's and a :meth:`load`."""
+    reads it: an ``index`` like a persistent checkpoint's and a :meth:`load`, a kind of
+    the restore pipeline (:mod:`distckpt.engine.pipeline`)."""
+
+    source = "checkpoint"
 
     store: Store
     choice: Choice
@@ -85,13 +99,15 @@ class LocalStep:
     path: str = ""
     index: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # what the saver kept beside
+    stored: Collection[str] = field(default_factory=dict)  # the stored names
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)  # the load's
     _pieces: dict[tuple[str, int | None], list[Piece]] = field(default_factory=dict)
     _files: dict[int, ReadHandle] = field(default_factory=dict)  # this node's, by saved rank
     _copies: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # checked copies
     _uses: Counter[tuple[int, int]] = field(default_factory=Counter)  # their copies to come
     _scratch: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     _bad: set[int] = field(default_factory=set)  # saved ranks whose copy here is damaged
-    _t_plan: float = 0.0
+    _everyone_bad: list[list[int]] | None = None  # every rank's _bad, after a read
 
     @classmethod
     def open(cls, store: Store, choice: Choice, comm: Communicator) -> LocalStep:
@@ -111,6 +127,7 @@ class LocalStep:
         for part in comm.allgather(mine):
             manifests.update(part)
         step.index, step._pieces, step.extra = index_of(manifests, choice.world, step.path)
+        step.stored = step.index["variables"]
         return step
 
     # ------------------------------------------------------------ reading
@@ -121,60 +138,41 @@ class LocalStep:
         """Fill ``state`` from this step, as :func:`distckpt.load` does from a persistent
         checkpoint with ``options`` (but ``io_workers``: reads are ``pread`` of local
         files, the page cache does the work); collective."""
-        t0 = time.perf_counter()
-        while True:  # again while a copy failed its checksum and another node has one
-            result = LoadResult(self.path)
-            error, bad = self._load_once(state, comm, options, result)
-            if bad is None or not any(bad) or not self._drop_copies(comm, bad):
-                break
-        result.timings["plan"] = self._t_plan - t0
-        result.timings["read"] = time.perf_counter() - self._t_plan
-        return settle(comm, result, error, t0)
+        self.options = options
+        return restore(comm, self, state)
 
-    def _load_once(
-        self,
-        state: dict[str, Any],
-        comm: Communicator,
-        options: CheckpointOptions,
-        result: LoadResult,
-    ) -> tuple[BaseException | None, list[list[int]] | None]:
-        """One attempt of :meth:`load`: this rank's error, and (when the transfers ran)
-        every rank's saved ranks whose copy on its node failed its checksum."""
-        error: BaseException | None = None
-        reads: list[ReadTarget] = []
-        fresh: list[Any] = []
-        requests: list[_Request] = []
-        ready = False  # not if this rank failed, or is strict and lacks a name (see _prepare)
-        try:
-            prepared = prepare(
-                state, self.index, result, comm.rank, comm.size, options, located=False
-            )
-            if prepared is not None:
-                reads, fresh = prepared.reads, prepared.fresh
-                requests = [r for i, t in enumerate(reads) for r in self._requests(i, t, comm.rank)]
-                ready = True
-        except Exception as exc:
-            error = exc
-        asked = [
+    def match(
+        self, comm: Communicator, state: dict[str, Any], result: LoadResult
+    ) -> _Matched | None:
+        """This rank's reads, and the parts of pieces it asks each holder for; None when
+        strict and a name is missing."""
+        rank, size = comm.rank, comm.size
+        prepared = prepare(state, self.index, result, rank, size, self.options, located=False)
+        if prepared is None:
+            return None
+        reads = prepared.reads
+        requests = [r for i, t in enumerate(reads) for r in self._requests(i, t, comm.rank)]
+        return _Matched(reads, prepared.fresh, requests)
+
+    def offer(self, comm: Communicator, matched: _Matched) -> Any:
+        """What this rank asks of other ranks (the job's unexpected names travel with it)."""
+        return [
             (r.server, r.piece.owner, r.piece.index, r.box.offsets, r.box.lengths)
-            for r in requests
+            for r in matched.requests
             if r.server != comm.rank
         ]
-        try:  # the job's unexpected names travel with the requests
-            everyone = agree_names(
-                comm, asked if ready else None, self.index["variables"], result, options.strict
-            )
-        except Exception as exc:  # the names error, under strict
-            return error or exc, None
-        finally:
-            self._t_plan = time.perf_counter()
-        if any(a is None for a in everyone):
-            return error, None
+
+    def read(
+        self, comm: Communicator, matched: _Matched, offers: list[Any], result: LoadResult
+    ) -> None:
+        """Serve and fetch every request; then every rank learns which copies failed their
+        checksum (see :meth:`again`)."""
         self._bad.clear()
+        error: BaseException | None = None
         try:
-            error = self._fetch(comm, reads, requests, everyone, result)
+            error = self._fetch(comm, matched.reads, matched.requests, offers, result)
             if error is None:
-                for leaf, tensor in fresh:
+                for leaf, tensor in matched.fresh:
                     assign(leaf, tensor)
         except Exception as exc:
             error = exc
@@ -185,7 +183,15 @@ class LocalStep:
             for handle in self._files.values():
                 handle.close()
             self._files.clear()
-        return error, comm.allgather(sorted(self._bad))
+        self._everyone_bad = comm.allgather(sorted(self._bad))
+        if error is not None:
+            raise error
+
+    def again(self, comm: Communicator) -> bool:
+        """Again while a copy failed its checksum and another node has one: every rank's
+        saved ranks whose copy on its node failed, forgotten."""
+        bad, self._everyone_bad = self._everyone_bad, None
+        return bad is not None and any(bad) and self._drop_copies(comm, bad)
 
     def _drop_copies(self, comm: Communicator, bad: list[list[int]]) -> bool:
         """Forget the copies that failed their checksum (every rank of a node reads the
@@ -326,7 +332,7 @@ class LocalStep:
             for server, owner, index, offsets, lengths in asked:
                 p = pieces[(owner, index)]
                 box = Box.known(tuple(offsets), tuple(lengths))
-                _pack(per_server.setdefault(server, []), (p, box), box.numel * p.itemsize)
+                pack(per_server.setdefault(server, []), (p, box), box.numel * p.itemsize)
             for server, messages in per_server.items():
                 rounds = max(rounds, len(messages))
                 if server == me:
@@ -340,7 +346,7 @@ class LocalStep:
         incoming: dict[int, list[list[tuple[_Request, int]]]] = {}
         for r in requests:
             if r.server != me:
-                _pack(incoming.setdefault(r.server, []), r, r.nbytes)
+                pack(incoming.setdefault(r.server, []), r, r.nbytes)
         exchange = getattr(comm, "sendrecv", None)
         if rounds and exchange is None:
             raise TypeError(f"{type(comm).__name__} has no sendrecv(), which this restore needs")
@@ -351,7 +357,7 @@ class LocalStep:
                     buffer, error = _fill(self, messages[k], error)
                     sends.append((requester, buffer))
             arriving = [
-                (server, np.empty(_size(m[k]), np.uint8), m[k])
+                (server, np.empty(packed_size(m[k]), np.uint8), m[k])
                 for server, m in incoming.items()
                 if k < len(m)
             ]
@@ -377,27 +383,12 @@ class LocalStep:
         return error
 
 
-def _pack(messages: list[list[Any]], item: Any, nbytes: int) -> None:
-    """Append ``item`` to the last message, or start a new one when it would pass
-    :data:`MESSAGE_BYTES` (each item starts at an aligned offset)."""
-    if messages:
-        used = sum(aligned(n) for _, n in messages[-1])
-        if used + nbytes <= MESSAGE_BYTES:
-            messages[-1].append((item, nbytes))
-            return
-    messages.append([(item, nbytes)])
-
-
-def _size(message: list[Any]) -> int:
-    return sum(aligned(n) for _, n in message)
-
-
 def _fill(
     step: LocalStep, message: list[Any], error: BaseException | None
 ) -> tuple[np.ndarray, BaseException | None]:
     """One outgoing message: each requested part at an aligned offset. A part that cannot
     be read is left zero and its error returned (the requester's load fails with it)."""
-    buffer = np.zeros(_size(message), np.uint8)
+    buffer = np.zeros(packed_size(message), np.uint8)
     offset = 0
     for (p, box), nbytes in message:
         if error is None:

@@ -1,7 +1,9 @@
 """A save to the node-local tier: each rank writes its own partitions to its node's
 directory and sends a copy to its peers on other nodes; one collective confirms the step.
 
-The protocol, in the order every rank runs it (collectives marked *):
+A kind of the save pipeline (:mod:`distckpt.engine.pipeline`: its plan stage is steps 1 and 2
+with the sizes of step 3, its write stage step 3, its commit step 4). The protocol, in
+the order every rank runs it (collectives marked *):
 
 1. **Topology** (*allgather of node identities, once per communicator): which ranks share
    a node, and the peers of each rank (:mod:`distckpt.local.nodes`).
@@ -13,9 +15,9 @@ The protocol, in the order every rank runs it (collectives marked *):
    node hold different ones, as pipeline stages do).
 3. **Write and replicate** (*one allgather of sizes, then rounds of point-to-point
    sends*): the I/O workers write the data file while this thread sends it to the peers,
-   in messages of at most :data:`MESSAGE_BYTES`, and receives the peers' files, which
-   the workers write likewise. Everything is made durable (fsync), then the manifests
-   are written.
+   in messages of at most :data:`~distckpt.local.messages.MESSAGE_BYTES`, and receives
+   the peers' files, which the workers write likewise. Everything is made durable
+   (fsync), then the manifests are written.
 4. **Confirm** (*one allgather*): every rank learns whether every rank's data and
    replicas are durable. Only then does each rank write its ``done`` mark
    (:mod:`distckpt.local.files`), and the lowest rank of each node removes the node's
@@ -27,12 +29,9 @@ leaves its step without marks anywhere, so the step never counts.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import time
-import weakref
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,15 +40,17 @@ import numpy as np
 
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, share
-from distckpt.engine import background
-from distckpt.engine.background import Snapped, save_in_background
+from distckpt.engine import background, pipeline
+from distckpt.engine.background import Snapped
 from distckpt.engine.options import CheckpointOptions, resolve
+from distckpt.engine.pipeline import SaveKind, Stage
 from distckpt.engine.results import SaveResult
 from distckpt.format import seal
 from distckpt.format.shard_io import as_bytes, crc32c
 from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
-from distckpt.local.nodes import Topology, node_identity
+from distckpt.local.messages import Buffers, message, split
+from distckpt.local.nodes import Topology, topology
 from distckpt.storage.backend import Store
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.sources import source_for
@@ -57,23 +58,7 @@ from distckpt.transfer.workers import TaskGroup
 
 log = logging.getLogger("distckpt")
 
-#: The largest message of a replica transfer (bytes).
-MESSAGE_BYTES = 64 << 20
-
 _warned: set[tuple[int, Topology]] = set()  # too many replicas for the nodes: said once
-_topologies: weakref.WeakKeyDictionary[Any, Topology] = weakref.WeakKeyDictionary()
-
-
-def topology(comm: Communicator) -> Topology:
-    """Collective the first time for ``comm``: every rank's node (cached)."""
-    try:
-        return _topologies[comm]
-    except (KeyError, TypeError):
-        pass
-    topo = Topology.of(comm.allgather(node_identity()))
-    with contextlib.suppress(TypeError):  # a communicator that cannot be weakly referenced
-        _topologies[comm] = topo
-    return topo
 
 
 @dataclass
@@ -150,7 +135,7 @@ def _lay_out(
         "per_rank_values": per_rank_values,
         "extra": step.extra,
     }
-    layout.messages = _messages(layout.pieces)
+    layout.messages = split(layout.pieces)
     return layout
 
 
@@ -176,194 +161,175 @@ def _plain_writers(comm: Communicator, topo: Topology, held: list[str] | None) -
     return {name for name, r in writer.items() if r == comm.rank}
 
 
-#: Pieces smaller than this travel several to a message (copied into one buffer);
-#: larger ones in messages of their own bytes, sent without a copy.
-SMALL_PIECE = 1 << 20
-
-
-def _messages(pieces: list[tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
-    """The (offset, length) in the data file of each message that sends it: a large
-    piece in parts of at most :data:`MESSAGE_BYTES`, runs of small ones together."""
-    out: list[tuple[int, int]] = []
-    run: tuple[int, int] | None = None  # the small pieces gathered so far
-    for offset, data in pieces:
-        n = int(data.size)
-        if n >= SMALL_PIECE:
-            if run is not None:
-                out.append(run)
-                run = None
-            out += [(offset + lo, min(MESSAGE_BYTES, n - lo)) for lo in range(0, n, MESSAGE_BYTES)]
-            continue
-        if run is not None and offset + n - run[0] <= MESSAGE_BYTES:
-            run = (run[0], offset + n - run[0])
-        else:
-            if run is not None:
-                out.append(run)
-            run = (offset, n)
-    if run is not None:
-        out.append(run)
-    return [(lo, n) for lo, n in out if n]
-
-
-def _message(layout: _Layout, lo: int, n: int) -> np.ndarray:
-    """Bytes ``lo .. lo + n`` of the data file, from the pieces in memory: a view of one
-    piece, or a copy of consecutive small ones."""
-    for offset, data in layout.pieces:
-        if offset <= lo and lo + n <= offset + data.size:
-            return data[lo - offset : lo - offset + n]
-    out = np.zeros(n, dtype=np.uint8)
-    for offset, data in layout.pieces:
-        a, b = max(lo, offset), min(lo + n, offset + data.size)
-        if a < b:
-            out[a - lo : b - lo] = data[a - offset : b - offset]
-    return out
-
-
 def _write_piece(handle: Any, offset: int, data: np.ndarray, entry: dict[str, Any]) -> int:
     entry["crc"] = crc32c(data)
     handle.write([data], offset)
     return int(data.size)
 
 
-class _Buffers:
-    """Receive buffers of :data:`MESSAGE_BYTES`, kept from one save to the next (fresh
-    memory costs a first touch of every page on every save), at most ``WINDOW`` per
-    source rank in flight: a receiver waits for older writes before taking more."""
+@dataclass
+class _Plan:
+    """What the ranks agreed on: this rank's data file, every rank's messages, and the
+    ranks this rank sends its file to (``peers``) and keeps a replica of (``sources``)."""
 
-    WINDOW = 2
-    _free: list[np.ndarray] = []
+    layout: _Layout
+    plans: list[list[tuple[int, int]]]
+    peers: list[int]
+    sources: list[int]
+    leader: bool  # the lowest rank of its node
 
-    def __init__(self) -> None:
-        self._busy: list[tuple[Any, np.ndarray]] = []  # (write future, buffer), oldest first
-
-    def take(self, sources: int) -> np.ndarray:
-        """A whole buffer; give it back with :meth:`writing` or :meth:`give_back`."""
-        while len(self._busy) >= self.WINDOW * max(1, sources):
-            future, buffer = self._busy.pop(0)
-            futures.wait([future])
-            self._free.append(buffer)
-        return self._free.pop() if self._free else np.empty(MESSAGE_BYTES, np.uint8)
-
-    def writing(self, future: Any, buffer: np.ndarray) -> None:
-        self._busy.append((future, buffer))
-
-    def give_back(self, buffer: np.ndarray) -> None:
-        self._free.append(buffer)
-
-    def release(self) -> None:
-        """Once every write is done: the buffers go back for the next save."""
-        for future, buffer in self._busy:
-            futures.wait([future])
-            self._free.append(buffer)
-        self._busy.clear()
-        del self._free[self.WINDOW * 4 :]  # what a few sources need, no more
+    def owners(self, rank: int) -> tuple[int, ...]:
+        """The saved ranks whose files this rank writes: its own, then its sources'."""
+        return (rank, *self.sources)
 
 
-def _protocol(
-    comm: Communicator,
-    store: Store,
-    step: Step,
-    local: Snapped | Failure,
-    options: CheckpointOptions,
-    error: BaseException | None,
-) -> SaveResult:
-    result = SaveResult(store.where(files.step_dir(step.number)))
-    t0 = time.perf_counter()
-    topo = topology(comm)
-    rank = comm.rank
-    leader = topo.leader(rank)
-    peers = topo.peers(rank, step.replicas)
-    sources = topo.sources(rank, step.replicas)
-    if step.replicas > len(peers) and rank == 0 and (step.replicas, topo) not in _warned:
-        _warned.add((step.replicas, topo))
-        log.warning(
-            "local tier: %d replica(s) asked, but the job spans %d node(s): keeping %d",
-            step.replicas,
-            len(topo.nodes),
-            len(peers),
-        )
-    layout: _Layout | None = None
-    held = None if isinstance(local, Failure) else _plain_names(local[0])
-    plain = _plain_writers(comm, topo, held)
-    if not isinstance(local, Failure):
-        try:
-            leaves, arrays, values = local
-            layout = _lay_out(
-                leaves, arrays, values, step, rank, comm.size, topo.name_of(rank), plain
+class _LocalSave(SaveKind[Snapped, _Plan]):
+    """One save of a local step (steps 2 to 4 of the module doc, as a kind of
+    :mod:`distckpt.engine.pipeline`)."""
+
+    def __init__(self, store: Store, step: Step, options: CheckpointOptions) -> None:
+        self.store = store
+        self.step = step
+        self.options = options
+        self.where = store.where(files.step_dir(step.number))
+        self.result = SaveResult(self.where)
+        self.local: Snapped | None = None
+
+    def capture(self, state: dict[str, Any]) -> Snapped:
+        leaves, values = gather_leaves(state, self.options.allow_pickle)
+        arrays = {
+            leaf.name: source_for(leaf.tensor, leaf.name).host()
+            for leaf in leaves
+            if leaf.tensor is not None
+        }
+        return (leaves, arrays, values)
+
+    def hosted(self, snapped: Snapped) -> Snapped:
+        return snapped
+
+    def describe(self, local: Snapped) -> list[str]:
+        self.local = local
+        return _plain_names(local[0])
+
+    def plan(
+        self, comm: Communicator, described: list[str] | Failure, error: BaseException | None
+    ) -> _Plan:
+        """Step 2, and the sizes of step 3: every rank learns every transfer (and whether
+        a rank already failed)."""
+        step, rank = self.step, comm.rank
+        topo = topology(comm)
+        leader = topo.leader(rank)
+        peers = topo.peers(rank, step.replicas)
+        sources = topo.sources(rank, step.replicas)
+        if step.replicas > len(peers) and rank == 0 and (step.replicas, topo) not in _warned:
+            _warned.add((step.replicas, topo))
+            log.warning(
+                "local tier: %d replica(s) asked, but the job spans %d node(s): keeping %d",
+                step.replicas,
+                len(topo.nodes),
+                len(peers),
             )
-            if leader:  # a step saved again (the job went back): its old files must go
-                files.drop_newer(store, step.number - 1)
+        held = None if isinstance(described, Failure) else described
+        plain = _plain_writers(comm, topo, held)
+        layout: _Layout | None = None
+        if held is not None:
+            assert self.local is not None
+            try:
+                leaves, arrays, values = self.local
+                node = topo.name_of(rank)
+                layout = _lay_out(leaves, arrays, values, step, rank, comm.size, node, plain)
+                if leader:  # a step saved again (the job went back): its old files must go
+                    files.drop_newer(self.store, step.number - 1)
+            except Exception as exc:
+                error = error or exc
+        # Files are created only after this: no rank writes into a step its node's leader
+        # still removes. (A snapshot that failed on the background thread is a Failure
+        # without ``error``.)
+        mine = described if held is None else (layout and layout.messages)
+        plans = share(comm, mine, error)
+        assert layout is not None
+        return _Plan(layout, plans, peers, sources, leader)
+
+    def write(self, comm: Communicator, plan: _Plan, stage: Stage) -> None:
+        """Step 3: write this rank's file while sending it to the peers, receive and write
+        theirs, make everything durable. Every rank makes every round, whatever failed
+        (the first error is raised at the end, for the confirmation to report)."""
+        store, step, rank, layout = self.store, self.step, comm.rank, plan.layout
+        owners = plan.owners(rank)
+        keys = [files.data_key(step.number, o, step.token) for o in owners]
+        handles: dict[int, Any] = {}
+        group: TaskGroup | None = None
+        received: dict[int, dict[str, Any]] = {}
+        error: BaseException | None = None
+        try:
+            group = TaskGroup(resolve(self.options, store, comm).io_workers)
+            store.prepare(keys)
+            for o, key in zip(owners, keys, strict=True):
+                handles[o] = store.create(key, layout.size if o == rank else None)
+            entries = layout.manifest["tensors"]
+            own = [
+                group.submit(_write_piece, handles[rank], offset, data, entry)
+                for (offset, data), entry in zip(layout.pieces, entries, strict=True)
+            ]
         except Exception as exc:
             error = error or exc
-    # Every rank learns every transfer (and whether a rank already failed). Files are
-    # created only after it: no rank writes into a step its node's leader still removes.
-    # (A snapshot that failed on the background thread is a Failure without ``error``.)
-    mine = local if isinstance(local, Failure) else (layout and layout.messages)
-    plans = share(comm, mine, error)
-    assert layout is not None
-    owners = (rank, *sources)
-    keys = [files.data_key(step.number, o, step.token) for o in owners]
-    handles: dict[int, Any] = {}
-    group: TaskGroup | None = None
-    received: dict[int, dict[str, Any]] = {}
-    try:
-        group = TaskGroup(resolve(options, store, comm).io_workers)
-        store.prepare(keys)
-        for o, key in zip(owners, keys, strict=True):
-            handles[o] = store.create(key, layout.size if o == rank else None)
-        # 3. Write this rank's file while sending it to the peers.
-        entries = layout.manifest["tensors"]
-        own = [
-            group.submit(_write_piece, handles[rank], offset, data, entry)
-            for (offset, data), entry in zip(layout.pieces, entries, strict=True)
-        ]
-    except Exception as exc:
-        error = error or exc
-        own = []
-    try:  # every rank makes every round, whatever failed: the confirmation reports it
-        received = _replicate(comm, layout, plans, peers, sources, handles, group, own)
-    except Exception as exc:
-        error = error or exc
-    try:
-        if group is not None:
-            group.wait()
-        if error is None:
-            for o in owners:
-                handles.pop(o).finish(durable=True)
-            manifests = [(rank, layout.manifest), *received.items()]
-            for o, manifest in manifests:
-                key = files.manifest_key(step.number, o, step.token)
-                store.write(key, seal.encode(manifest))
-            store.persist(
-                keys + [files.manifest_key(step.number, o, step.token) for o, _ in manifests]
+            own = []
+        try:  # every rank makes every round, whatever failed: the confirmation reports it
+            received = _replicate(
+                comm, layout, plan.plans, plan.peers, plan.sources, handles, group, own
             )
-            result.bytes_written = layout.size + sum(sum(n for _, n in plans[s]) for s in sources)
-    except Exception as exc:
-        error = error or exc
-    finally:
+        except Exception as exc:
+            error = error or exc
         try:
             if group is not None:
                 group.wait()
+            if error is None:
+                for o in owners:
+                    handles.pop(o).finish(durable=True)
+                manifests = [(rank, layout.manifest), *received.items()]
+                for o, manifest in manifests:
+                    key = files.manifest_key(step.number, o, step.token)
+                    store.write(key, seal.encode(manifest))
+                store.persist(
+                    keys + [files.manifest_key(step.number, o, step.token) for o, _ in manifests]
+                )
+                sent = sum(sum(n for _, n in plan.plans[s]) for s in plan.sources)
+                self.result.bytes_written = layout.size + sent
         except Exception as exc:
             error = error or exc
-        for handle in handles.values():
-            handle.abort()
-    t_write = time.perf_counter()
-    # 4. Confirm: the step counts once every rank's data and replicas are durable.
-    raise_if_any_failed(comm, error)
-    try:  # from here on the step is committed: nothing may make one rank raise alone
-        key = files.mark_key(step.number, step.token, rank)
-        files.mark(store, files.Held(step.number, step.token, comm.size, step.run), rank)
-        store.persist([key])
-    except Exception as exc:  # another mark on this node, or a replica elsewhere, vouches
-        log.warning("local tier: could not mark step %d: %s", step.number, exc)
-    if leader:
-        removed = files.retain(store, step.keep, step.run, below=step.number)
-        if removed:
-            log.debug("local tier: removed steps %s of %s", removed, store.url)
-    result.files_written = len(owners)
-    result.timings.update(write=t_write - t0, total=time.perf_counter() - t0)
-    return result
+        finally:
+            try:
+                if group is not None:
+                    group.wait()
+            except Exception as exc:
+                error = error or exc
+            for handle in handles.values():
+                handle.abort()
+        if error is not None:
+            raise error
+
+    def commit(
+        self, comm: Communicator, plan: _Plan, report: Any, error: BaseException | None
+    ) -> None:
+        """Step 4: the step counts once every rank's data and replicas are durable."""
+        raise_if_any_failed(comm, error)
+        step, store, rank = self.step, self.store, comm.rank
+        try:  # from here on the step is committed: nothing may make one rank raise alone
+            key = files.mark_key(step.number, step.token, rank)
+            files.mark(store, files.Held(step.number, step.token, comm.size, step.run), rank)
+            store.persist([key])
+        except Exception as exc:  # another mark on this node, or a replica elsewhere, vouches
+            log.warning("local tier: could not mark step %d: %s", step.number, exc)
+        if plan.leader:
+            removed = files.retain(store, step.keep, step.run, below=step.number)
+            if removed:
+                log.debug("local tier: removed steps %s of %s", removed, store.url)
+
+    def finish(self, comm: Communicator, plan: _Plan, timings: dict[str, float]) -> SaveResult:
+        self.result.files_written = len(plan.owners(comm.rank))
+        write = timings["plan"] + timings["write"]
+        self.result.timings.update(write=write, total=timings["total"])
+        return self.result
 
 
 def _replicate(
@@ -389,12 +355,12 @@ def _replicate(
             f"{type(comm).__name__} has no sendrecv(), which saving to the local tier needs"
         )
     rounds = max(len(plan) for plan in plans)
-    buffers = _Buffers()
+    buffers = Buffers()
     try:
         for k in range(rounds):
             sends = []
             if k < len(layout.messages) and peers:
-                data = _message(layout, *layout.messages[k])
+                data = message(layout.pieces, *layout.messages[k])
                 sends = [(p, data) for p in peers]
             arriving = [(s, buffers.take(len(sources))) for s in sources if k < len(plans[s])]
             recvs = [(s, whole[: plans[s][k][1]]) for s, whole in arriving]
@@ -431,29 +397,6 @@ def save_local(
     Blocking, or (``async_save``) in the background after a snapshot into the same host
     buffers as a background save to the shared store; ``lazy`` as there. Of ``options``,
     ``allow_pickle`` and ``io_workers`` apply (a local step is never compressed)."""
-    allow_pickle = options.allow_pickle
-    background.finish_pending()
-    error: BaseException | None = None
-    local: Snapped | Failure
-    if not async_save:
-        try:
-            leaves, values = gather_leaves(state, allow_pickle)
-            arrays = {
-                leaf.name: source_for(leaf.tensor, leaf.name).host()
-                for leaf in leaves
-                if leaf.tensor is not None
-            }
-            local = (leaves, arrays, values)
-        except Exception as exc:
-            local, error = Failure.capture(exc, comm.rank), exc
-        return _protocol(comm, store, step, local, options, error)
-
-    return save_in_background(
-        state,
-        comm,
-        allow_pickle,
-        lazy,
-        store.where(files.step_dir(step.number)),
-        lambda bg_comm, snapped, error: _protocol(bg_comm, store, step, snapped, options, error),
-        yielding=options.yielding(),
-    )
+    comm = pipeline.communicator(comm)
+    kind = _LocalSave(store, step, options)
+    return pipeline.save(kind, state, comm, async_save=async_save, lazy=lazy)

@@ -1,6 +1,7 @@
 """``distckpt.export_hf``: a checkpoint's tensors as Hugging Face weights, written by the
 ranks in parallel (each writes whole files of its own) with the protocol of
-:mod:`distckpt.hf.save`, to a directory or a store."""
+:mod:`distckpt.hf.save` (a :class:`~distckpt.hf.save.WeightsSave`), to a directory or a
+store."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from distckpt.comm import Communicator, auto
-from distckpt.comm.outcome import Failure
-from distckpt.engine import background
+from distckpt.comm import Communicator
 from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
+from distckpt.engine.pipeline import communicator, save_blocking
 from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
 from distckpt.hf import names as names_mod
 from distckpt.hf.directory import DEFAULT_MAX_BYTES, parse_size, plan_files
-from distckpt.hf.save import Plan, Target, write_directory
+from distckpt.hf.save import WeightsSave
+from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import Sink, Work
 from distckpt.planning.save_plan import Balancer
 from distckpt.storage.backend import Store
@@ -53,19 +54,32 @@ def export_hf(
         distckpt.export_hf("run/ckpt-100", "out/", prefix="net/")
         distckpt.export_hf("s3://bucket/run/ckpt-100", "s3://bucket/hf/", prefix="net/")
     """
-    background.finish_pending()
-    comm = comm or auto()
+    comm = communicator(comm)
     opts, error = merge_or_refuse(options, keywords, HF_SAVE, "export_hf")
     to_weights = names_mod.for_saving(prefix, rename)
-    contribution: Any = None if error is None else Failure.capture(error, comm.rank)
+    kind = _CheckpointWeights(path, opts, error, to_weights, max_shard_size)
+    return save_blocking(kind, checkpoint, comm)
 
-    def plan(gathered: list[Any], target: Target) -> Plan:
-        max_bytes = parse_size(max_shard_size)
-        catalog = open_catalog(checkpoint)
+
+class _CheckpointWeights(WeightsSave):
+    """export_hf: the coordinator reads the checkpoint's index and packs its tensors into
+    files; each rank copies whole files of its own, a slab at a time."""
+
+    checkpoint: str | os.PathLike[str] | Store
+
+    def capture(self, state: str | os.PathLike[str] | Store) -> None:
+        self.checkpoint = state  # what the coordinator reads, what each rank copies from
+
+    def describe(self, local: None) -> None:
+        return None  # the coordinator reads the checkpoint's index
+
+    def files(self, comm: Communicator, gathered: list[Any], target: Target) -> Plan:
+        max_bytes = parse_size(self.max_shard_size)
+        catalog = open_catalog(self.checkpoint)
         tensors = []
         sources: dict[str, str] = {}
         for var in catalog.tensors.values():
-            name = to_weights(var.name)
+            name = self.to_weights(var.name)
             if name is not None:
                 if name in sources:
                     raise ValidationError(
@@ -85,10 +99,8 @@ def export_hf(
                 work[rank].create.append((f.name, f.size, f.header))
         return Plan(uuid.uuid4().hex[:16], files, work)
 
-    def write(work: Work, sink: Sink, workers: int) -> int:
-        return _copy_tensors(checkpoint, work.copies, sink, workers)
-
-    return write_directory(comm, path, opts, contribution, error, plan, write)
+    def write_work(self, comm: Communicator, work: Work, sink: Sink, workers: int) -> int:
+        return _copy_tensors(self.checkpoint, work.copies, sink, workers)
 
 
 def _copy_tensors(

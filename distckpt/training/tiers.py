@@ -24,8 +24,9 @@ from distckpt.comm import Communicator
 from distckpt.engine.options import CheckpointOptions
 from distckpt.local import LocalTier, files
 from distckpt.local.choose import choose
+from distckpt.local.nodes import topology
 from distckpt.local.restore import LocalStep
-from distckpt.local.save import Step, save_local, topology
+from distckpt.local.save import Step, save_local
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
 from distckpt.training.checkpoint import Checkpoint
