@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from distckpt.comm import Communicator
-
 from distckpt import settings
+from distckpt.comm import Communicator
 
 #: Environment variable that names this process's node, overriding the others.
 NODE_ENV = settings.NODE.name
