@@ -181,9 +181,9 @@ class Worker(h.RankWorker):
         self.FsspecReader, self.FsspecWriter = FsspecReader, FsspecWriter
         # What distckpt uses against an object store (its default, or --io-workers); DCP
         # and raw get as many threads.
-        from distckpt.transfer.workers import resolve
+        from distckpt.transfer.workers import resolve_io_workers
 
-        self.workers = resolve(None, network=True)
+        self.workers = resolve_io_workers(None, network=True)
         self.out["io_workers"] = self.workers
 
     def run(self) -> None:

@@ -40,6 +40,7 @@ import distckpt
 from distckpt.comm import SingleComm
 from distckpt.commit import claim as claim_mod
 from distckpt.commit import transaction
+from distckpt.engine import load as engine_load
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format import index as index_mod
 from distckpt.format import stored as stored_mod
@@ -473,7 +474,7 @@ def test_overwrite_under_a_reader(
     def save(v: int) -> None:
         distckpt.save(version(v), path, COMM, overwrite=True, compression={"z": "zstd"})
 
-    real_read_index = index_mod.read_index_bytes
+    real_read_index = engine_load.read_index_bytes
     real_delete, real_delete_tree = S3Store.delete, S3Store.delete_tree
     reached = threading.Event()  # the overwrite is at ``moment`` (or has failed)
     resume = threading.Event()  # the reader is done: the overwrite may go on
@@ -517,7 +518,8 @@ def test_overwrite_under_a_reader(
 
     monkeypatch.setattr(S3Store, "delete", delete)
     monkeypatch.setattr(S3Store, "delete_tree", delete_tree)
-    monkeypatch.setattr(index_mod, "read_index_bytes", read_index_then_overwrite)
+    # The load reads the index through the name distckpt.engine.load imported.
+    monkeypatch.setattr(engine_load, "read_index_bytes", read_index_then_overwrite)
     old = version(1)
     for names in (["w"], ["z"], ["w", "z"]):
         save(1)

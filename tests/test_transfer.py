@@ -127,8 +127,8 @@ def test_default_io_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
     assert workers.default_io_workers() == 1  # never fewer than one
     monkeypatch.setenv(workers.ENV, "6")
-    assert workers.default_io_workers() == 6 and workers.resolve(None) == 6
-    assert workers.resolve(3) == 3  # the keyword wins
+    assert workers.default_io_workers() == 6 and workers.resolve_io_workers(None) == 6
+    assert workers.resolve_io_workers(3) == 3  # the keyword wins
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(256)))
     monkeypatch.setattr(os, "cpu_count", lambda: 256)
     monkeypatch.delenv(workers.ENV)
@@ -137,9 +137,9 @@ def test_default_io_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("zero", "0", "-2"):
         monkeypatch.setenv(workers.ENV, bad)
         with pytest.raises(ValueError, match=workers.ENV):
-            workers.resolve(None)
+            workers.resolve_io_workers(None)
     with pytest.raises(ValueError, match="io_workers"):
-        workers.resolve(0)
+        workers.resolve_io_workers(0)
 
 
 def test_bad_io_workers_fails_save_and_load(tmp_path: Path) -> None:

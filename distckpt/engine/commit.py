@@ -16,11 +16,18 @@ import numpy as np
 
 from distckpt.commit.transaction import Transaction
 from distckpt.errors import CheckpointError
-from distckpt.format import digests as digests_mod
-from distckpt.format import index as index_mod
 from distckpt.format import seal, zarr_meta
-from distckpt.format import stored as stored_mod
+from distckpt.format.digests import ALGORITHM, PIECE_BYTES
+from distckpt.format.index import (
+    ATTRIBUTE,
+    FORMAT,
+    FORMAT_VERSION,
+    FORMAT_VERSION_COMPRESSED,
+    FORMAT_VERSION_REGULAR,
+    FORMAT_VERSION_UNCOMPRESSED,
+)
 from distckpt.format.shard_io import Stored
+from distckpt.format.stored import StoredPiece, regular_entry, reuse_column
 from distckpt.planning.pieces import SavePlan, VarSpec
 from distckpt.values import has_binary
 from distckpt.version import VERSION
@@ -50,7 +57,7 @@ class Report:
         digests = None
         if n and all(s.digest is not None for s in stored):
             raw = b"".join(s.digest for s in stored)  # type: ignore[misc]
-            digests = np.frombuffer(raw, dtype=np.uint8).reshape(n, digests_mod.PIECE_BYTES)
+            digests = np.frombuffer(raw, dtype=np.uint8).reshape(n, PIECE_BYTES)
         origins = sorted({s.reused for s in stored if s.reused is not None})
         reused = None
         if origins:
@@ -98,7 +105,7 @@ def build_index(
     sizes = np.full(plan.pieces, -1, dtype=np.int64)
     crcs = np.zeros(plan.pieces, dtype=np.int64)
     # Digests only when every rank computed them (an incremental save's).
-    digests: np.ndarray | None = np.zeros((plan.pieces, digests_mod.PIECE_BYTES), np.uint8)
+    digests: np.ndarray | None = np.zeros((plan.pieces, PIECE_BYTES), np.uint8)
     origins: list[str] = []  # of the pieces reused, across the ranks
     reused = np.full(plan.pieces, -1, dtype=np.int16)
     for report in reports:
@@ -120,7 +127,7 @@ def build_index(
     def listed(spec: VarSpec) -> list[dict[str, Any]]:
         out = []
         for piece in plan.pieces_of(spec, sources=False):
-            stored = stored_mod.StoredPiece(
+            stored = StoredPiece(
                 piece.file,
                 piece.box,
                 piece.block,
@@ -135,7 +142,7 @@ def build_index(
         return out
 
     variables: dict[str, Any] = {}
-    newest = index_mod.FORMAT_VERSION_UNCOMPRESSED
+    newest = FORMAT_VERSION_UNCOMPRESSED
     for spec in plan.specs:
         if spec.kind == "value":
             variables[spec.name] = {"kind": "value", "value": values[spec.name]}
@@ -150,12 +157,12 @@ def build_index(
                     spec.dtypes[k], spec.shapes[k], f"{spec.path}/r{rank}", layout, [piece]
                 )
                 if "codec" in piece:
-                    newest = max(newest, index_mod.FORMAT_VERSION_COMPRESSED)
+                    newest = max(newest, FORMAT_VERSION_COMPRESSED)
             variables[spec.name] = {"kind": "per_rank", "ranks": ranks}
         elif spec.layout == "regular":
             assert spec.dtype is not None and spec.shape is not None and spec.chunks is not None
             part = slice(spec.first, spec.first + spec.count)
-            variables[spec.name] = stored_mod.regular_entry(
+            variables[spec.name] = regular_entry(
                 spec.dtype,
                 spec.shape,
                 spec.path,
@@ -165,21 +172,21 @@ def build_index(
                 crcs[part],
                 sizes[part],
                 None if digests is None else digests[part],
-                stored_mod.reuse_column(reused[part], origins),
+                reuse_column(reused[part], origins),
             )
-            newest = max(newest, index_mod.FORMAT_VERSION_REGULAR)
+            newest = max(newest, FORMAT_VERSION_REGULAR)
         else:
             assert spec.dtype is not None and spec.shape is not None and spec.layout is not None
             pieces = listed(spec)
             if any("codec" in p for p in pieces):
-                newest = max(newest, index_mod.FORMAT_VERSION_COMPRESSED)
+                newest = max(newest, FORMAT_VERSION_COMPRESSED)
             variables[spec.name] = _tensor_entry(
                 spec.dtype, spec.shape, spec.path, spec.layout, pieces
             )
     if any(has_binary(v) for v in _stored_values(variables)):
-        newest = index_mod.FORMAT_VERSION
+        newest = FORMAT_VERSION
     index = {
-        "format": index_mod.FORMAT,
+        "format": FORMAT,
         "format_version": newest,
         "library_version": VERSION,
         "created": time.time(),
@@ -187,14 +194,14 @@ def build_index(
         "variables": variables,
     }
     if digests is not None:
-        index["digests"] = digests_mod.ALGORITHM
+        index["digests"] = ALGORITHM
     return index
 
 
 def index_bytes(index: dict[str, Any]) -> bytes:
     """The root group's ``zarr.json`` holding ``index``, sealed with its checksum
     (:mod:`distckpt.format.seal`)."""
-    return seal.dumps(zarr_meta.group_meta({index_mod.ATTRIBUTE: seal.sealed(index)}))
+    return seal.dumps(zarr_meta.group_meta({ATTRIBUTE: seal.sealed(index)}))
 
 
 def commit(

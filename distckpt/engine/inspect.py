@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from distckpt.format import index as index_mod
+from distckpt.format.index import read_index
 
 
 class Variable(NamedTuple):
@@ -26,7 +26,7 @@ def list_variables(path: str | os.PathLike[str]) -> list[Variable]:
     net/l1.weight (5, 1) float32
     step None value
     """
-    index = index_mod.read_index(path)
+    index = read_index(path)
     out = []
     for name, entry in sorted(index["variables"].items()):
         out.append(_describe(name, entry))

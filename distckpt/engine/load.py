@@ -35,11 +35,11 @@ from distckpt.engine.options import (
     LoadKeywords,
     Resolved,
     merge_or_refuse,
-    resolve,
+    resolve_run,
 )
 from distckpt.engine.pipeline import RestoreKind, communicator, restore
 from distckpt.engine.results import LoadResult
-from distckpt.format import index as index_mod
+from distckpt.format.index import Index, parse_index, read_index_bytes
 from distckpt.progress import progress
 from distckpt.slices import Box
 from distckpt.storage.backend import Store
@@ -82,7 +82,7 @@ def load(
     """
     comm = communicator(comm)  # also raises the error of a save nobody waited for
     merged, refused = merge_or_refuse(options, keywords, LOAD, "load")
-    return load_indexed(state, resolve(merged, path, comm), None, comm, refused=refused)
+    return load_indexed(state, resolve_run(merged, path, comm), None, comm, refused=refused)
 
 
 def load_indexed(
@@ -100,12 +100,12 @@ def load_indexed(
     return restore(comm, _Indexed(run, index, refused), state)
 
 
-def read_shared_index(store: Store, comm: Communicator) -> index_mod.Index:
+def read_shared_index(store: Store, comm: Communicator) -> Index:
     """Collective: the index of the checkpoint at ``store``, read by rank 0 alone and
     broadcast, so that a job of thousands of ranks reads it once from shared storage. A
     failure to read it is raised on every rank."""
-    payload = announce(comm, lambda: index_mod.read_index_bytes(store))
-    return index_mod.parse_index(payload, store)
+    payload = announce(comm, lambda: read_index_bytes(store))
+    return parse_index(payload, store)
 
 
 class _Indexed(RestoreKind[Prepared]):
@@ -216,6 +216,6 @@ def read_region(
     reads and decompressing compressed pieces. Returns the bytes read (as stored);
     ``on_bytes(n)`` is told the bytes of ``out`` filled as they are. Memory: ``out`` plus
     an inner chunk or two per I/O worker."""
-    run = resolve(CheckpointOptions(io_workers=io_workers), root)
+    run = resolve_run(CheckpointOptions(io_workers=io_workers), root)
     read = ReadTarget(name, entry, target, out=out)
     return read_targets(run.store, [read], workers=run.io_workers, on_bytes=on_bytes)

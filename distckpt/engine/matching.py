@@ -27,7 +27,7 @@ from distckpt.errors import (
     ShapeMismatchError,
     UnsupportedValueError,
 )
-from distckpt.format import index as index_mod
+from distckpt.format.index import pieces_of
 from distckpt.format.stored import Pieces
 from distckpt.items import Leaf, flatten
 from distckpt.slices import Box
@@ -89,7 +89,7 @@ def prepare(
         check_leaf(leaf, entry)
         # A malformed entry or an unknown codec fails before anything is read.
         stored_tensor = located and entry.get("kind") == "tensor"
-        pieces = index_mod.pieces_of(index, entry, leaf.name) if stored_tensor else None
+        pieces = pieces_of(index, entry, leaf.name) if stored_tensor else None
         jobs.append((leaf, entry, pieces))
     if moved and rank == 0:
         log.warning(

@@ -12,7 +12,7 @@ its fields may also be given as a keyword argument, which wins over the value's 
 
 An entry point accepts only the fields that mean something to it (a load has no
 ``compression``); another one is a :class:`TypeError`, as an unknown keyword is.
-:func:`resolve` turns the options into what one operation runs with (its store, its
+:func:`resolve_run` turns the options into what one operation runs with (its store, its
 I/O workers), once, where the operation starts.
 """
 
@@ -29,8 +29,7 @@ from distckpt.format.codecs import Compression
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
 from distckpt.settings import whole_number
 from distckpt.storage.backend import Store
-from distckpt.storage.registry import is_remote
-from distckpt.storage.registry import open_store as resolve_store
+from distckpt.storage.registry import is_remote, open_store
 from distckpt.transfer import priority
 from distckpt.transfer import workers as transfer_workers
 
@@ -220,12 +219,14 @@ class Resolved:
     io_workers: int
 
 
-def resolve(
+def resolve_run(
     options: CheckpointOptions, location: str | os.PathLike[str] | Store, comm: Any = None
 ) -> Resolved:
     """The store at ``location`` and this rank's I/O workers for ``options`` (which may ask
     ``comm`` how many ranks share the node: call it on every rank); at least
     :data:`~distckpt.transfer.workers.NETWORK_WORKERS` against an object store."""
-    store = resolve_store(location)
-    workers = transfer_workers.resolve(options.io_workers, comm, network=is_remote(store))
+    store = open_store(location)
+    workers = transfer_workers.resolve_io_workers(
+        options.io_workers, comm, network=is_remote(store)
+    )
     return Resolved(options, store, workers)

@@ -40,8 +40,7 @@ from typing import Any
 from distckpt.comm.outcome import announce
 from distckpt.errors import CheckpointError
 from distckpt.format import digests
-from distckpt.format import index as index_mod
-from distckpt.format.index import Index
+from distckpt.format.index import Index, parse_index, pieces_of, read_index_bytes, version_of
 from distckpt.format.shard_io import Stored
 from distckpt.format.stored import Pieces
 from distckpt.planning.pieces import Piece
@@ -85,7 +84,7 @@ class Known:
         if entry.get("dtype") != piece.dtype:
             return None
         try:
-            pieces = index_mod.pieces_of(self.index, entry, piece.var)
+            pieces = pieces_of(self.index, entry, piece.var)
             hit = _matching(pieces, piece)
         except CheckpointError:
             return None
@@ -155,11 +154,11 @@ def check_base(comm: Any, base: Store) -> Known | None:
 
     def read() -> tuple[str, bytes | None]:
         try:
-            raw = index_mod.read_index_bytes(base)
+            raw = read_index_bytes(base)
         except (OSError, CheckpointError) as exc:
             return f"its index cannot be read ({exc})", None
         mine = known(base.url)
-        version = index_mod.version_of(raw)
+        version = version_of(raw)
         if mine is not None and mine.version is not None:
             if mine.version == version:
                 return "", None
@@ -174,7 +173,7 @@ def check_base(comm: Any, base: Store) -> Known | None:
         return None
     if raw is not None:
         try:
-            remember_index(base, index_mod.parse_index(raw, base))
+            remember_index(base, parse_index(raw, base))
         except CheckpointError as exc:
             if comm.rank == 0:
                 log.warning("saving in full: the base %s is not usable: %s", base.url, exc)

@@ -50,21 +50,20 @@ from distckpt.engine.options import (
     Resolved,
     SaveKeywords,
     merge_or_refuse,
-    resolve,
+    resolve_run,
 )
 from distckpt.engine.pipeline import SaveKind, Stage, communicator
 from distckpt.engine.results import SaveResult
 from distckpt.errors import interfered
-from distckpt.format import index as index_mod
 from distckpt.format import zarr_meta
+from distckpt.format.index import version_of
 from distckpt.format.shard_io import Stored
 from distckpt.items import gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
 from distckpt.storage.backend import Store
-from distckpt.storage.registry import location
-from distckpt.storage.registry import open_store as resolve_store
+from distckpt.storage.registry import location, open_store
 from distckpt.transfer.sources import HostData, Source, source_for
 from distckpt.transfer.writer import PieceJob, write_pieces
 
@@ -99,10 +98,10 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         merged, self.error = merge_or_refuse(options, keywords, SAVE, where)
         self.base: Store | None = None  # the checkpoint it builds on (an incremental save)
         try:
-            self.base = None if base is None or not merged.incremental else resolve_store(base)
+            self.base = None if base is None or not merged.incremental else open_store(base)
         except (TypeError, ValueError) as exc:
             self.error = self.error or exc
-        self.run: Resolved = resolve(merged, path, comm)
+        self.run: Resolved = resolve_run(merged, path, comm)
         self.source_of = source_of
         self.after_commit = after_commit
         self.final: Store = self.run.store
@@ -188,7 +187,7 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
             assert self.staging is not None and plan.plan is not None
             self.stored_bytes = sum(report.nbytes for report in reports)
             raw = commit(plan.plan, reports, plan.values or {}, self.staging, plan.work.token)
-            index_version = index_mod.version_of(raw)
+            index_version = version_of(raw)
             self.staging = None  # committed: nothing left to abort
             if self.after_commit is not None:
                 self.after_commit()  # its error is every rank's, the checkpoint committed

@@ -35,8 +35,8 @@ from distckpt.engine.options import HF_LOAD, CheckpointOptions, merge_or_refuse
 from distckpt.engine.pipeline import RestoreKind, communicator, restore
 from distckpt.engine.results import LoadResult
 from distckpt.errors import ValidationError
-from distckpt.hf import names as names_mod
 from distckpt.hf.directory import Weights, is_stored, open_weights
+from distckpt.hf.names import Rename, for_loading
 from distckpt.hf.safetensors import StoredTensor
 from distckpt.items import Leaf, flatten
 from distckpt.progress import progress
@@ -62,7 +62,7 @@ def load_hf(
     comm: Communicator | None = None,
     *,
     prefix: str = "",
-    rename: names_mod.Rename | None = None,
+    rename: Rename | None = None,
     options: CheckpointOptions | None = None,
     **keywords: Unpack[HFLoadKeywords],
 ) -> LoadResult:
@@ -90,7 +90,7 @@ def load_hf(
     ``path`` may be a store (``s3://bucket/model``, ``az://...``, ``gs://...``).
     """
     comm = communicator(comm)
-    names_mod.for_loading(prefix, rename)  # checks the pair before any communication
+    for_loading(prefix, rename)  # checks the pair before any communication
     opts, error = merge_or_refuse(options, keywords, HF_LOAD, "load_hf")
     return restore(comm, _Weights(path, prefix, rename, opts, error), state)
 
@@ -113,7 +113,7 @@ class _Weights(RestoreKind[_Matched]):
         self,
         path: str | os.PathLike[str],
         prefix: str,
-        rename: names_mod.Rename | None,
+        rename: Rename | None,
         options: CheckpointOptions,
         error: BaseException | None,
     ) -> None:
@@ -128,7 +128,7 @@ class _Weights(RestoreKind[_Matched]):
 
     def read_metadata(self, comm: Communicator) -> None:
         self.weights = announce(comm, lambda: open_weights(self.at))
-        self.workers = transfer_workers.resolve(
+        self.workers = transfer_workers.resolve_io_workers(
             self.options.io_workers, comm, network=is_stored(self.at)
         )
 
@@ -160,11 +160,9 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _stored(
-    weights: Weights, prefix: str, rename: names_mod.Rename | None
-) -> dict[str, StoredTensor]:
+def _stored(weights: Weights, prefix: str, rename: Rename | None) -> dict[str, StoredTensor]:
     """The weights by the state's names (the same on every rank)."""
-    to_state = names_mod.for_loading(prefix, rename)
+    to_state = for_loading(prefix, rename)
     stored: dict[str, StoredTensor] = {}
     for name, tensor in weights.tensors.items():
         mapped = to_state(name)
@@ -182,7 +180,7 @@ def _match(
     state: dict[str, Any],
     stored: dict[str, StoredTensor],
     prefix: str,
-    rename: names_mod.Rename | None,
+    rename: Rename | None,
     result: LoadResult,
     strict: bool,
 ) -> _Matched | None:

@@ -54,8 +54,8 @@ from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
 from distckpt.engine.pipeline import SaveKind, Stage, communicator
 from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
-from distckpt.hf import names as names_mod
 from distckpt.hf.directory import DEFAULT_MAX_BYTES, OutFile, parse_size, plan_files
+from distckpt.hf.names import Rename, for_saving
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import BoxWrite, Piece, Sink, Work, unit_bytes, write_boxes
 from distckpt.items import flatten
@@ -126,7 +126,9 @@ class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
             error = error or exc
             described = Failure.capture(error, comm.rank)
         network = target is not None and not target.files
-        self.workers = transfer_workers.resolve(self.options.io_workers, comm, network=network)
+        self.workers = transfer_workers.resolve_io_workers(
+            self.options.io_workers, comm, network=network
+        )
 
         def decide(gathered: list[Any]) -> tuple[str, list[Work]]:
             assert target is not None
@@ -197,7 +199,7 @@ def save_hf(
     comm: Communicator | None = None,
     *,
     prefix: str = "",
-    rename: names_mod.Rename | None = None,
+    rename: Rename | None = None,
     max_shard_size: int | str = DEFAULT_MAX_BYTES,
     options: CheckpointOptions | None = None,
     **keywords: Unpack[HFSaveKeywords],
@@ -221,7 +223,7 @@ def save_hf(
     """
     comm = communicator(comm)
     opts, error = merge_or_refuse(options, keywords, HF_SAVE, "save_hf")
-    kind = _StateWeights(path, opts, error, names_mod.for_saving(prefix, rename), max_shard_size)
+    kind = _StateWeights(path, opts, error, for_saving(prefix, rename), max_shard_size)
     return pipeline.save_blocking(kind, state, comm)
 
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import MODEL, CheckpointManager
 from torchtitan.components.checkpointer.dcp import AsyncMode
 
-from distckpt.format import index as index_mod
+from distckpt.format.index import is_committed
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 from distckpt.numbering import numbered
 from distckpt.storage.registry import open_store
@@ -105,9 +105,7 @@ class DistckptCheckpointManager(CheckpointManager):
         """The newest committed ``step-N`` of ``folder`` (default: the checkpoint folder)."""
         steps = self._steps(folder or self.folder)
         committed = [
-            n
-            for n, name in steps
-            if index_mod.is_committed(open_store(folder or self.folder).child(name))
+            n for n, name in steps if is_committed(open_store(folder or self.folder).child(name))
         ]
         return max(committed, default=-1)
 

@@ -42,7 +42,7 @@ from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, share
 from distckpt.engine import background, pipeline
 from distckpt.engine.background import Snapped
-from distckpt.engine.options import CheckpointOptions, resolve
+from distckpt.engine.options import CheckpointOptions, resolve_run
 from distckpt.engine.pipeline import SaveKind, Stage
 from distckpt.engine.results import SaveResult
 from distckpt.format import seal
@@ -262,7 +262,7 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
         received: dict[int, dict[str, Any]] = {}
         error: BaseException | None = None
         try:
-            group = TaskGroup(resolve(self.options, store, comm).io_workers)
+            group = TaskGroup(resolve_run(self.options, store, comm).io_workers)
             store.prepare(keys)
             for o, key in zip(owners, keys, strict=True):
                 handles[o] = store.create(key, layout.size if o == rank else None)

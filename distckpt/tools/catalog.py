@@ -17,7 +17,7 @@ import numpy as np
 
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from distckpt.format import index as index_mod
+from distckpt.format.index import pieces_of, read_index
 from distckpt.format.stored import StoredPiece
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
@@ -70,7 +70,7 @@ def open_catalog(path: str | os.PathLike[str] | Store, *, tiling: bool = True) -
     """Read and check the index of the committed checkpoint at ``path`` (``tiling=False``:
     all but whether each tensor's pieces tile it, which ``verify`` reports itself)."""
     root = open_store(path)
-    index = index_mod.read_index(root, tiling=tiling)
+    index = read_index(root, tiling=tiling)
     tensors: dict[str, TensorVar] = {}
     values: dict[str, ValueVar] = {}
     for name, entry in sorted(index["variables"].items()):
@@ -102,7 +102,7 @@ def _add(
     try:
         dtype = str(entry["dtype"])
         shape = tuple(int(n) for n in entry["shape"])
-        pieces = tuple(index_mod.pieces_of(index, entry, name))
+        pieces = tuple(pieces_of(index, entry, name))
         dtypes.numpy_dtype(dtype)
     except UnsupportedValueError as exc:
         raise CorruptCheckpointError(f"variable {name!r}: {exc}") from None

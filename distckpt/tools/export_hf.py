@@ -14,8 +14,8 @@ from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
 from distckpt.engine.pipeline import communicator, save_blocking
 from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
-from distckpt.hf import names as names_mod
 from distckpt.hf.directory import DEFAULT_MAX_BYTES, parse_size, plan_files
+from distckpt.hf.names import Rename, for_saving
 from distckpt.hf.save import WeightsSave
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import Sink, Work
@@ -38,7 +38,7 @@ def export_hf(
     comm: Communicator | None = None,
     *,
     prefix: str = "",
-    rename: names_mod.Rename | None = None,
+    rename: Rename | None = None,
     max_shard_size: int | str = DEFAULT_MAX_BYTES,
     options: CheckpointOptions | None = None,
     **keywords: Unpack[HFSaveKeywords],
@@ -56,7 +56,7 @@ def export_hf(
     """
     comm = communicator(comm)
     opts, error = merge_or_refuse(options, keywords, HF_SAVE, "export_hf")
-    to_weights = names_mod.for_saving(prefix, rename)
+    to_weights = for_saving(prefix, rename)
     kind = _CheckpointWeights(path, opts, error, to_weights, max_shard_size)
     return save_blocking(kind, checkpoint, comm)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from distckpt.commit.transaction import Pending, pending
 from distckpt.errors import CheckpointError, CheckpointNotFoundError
-from distckpt.format import index as index_mod
+from distckpt.format.index import is_committed, read_index
 from distckpt.format.zarr_meta import ZARR_JSON
 from distckpt.numbering import number
 from distckpt.storage.backend import Store
@@ -63,7 +63,7 @@ def list_run(directory: str | os.PathLike[str] | Store) -> Listing:
     root = open_store(directory)
     if not root.is_dir(""):
         raise CheckpointNotFoundError(f"{root.url} is not a directory (or holds nothing)")
-    if index_mod.is_committed(root):
+    if is_committed(root):
         raise CheckpointError(
             f"{root.url} is a checkpoint, not a run directory (see distckpt inspect)"
         )
@@ -89,7 +89,7 @@ def list_run(directory: str | os.PathLike[str] | Store) -> Listing:
 def _committed(store: Store, latest: str | None) -> Entry | None:
     """The row of a checkpoint; None for a zarr group that is not a distckpt checkpoint."""
     try:
-        index = index_mod.read_index(store)
+        index = read_index(store)
     except CheckpointNotFoundError:
         return None
     except CheckpointError as exc:

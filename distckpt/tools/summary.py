@@ -8,8 +8,8 @@ from typing import Any
 
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError
-from distckpt.format import index as index_mod
 from distckpt.format import seal
+from distckpt.format.index import read_index
 from distckpt.format.stored import Pieces
 
 
@@ -22,7 +22,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``reused_bytes`` the pieces taken by every variable; ``metadata_checksum`` whether the
     index carries its own checksum (checked: False for an index written by a distckpt that
     did not seal it)."""
-    index = index_mod.read_index(path)
+    index = read_index(path)
     rows: list[dict[str, Any]] = []
     for name, entry in sorted(index["variables"].items()):
         try:

@@ -32,8 +32,8 @@ from distckpt.errors import (
     PointerConflictError,
     UnsupportedFormatError,
 )
-from distckpt.format import index as index_mod
 from distckpt.format import seal
+from distckpt.format.index import is_committed
 from distckpt.numbering import numbered
 from distckpt.storage.backend import ConditionFailed, Store, check_name
 from distckpt.storage.registry import child_location, open_store
@@ -170,7 +170,7 @@ def latest_checkpoint(directory: str | os.PathLike[str] | Store) -> str | None:
     if pointer is None:
         return None
     path = child_location(directory, pointer.latest)
-    if not index_mod.is_committed(path):
+    if not is_committed(path):
         raise CheckpointNotFoundError(
             f"{open_store(directory).where(POINTER_FILE)} names {pointer.latest!r}, which is not "
             "a committed checkpoint"

@@ -28,7 +28,7 @@ from typing import Any
 
 from distckpt.commit.transaction import retire, retiring
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from distckpt.format import index as index_mod
+from distckpt.format.index import read_index
 from distckpt.numbering import numbered
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import child_location
@@ -50,7 +50,7 @@ def created(path: Store) -> float | None:
     is of a newer format), or None when ``path`` holds no committed checkpoint: one read
     of its index tells both."""
     try:
-        index = index_mod.read_index(path)
+        index = read_index(path)
     except UnsupportedFormatError:
         return 0.0
     except CheckpointNotFoundError:

@@ -36,8 +36,7 @@ from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import reuse
 from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.engine.matching import gather_left
-from distckpt.engine.options import CheckpointOptions
-from distckpt.engine.options import resolve as resolve_options
+from distckpt.engine.options import CheckpointOptions, resolve_run
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.format.stored import Pieces
 from distckpt.items import PerRank, Shard, is_dtensor
@@ -78,7 +77,7 @@ class StoredCheckpoint:
         reuse.remember_index(self.store, self.index)  # the base of the next save
 
     def load(self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions) -> Any:
-        return load_indexed(state, resolve_options(options, self.store, comm), self.index, comm)
+        return load_indexed(state, resolve_run(options, self.store, comm), self.index, comm)
 
 
 @dataclass

@@ -94,7 +94,7 @@ def default_io_workers(local: int | None = None) -> int:
 NETWORK_WORKERS = 8
 
 
-def resolve(io_workers: int | None, comm: Any = None, *, network: bool = False) -> int:
+def resolve_io_workers(io_workers: int | None, comm: Any = None, *, network: bool = False) -> int:
     """``io_workers`` if given, else ``$DISTCKPT_IO_WORKERS``, else the default for this
     rank (which may ask ``comm`` how many ranks share the node: call it on every rank);
     with ``network`` (an object store) at least :data:`NETWORK_WORKERS`."""

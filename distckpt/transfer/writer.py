@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from distckpt.errors import CheckpointError
-from distckpt.format import digests as digests_mod
 from distckpt.format import shard_io
 from distckpt.format.codecs import Codec
+from distckpt.format.digests import chunk_digest, piece_digest, plain_digest
 from distckpt.format.piece_reader import PieceReader, scratch
 from distckpt.format.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
 from distckpt.storage.backend import Store, copying, syncing, write_whole
@@ -124,7 +124,7 @@ def write_pieces(
             if job.id in decided:
                 results[job.id] = decided[job.id]
             elif any(n == 0 for n in job.data.shape):
-                results[job.id] = Stored(0, 0, digests_mod.plain_digest(b"") if digests else None)
+                results[job.id] = Stored(0, 0, plain_digest(b"") if digests else None)
             elif job.inner is None:  # small: a device tensor comes over whole, from here
                 small.append(job.key)
                 group.submit(
@@ -201,18 +201,18 @@ def _unchanged(job: PieceJob) -> bool:
         return False  # nothing stored: nothing to take
     if job.inner is None:
         raw = shard_io.as_bytes(np.ascontiguousarray(data.host()))
-        return digests_mod.plain_digest(raw) == reuse.stored.digest
+        return plain_digest(raw) == reuse.stored.digest
     parts = shard_io.chunk_parts(data.shape, job.block, job.inner, data.dtype.itemsize)
     known = reuse.chunks
     if known is not None and len(known) != len(parts):
         return False
     found: list[bytes] = []
     for raw in _raw_chunks(job, parts):
-        digest = digests_mod.chunk_digest(raw)
+        digest = chunk_digest(raw)
         if known is not None and known[len(found)] != digest:
             return False
         found.append(digest)
-    return digests_mod.piece_digest(found) == reuse.stored.digest
+    return piece_digest(found) == reuse.stored.digest
 
 
 def _raw_chunks(job: PieceJob, parts: Sequence[ChunkPart]) -> Iterator[np.ndarray]:
@@ -300,7 +300,7 @@ def _differs(store: Store, job: PieceJob) -> str | None:
     if shard_io.crc32c(head) != want.crc:
         return f"{where} is not the piece its index describes"
     if job.inner is None:
-        if digests_mod.plain_digest(head) != want.digest:
+        if plain_digest(head) != want.digest:
             return f"{where} holds other bytes than its index's digest says"
     elif want.stamp is None and store.capabilities.local_files:
         reader = PieceReader(job.key, store, job.key, job.data.dtype, want.crc, job.codec, size)
@@ -310,13 +310,11 @@ def _differs(store: Store, job: PieceJob) -> str | None:
                 job.block,
                 job.inner,
                 job.data.shape,
-                on_chunk=lambda linear, raw: found.__setitem__(
-                    linear, digests_mod.chunk_digest(raw)
-                ),
+                on_chunk=lambda linear, raw: found.__setitem__(linear, chunk_digest(raw)),
             )
         except CheckpointError as exc:
             return f"{where} is damaged: {exc}"
-        if digests_mod.piece_digest(found[k] for k in sorted(found)) != want.digest:
+        if piece_digest(found[k] for k in sorted(found)) != want.digest:
             return f"{where} holds other bytes than its index's digest says"
     return None
 
