@@ -2,7 +2,7 @@
 tests; they skip when moto is not installed.
 
 Under ``CI=true`` a skip is a failure, except for the tests that need a CUDA GPU (CI has
-none): tests/test_cuda.py and tests marked ``gpu``. A test that skips because SLURM,
+none): tests/engine/test_cuda.py and tests marked ``gpu``. A test that skips because SLURM,
 shellcheck, mpiexec or a test dependency is missing there would otherwise pass unseen;
 the run lists each such skip with its reason and exits with 1.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_server import S3Server, require, use
+
+from tests.support.s3_server import S3Server, require, use
 
 #: Test files whose skips CI allows (they need a CUDA GPU).
 GPU_FILES = frozenset({"test_cuda.py"})
@@ -30,7 +31,8 @@ def in_ci() -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "gpu: needs a CUDA GPU; may skip under CI=true, as tests/test_cuda.py does"
+        "markers",
+        "gpu: needs a CUDA GPU; may skip under CI=true, as tests/engine/test_cuda.py does",
     )
     _unexpected_skips.clear()
 
@@ -94,7 +96,7 @@ def s3(s3_server: S3Server, request: pytest.FixtureRequest) -> Iterator[S3Server
 def azure_server() -> Iterator[Any]:
     """One Azurite blob service for the session, with container ``distckpt``; its
     environment is in ``os.environ`` only inside tests that use :func:`azure`."""
-    from azure_server import AzureServer
+    from tests.support.azure_server import AzureServer
 
     with AzureServer(containers=["distckpt", "other"]) as server:
         yield server

@@ -1,5 +1,5 @@
 """A tiny Accelerate training loop through DistckptAccelerator, for
-tests/test_integration_accelerate.py.
+tests/integrations/test_integration_accelerate.py.
 
 ``save DIR``: (torchrun, 2 processes on gloo) 5 steps of a prepared model, AdamW, StepLR
 and a shuffled dataloader (SeedableRandomSampler); ``save_state`` with automatic naming

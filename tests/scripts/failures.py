@@ -566,8 +566,7 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
 
 def check_golden(comm: Communicator, golden: Path) -> None:
     """Restore the 2-rank golden checkpoint on this world size (resharded), compare."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import make_golden as g
+    from tests.support import make_golden as g
 
     rank, world = comm.rank, comm.size
 

@@ -1,4 +1,4 @@
-"""Incremental saves across ranks (run by tests/test_incremental.py under torchrun).
+"""Incremental saves across ranks (run by tests/engine/test_incremental.py under torchrun).
 
 Usage::
 

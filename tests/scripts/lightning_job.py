@@ -1,4 +1,4 @@
-"""Tiny Lightning fits through distckpt, for tests/test_integration_lightning.py.
+"""Tiny Lightning fits through distckpt, for tests/integrations/test_integration_lightning.py.
 
 One launch runs both: DDP with DistckptCheckpointIO in DIR/ddp, then (on more than one
 rank) DistckptModelParallelStrategy in DIR/sharded.

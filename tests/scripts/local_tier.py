@@ -1,4 +1,4 @@
-"""A training job with a node-local tier, for tests/test_local_tier.py.
+"""A training job with a node-local tier, for tests/local/test_local_tier.py.
 
 Run under mpiexec or torchrun (any world size that divides 8), as 2 "nodes":
 ``$DISTCKPT_NODE`` set per node by the launcher, or ``--node-of-rank`` (the node of rank

@@ -1,4 +1,5 @@
-"""Pipeline-parallel states, where ranks hold different variables, for tests/test_pipeline.py.
+"""Pipeline-parallel states, where ranks hold different variables, for
+tests/engine/test_pipeline.py.
 
 Usage (4 ranks, under torchrun or mpiexec)::
 

@@ -1,4 +1,4 @@
-"""distckpt on an S3-compatible object store, with real processes (run by tests/test_s3.py).
+"""distckpt on an S3-compatible object store, with real processes (run by tests/storage/test_s3.py).
 
 The store is the one ``AWS_ENDPOINT_URL`` names (the tests' moto server on 127.0.0.1).
 

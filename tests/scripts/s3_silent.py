@@ -1,5 +1,5 @@
 """A save whose object store stops answering, on every rank (run by
-tests/test_s3_deadlines.py under torchrun).
+tests/storage/test_s3_deadlines.py under torchrun).
 
 Usage::
 

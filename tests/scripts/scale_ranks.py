@@ -1,4 +1,4 @@
-"""Coordination at scale with real processes (run by tests/test_scale.py).
+"""Coordination at scale with real processes (run by tests/engine/test_scale.py).
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Jobs across the two "nodes" of tests/nodes.py, for tests/test_two_nodes.py.
+"""Jobs across the two "nodes" of tests/support/nodes.py, for tests/cluster/test_two_nodes.py.
 
 Run under torchrun (one agent per node) or mpiexec (hydra's launcher entering each
 node), 2 nodes of 2 ranks; the node of a rank is what the library finds (its host name:
