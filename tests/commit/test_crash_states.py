@@ -158,7 +158,7 @@ MUTATIONS = [
     ("no-syncfs", "transfer/writer.py", "barrier.sync(small)", "pass", ["manager"]),
     (
         "delete-before-rename",
-        "storage/staging.py",
+        "commit/staging.py",
         "            if parent.exchange(mine, name):\n",
         "            parent.delete_tree(name)\n"
         "            parent.rename(mine, name)\n"
@@ -169,7 +169,7 @@ MUTATIONS = [
     ),
     (  # the groups' metadata, written at the commit, left out of the directories' fsync
         "group-metadata-not-durable",
-        "storage/staging.py",
+        "commit/staging.py",
         "        self.root.persist(files)\n",
         "",
         ["overwrite"],
