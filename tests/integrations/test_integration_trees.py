@@ -13,7 +13,7 @@ import distckpt
 from distckpt.integrations.trees import STRUCTURE, load_tree, save_tree
 from tests.support.launch_util import SCRIPTS, load_script
 
-assert_same = load_script(SCRIPTS / "same_tree.py", "same_tree").assert_same
+assert_same = load_script(SCRIPTS / "rank.py", "rank").assert_same
 
 
 def _tree() -> dict:

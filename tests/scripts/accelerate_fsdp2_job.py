@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from job import say
-from same_tree import assert_same
+from rank import assert_same, say
 
 from distckpt.integrations.accelerate import DistckptAccelerator
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
-from job import say
-from same_tree import assert_same
+from rank import assert_same, say
 from torch.utils.data import DataLoader, TensorDataset
 
 import distckpt

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from job import say
-from same_tree import assert_same
+from rank import assert_same, say
 from transformers import TrainerCallback, TrainingArguments
 
 from distckpt.integrations.hf_trainer import DistckptTrainer

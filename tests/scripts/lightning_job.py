@@ -29,9 +29,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from job import say
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from same_tree import assert_same
+from rank import assert_same, say
 
 from distckpt.integrations.lightning import DistckptCheckpointIO, DistckptModelParallelStrategy
 

@@ -26,7 +26,7 @@ import zlib
 from typing import Any
 
 import torch
-from job import say
+from rank import say
 
 import distckpt
 from distckpt.comm import auto
