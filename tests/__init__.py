@@ -21,6 +21,8 @@
 ``scripts/``            rank scripts run under torchrun or mpiexec (``scripts/rank.py``
                         holds what they share)
 ``golden/``             checkpoints written by earlier versions
+``conftest.py``         the S3 and Azure servers, and ``backend``: one test per store
+                        (a directory, S3, Azure) for what every store does alike
 ======================  =============================================================
 
 Every folder is a package, so test modules are imported by their full name

@@ -1,7 +1,11 @@
 """distckpt on an S3-compatible object store (a real moto server on 127.0.0.1), with real
-processes: resharding across launchers, third-party zarr readers, the CheckpointManager,
-a rank killed mid-upload, and races (two saves of one name, two jobs moving ``latest``, a
-reader overtaken by ``overwrite=True``).
+processes: resharding across launchers, third-party zarr readers, a rank killed
+mid-upload, and races (two jobs moving ``latest``, a reader overtaken by
+``overwrite=True``, a stalled save whose claim was taken over). What every store does
+alike runs on S3 too, over the ``backend`` fixture: the manager's retention and lock
+(tests/training/test_manager.py), two saves of one name (tests/commit/test_races.py), a
+stopped service (tests/storage/test_s3_deadlines.py), HF weights
+(tests/hf/test_hf_stores.py).
 
 The multi-rank work runs in tests/scripts/s3_ranks.py (``CASE``/``FAIL``/``OK`` lines,
 see its docstring); the checks of what is left in the bucket are made here.
@@ -10,8 +14,6 @@ see its docstring); the checks of what is left in the bucket are made here.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,14 +39,11 @@ from tests.support.launch_util import (
     SCRIPTS,
     assert_all_ok,
     cases,
-    check,
-    finish,
     load_script,
     needs_mpi,
     output,
     run_mpi,
     run_torchrun,
-    start,
 )
 from tests.support.make_golden import assert_same_bits
 from tests.support.s3_server import S3Server, use
@@ -180,50 +179,6 @@ def test_tensorstore_reads_global_tensor(saved_on_4: str, in_env: S3Server, name
     assert torch.equal(got, _global(name))
 
 
-# --------------------------------------------------------------------------- manager
-
-
-@needs_mpi
-@pytest.mark.timeout(120)
-def test_manager_retention_async_restore_and_lock(s3: S3Server) -> None:
-    """A 2-rank job: max_to_keep=2 over 4 saves (the last in the background), a new
-    manager restores the newest, and a directory locked by this process is refused."""
-    run, locked = f"{s3.url}/run", f"{s3.url}/locked"
-    holder = distckpt.CheckpointManager(distckpt.Checkpoint(x=torch.zeros(2)), locked, comm=COMM)
-    try:
-        proc = run_mpi(2, SCRIPT, "manager", run, locked, timeout=90, env=job_env(s3))
-    finally:
-        holder.close()
-    assert_all_ok(proc, 2)
-    found = cases(proc)
-    assert {r["type"] for r in found["manager-locked"].values()} == {"DirectoryLockedError"}
-
-    left = keys(s3, run)
-    assert not [k for k in left if k.startswith(("ckpt-1/", "ckpt-2/"))], left
-    for name in ("ckpt-3", "ckpt-4"):
-        assert f"{name}/zarr.json" in left and index_mod.is_committed(f"{run}/{name}")
-    assert not [k for k in left if claim_mod.SUFFIX in k or ".distckpt-lock" in k], left
-    assert keys(s3, locked) == []  # the holder's lock was released
-    assert distckpt.latest_checkpoint(run) == f"{run}/ckpt-4"
-    assert read_pointer(run).all == ["ckpt-3", "ckpt-4"]  # type: ignore[union-attr]
-
-    # This process is a new one: a new manager restores the newest...
-    ckpt, net = sr.manager_checkpoint()
-    with distckpt.CheckpointManager(ckpt, run, max_to_keep=2, comm=COMM) as manager:
-        assert manager.restore_or_initialize() == f"{run}/ckpt-4"
-    step, w, params = sr.manager_values(4)
-    assert torch.equal(ckpt.step, step) and torch.equal(ckpt.w, w)
-    assert torch.equal(net.weight.detach(), params["weight"])
-    assert torch.equal(net.bias.detach(), params["bias"])
-    # ... and so does a plain Checkpoint.restore, consuming everything.
-    other, other_net = sr.manager_checkpoint()
-    other.restore(distckpt.latest_checkpoint(run), COMM).assert_consumed()
-    assert torch.equal(other.w, w) and torch.equal(other_net.bias.detach(), params["bias"])
-    older, _ = sr.manager_checkpoint()
-    older.restore(f"{run}/ckpt-3", COMM).assert_consumed()
-    assert torch.equal(older.w, sr.manager_values(3)[1])
-
-
 # --------------------------------------------------------------------------- kill
 
 
@@ -297,48 +252,6 @@ def test_rank_killed_mid_upload(s3: S3Server, tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- races
 
-RACE_ROUNDS = 6
-
-
-@pytest.mark.timeout(120)
-def test_two_jobs_save_one_name(s3: S3Server, tmp_path: Path) -> None:
-    """Two single-process jobs save different states to one name at the same moment,
-    6 times: exactly one commits, the other raises CheckpointExists, and the name holds
-    the winner's state, bit for bit."""
-    markers = tmp_path / "markers"
-    args = ["race", s3.url, "{who}", str(RACE_ROUNDS), str(markers)]
-    procs = [
-        start([sys.executable, str(SCRIPT), *(a.format(who=who) for a in args)], job_env(s3))
-        for who in (0, 1)
-    ]
-    done = [finish(p, 100) for p in procs]
-    results: dict[int, dict[int, str]] = {}
-    for proc in done:
-        assert_all_ok_single(proc)
-        for r, who, outcome in re.findall(r"^RESULT (\d+) (\d+) (\S+)$", proc.stdout, re.M):
-            results.setdefault(int(r), {})[int(who)] = outcome
-    winners = []
-    for r in range(RACE_ROUNDS):
-        outcomes = results.get(r, {})
-        assert sorted(outcomes.values()) == ["committed", "exists"], (r, outcomes)
-        winner = next(w for w, o in outcomes.items() if o == "committed")
-        winners.append(winner)
-        path = f"{s3.url}/race-{r}"
-        state: dict[str, Any] = {"a": torch.zeros(300, 50), "b": torch.zeros(7, dtype=torch.int64)}
-        state["who"] = None
-        distckpt.load(state, path, COMM)
-        want = sr.race_state(winner, r)
-        assert state["who"] == winner
-        assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
-        assert claim_mod.read_claim(open_store(path)) is None
-    assert len(set(winners)) == 2, f"one process won every round: {winners}"
-
-
-def assert_all_ok_single(proc: subprocess.CompletedProcess[str]) -> None:
-    check(proc)
-    assert re.search(r"^OK \d$", proc.stdout, re.M), output(proc)
-
-
 POINTER_NAMES = 8
 POINTER_PASSES = 4
 
@@ -404,34 +317,6 @@ def test_two_jobs_advance_latest(s3: S3Server) -> None:
         pointer = read_pointer(f"{s3.url}/p{p}")
         assert pointer is not None and pointer.latest == f"ckpt-{POINTER_NAMES}"
         assert pointer.all == sorted(pointer.all, key=lambda n: int(n.rsplit("-", 1)[1]))
-
-
-def test_two_managers_one_directory(s3: S3Server) -> None:
-    """A second manager of an s3 directory in another process is refused while the first
-    lives, and gets the directory once the first closed."""
-    holder = distckpt.CheckpointManager(distckpt.Checkpoint(x=torch.zeros(2)), s3.url, comm=COMM)
-    code = (
-        "import sys, torch, distckpt\n"
-        "from distckpt.training.lock import DirectoryLockedError\n"
-        "ckpt = distckpt.Checkpoint(x=torch.zeros(2))\n"
-        "try:\n"
-        "    comm = distckpt.comm.SingleComm()\n"
-        "    distckpt.CheckpointManager(ckpt, sys.argv[1], comm=comm).close()\n"
-        "except DirectoryLockedError as exc:\n"
-        "    print('LOCKED', exc)\n"
-        "else:\n"
-        "    print('ACQUIRED')\n"
-    )
-    try:
-        first = finish(start([sys.executable, "-c", code, s3.url], job_env(s3)), 60)
-        holder.save()
-    finally:
-        holder.close()
-    second = finish(start([sys.executable, "-c", code, s3.url], job_env(s3)), 60)
-    check(first)
-    check(second)
-    assert first.stdout.startswith("LOCKED") and "in use by another" in first.stdout, output(first)
-    assert second.stdout.startswith("ACQUIRED"), output(second)
 
 
 #: How far the overwrite has gone when the reader, holding the old index, reads its data,

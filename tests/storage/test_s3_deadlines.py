@@ -5,8 +5,9 @@ leaves the previous checkpoint and the ``latest`` pointer as they were; once it 
 again, the next save succeeds.
 
 The silence is a fault proxy that holds every request from a chosen one on
-(tests/support/fault_proxy.py, :meth:`FaultProxy.stall`), or the moto server itself stopped with
-``SIGSTOP`` at a chosen request (2 ranks under torchrun, tests/scripts/s3_silent.py).
+(tests/support/fault_proxy.py, :meth:`FaultProxy.stall`), or the server itself stopped
+with ``SIGSTOP``: moto at a chosen request (2 ranks under torchrun,
+tests/scripts/s3_silent.py), and moto or Azurite under a save of one process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from distckpt.format import index as index_mod
 from distckpt.storage import s3 as s3_mod
 from distckpt.storage.registry import open_store
 from distckpt.testing.hostile import reseal
+from tests.support.backends import OBJECT_STORES, Backend
 from tests.support.fault_proxy import FaultProxy, Request
 from tests.support.launch_util import SCRIPTS, assert_all_ok, cases, output, run_torchrun
 from tests.support.s3_server import S3Server, use
@@ -230,3 +232,29 @@ def test_a_stopped_server_fails_every_rank_with_storage_error(s3: S3Server) -> N
     with use(s3.env):
         assert distckpt.latest_checkpoint(run) == f"{run}/ckpt-3"
         assert not index_mod.is_committed(f"{run}/ckpt-2")
+
+
+@pytest.mark.parametrize("backend", OBJECT_STORES, indirect=True)
+def test_a_stopped_service_fails_a_save_within_the_deadline(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service itself stopped (``SIGSTOP``), in one process: a save raises
+    StorageError naming the location within the deadline, and a later save commits
+    once it answers again (on S3 once ``answering()`` says so)."""
+    monkeypatch.setenv("DISTCKPT_S3_TIMEOUT", "4")
+    state = {"w": torch.arange(1000.0)}
+    scheme = backend.url.split("://", 1)[0]
+    backend.server.pause()
+    try:
+        began = time.monotonic()
+        with pytest.raises(StorageError, match=rf"{scheme}://distckpt/"):
+            distckpt.save(state, f"{backend.url}/a", COMM)
+        assert time.monotonic() - began < 30
+    finally:
+        backend.server.resume()
+    if backend.name == "s3":  # S3 requests fail at once until the library sees an answer
+        assert s3_mod.answering(30), "the service did not answer again"
+    distckpt.save(state, f"{backend.url}/b", COMM)
+    got = {"w": torch.zeros(1000)}
+    distckpt.load(got, f"{backend.url}/b", COMM)
+    assert torch.equal(got["w"], state["w"])

@@ -38,7 +38,8 @@ from distckpt.storage.backend import Capabilities, ConditionFailed, Store
 from distckpt.storage.posix import PosixStore
 from distckpt.storage.registry import is_remote, location, open_store
 from distckpt.storage.s3 import S3Store
-from distckpt.testing import MiB, StoreTests, payload, write_out_of_order
+from distckpt.testing import MiB, StoreTests, payload
+from tests.storage.multipart import MultipartTests
 from tests.support.fault_proxy import FaultProxy, Request
 from tests.support.launch_util import job_env
 from tests.support.make_golden import assert_same_bits, assert_same_value
@@ -83,7 +84,7 @@ class TestPosixStoreWithoutOpenat2(TestPosixStore):
         return PosixStore(tmp_path / "store")
 
 
-class TestS3Store(StoreTests):
+class TestS3Store(MultipartTests, StoreTests):
     capabilities = S3Store.capabilities
 
     @pytest.fixture
@@ -102,13 +103,7 @@ class TestS3Store(StoreTests):
 
     # What only S3 does: multipart uploads.
 
-    @pytest.mark.parametrize("size", [1000, 5 * MiB, 13 * MiB + 12345])
-    def test_multipart_out_of_order(self, store: S3Store, size: int) -> None:
-        data = payload(size, seed=size)
-        handle = store.create("x/piece.bin", size_hint=size)
-        write_out_of_order(handle, data, random.Random(size))
-        handle.finish()
-        assert store.read("x/piece.bin") == data
+    def check_upload(self, store: S3Store, handle: Any, size: int) -> None:
         assert pending_uploads(self.server, store.prefix) == []
         key = f"{store.prefix}/x/piece.bin"
         etag = admin(self.server).head_object(Bucket="distckpt", Key=key)["ETag"]

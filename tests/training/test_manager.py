@@ -1,7 +1,9 @@
 """distckpt.CheckpointManager: retention, adoption, schedules, the directory lock and the
 takeover by a newer manager in the same process.
 
-One process (``SingleComm``); time is faked with an injected clock.
+Mostly one process (``SingleComm``), time faked with an injected clock. The lock between
+processes and the retention of a 2-rank job run on every store (``backend``: a
+directory, S3, Azure).
 """
 
 from __future__ import annotations
@@ -23,12 +25,33 @@ from torch import nn
 
 import distckpt
 from distckpt.comm import SingleComm
+from distckpt.commit import claim as claim_mod
 from distckpt.commit.staging import collect_garbage, leftovers
+from distckpt.format import index as index_mod
+from distckpt.storage.registry import open_store
 from distckpt.training import Checkpoint, CheckpointManager, latest_checkpoint
 from distckpt.training.lock import LOCK_FILE, DirectoryLockedError
+from distckpt.training.pointer import read_pointer
+from tests.support.backends import Backend
+from tests.support.launch_util import (
+    SCRIPTS,
+    assert_all_ok,
+    cases,
+    check,
+    finish,
+    job_env,
+    load_script,
+    needs_mpi,
+    output,
+    run_mpi,
+    run_torchrun,
+    start,
+)
 
 pytestmark = pytest.mark.timeout(120)
 COMM = SingleComm()
+S3_RANKS = SCRIPTS / "s3_ranks.py"  # its manager mode runs on any store
+sr = load_script(S3_RANKS, "s3_ranks_script")
 
 
 class Clock:
@@ -328,13 +351,36 @@ sys.stdin.read()  # until the test closes our stdin
 manager.close()
 """
 
+_CONTENDER = """
+import sys, torch, distckpt
+from distckpt.training.lock import DirectoryLockedError
+ckpt = distckpt.Checkpoint(x=torch.zeros(2))
+try:
+    comm = distckpt.comm.SingleComm()
+    distckpt.CheckpointManager(ckpt, sys.argv[1], comm=comm).close()
+except DirectoryLockedError as exc:
+    print('LOCKED', exc)
+else:
+    print('ACQUIRED')
+"""
 
-def test_manager_of_another_process_is_refused(tmp_path: Path) -> None:
+
+def test_manager_of_another_process_is_refused(backend: Backend) -> None:
+    """While a manager of another process holds a directory, a manager of it here is
+    refused, and gets it once the other closed; the same the other way round (the other
+    process is refused while this one holds it, and this one still saves). The lock is
+    there while a manager lives and gone once it closed."""
+    where = backend.url
+
+    def locked() -> bool:
+        return open_store(where).exists(LOCK_FILE)
+
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(tmp_path)],
+        [sys.executable, "-c", _HOLDER, where],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=job_env(backend.env),
     )
     assert holder.stdin is not None and holder.stdout is not None
     try:
@@ -342,7 +388,7 @@ def test_manager_of_another_process_is_refused(tmp_path: Path) -> None:
         assert readable, "the other process did not start its manager within 60 s"
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(DirectoryLockedError, match="in use by another checkpoint manager"):
-            CheckpointManager(_ckpt(), tmp_path, comm=COMM)
+            CheckpointManager(_ckpt(), where, comm=COMM)
     finally:
         holder.stdin.close()
         try:
@@ -351,10 +397,22 @@ def test_manager_of_another_process_is_refused(tmp_path: Path) -> None:
             holder.kill()
             holder.wait(timeout=60)
     assert holder.returncode == 0
-    assert not (tmp_path / LOCK_FILE).exists()
-    with CheckpointManager(_ckpt(), tmp_path, comm=COMM):
-        assert (tmp_path / LOCK_FILE).exists()
-    assert not (tmp_path / LOCK_FILE).exists()
+    assert not locked()
+    with CheckpointManager(_ckpt(), where, comm=COMM):
+        assert locked()
+    assert not locked()
+
+    mine = CheckpointManager(Checkpoint(x=torch.zeros(2)), where, comm=COMM)
+    try:
+        first = finish(start([sys.executable, "-c", _CONTENDER, where], backend.env), 60)
+        mine.save()
+    finally:
+        mine.close()
+    second = finish(start([sys.executable, "-c", _CONTENDER, where], backend.env), 60)
+    check(first)
+    check(second)
+    assert first.stdout.startswith("LOCKED") and "in use by another" in first.stdout, output(first)
+    assert second.stdout.startswith("ACQUIRED"), output(second)
 
 
 def test_stale_lock_is_taken_over(tmp_path: Path) -> None:
@@ -420,10 +478,51 @@ os.write(1, f"OK {comm.rank}\\n".encode())  # one write: the ranks share the pip
 
 
 def test_two_ranks(tmp_path: Path) -> None:
-    from tests.support.launch_util import check, run_torchrun
-
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
     proc = run_torchrun(2, script, str(tmp_path / "run"), timeout=180)
     check(proc)
     assert "OK 0" in proc.stdout and "OK 1" in proc.stdout
+
+
+@needs_mpi
+def test_retention_across_ranks(backend: Backend) -> None:
+    """A 2-rank job (tests/scripts/s3_ranks.py ``manager``): max_to_keep=2 over 4 saves
+    (the last in the background), a directory locked by this process refused; then a new
+    manager in this process restores the newest, and so does a plain Checkpoint.restore,
+    consuming everything."""
+    run, locked = f"{backend.url}/run", f"{backend.url}/locked"
+    holder = CheckpointManager(Checkpoint(x=torch.zeros(2)), locked, comm=COMM)
+    try:
+        env = {**backend.env, "DISTCKPT_TIMEOUT": "30"}  # a dead rank fails, never hangs
+        proc = run_mpi(2, S3_RANKS, "manager", run, locked, timeout=90, env=env)
+    finally:
+        holder.close()
+    assert_all_ok(proc, 2)
+    found = cases(proc)
+    assert {r["type"] for r in found["manager-locked"].values()} == {"DirectoryLockedError"}
+
+    left = backend.keys(run)
+    assert not [k for k in left if k.startswith(("ckpt-1/", "ckpt-2/"))], left
+    for name in ("ckpt-3", "ckpt-4"):
+        assert f"{name}/zarr.json" in left and index_mod.is_committed(f"{run}/{name}")
+    assert not [k for k in left if claim_mod.SUFFIX in k or LOCK_FILE in k], left
+    assert backend.keys(locked) == []  # the holder's lock was released
+    assert latest_checkpoint(run) == f"{run}/ckpt-4"
+    assert read_pointer(run).all == ["ckpt-3", "ckpt-4"]  # type: ignore[union-attr]
+
+    # This process is a new one: a new manager restores the newest...
+    ckpt, net = sr.manager_checkpoint()
+    with CheckpointManager(ckpt, run, max_to_keep=2, comm=COMM) as manager:
+        assert manager.restore_or_initialize() == f"{run}/ckpt-4"
+    step, w, params = sr.manager_values(4)
+    assert torch.equal(ckpt.step, step) and torch.equal(ckpt.w, w)
+    assert torch.equal(net.weight.detach(), params["weight"])
+    assert torch.equal(net.bias.detach(), params["bias"])
+    # ... and so does a plain Checkpoint.restore, consuming everything.
+    other, other_net = sr.manager_checkpoint()
+    other.restore(latest_checkpoint(run), COMM).assert_consumed()
+    assert torch.equal(other.w, w) and torch.equal(other_net.bias.detach(), params["bias"])
+    older, _ = sr.manager_checkpoint()
+    older.restore(f"{run}/ckpt-3", COMM).assert_consumed()
+    assert torch.equal(older.w, sr.manager_values(3)[1])
