@@ -3,7 +3,7 @@
 torch.distributed.checkpoint (fsspec / s3fs) vs raw multipart uploads and ranged GETs.
 
 The driver (``python benchmarks/bench_s3.py ...``) starts a local S3-compatible server
-(moto's stand-alone server, ``tests/s3_server.py``, on 127.0.0.1 and a free port, with a
+(moto's stand-alone server, ``tests/support/s3_server.py``, on 127.0.0.1 and a free port, with a
 bucket ``bench``), passes its endpoint and test credentials (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...) to torchrun workers (this same file, ``--worker SPEC``; gloo,
 ``OMP_NUM_THREADS=1``, ``GLOO_SOCKET_IFNAME=lo``), collects what rank 0 of each launch
@@ -321,7 +321,7 @@ class Driver(h.Driver):
                 vers[m] = md.version(m)
             except md.PackageNotFoundError:
                 vers[m] = None
-        return {"server": "moto stand-alone (tests/s3_server.py) on 127.0.0.1", **vers}
+        return {"server": "moto stand-alone (tests/support/s3_server.py) on 127.0.0.1", **vers}
 
     def launch(self, nproc: int, spec: dict[str, Any], label: str) -> list[dict[str, Any]]:
         busy = self.wait_idle()
@@ -344,8 +344,8 @@ class Driver(h.Driver):
         return events
 
     def run(self) -> None:
-        sys.path.insert(0, str(h.ROOT / "tests"))
-        from s3_server import S3Server
+        sys.path.insert(0, str(h.ROOT))
+        from tests.support.s3_server import S3Server
 
         a = self.args
         with S3Server(buckets=[BUCKET]) as server:

@@ -3,7 +3,7 @@
 replicated loads with real ranks, against DCP.
 
 Part ``sim`` (one process, no data written): the coordinator's planning driven with the
-descriptions of N simulated ranks (``tests/simulated_job.py``: 1,000 FSDP-like sharded
+descriptions of N simulated ranks (``tests/support/simulated_job.py``: 1,000 FSDP-like sharded
 weights, 100 small sharded norms, 3 replicated tensors, a per-rank tensor, 2 values), for
 N in ``--sim-ranks`` (256, 1,024, 8,192). Per N, medians over ``--rounds``: the time of a
 fresh plan (validation, layout, writers, every rank's share), its peak memory
@@ -48,8 +48,8 @@ R_CONTENDERS = ("distckpt", "distckpt-all", "dcp")
 
 
 def run_sim(args: argparse.Namespace) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(h.ROOT / "tests"))
-    import simulated_job as sim
+    sys.path.insert(0, str(h.ROOT))
+    from tests.support import simulated_job as sim
 
     events = []
     for n in args.sim_ranks:

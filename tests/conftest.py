@@ -1,8 +1,10 @@
-"""Shared fixtures: a real S3-compatible server (moto's, on loopback) for the object-store
-tests; they skip when moto is not installed.
+"""Shared fixtures: a real S3-compatible server (moto's, on loopback, ``s3``) and
+Azurite (``azure``) for the object-store tests, which skip when moto or Azurite is not
+installed; ``backend``, one test per store (a directory, S3, Azure) for what every store
+must do alike.
 
 Under ``CI=true`` a skip is a failure, except for the tests that need a CUDA GPU (CI has
-none): tests/test_cuda.py and tests marked ``gpu``. A test that skips because SLURM,
+none): tests/engine/test_cuda.py and tests marked ``gpu``. A test that skips because SLURM,
 shellcheck, mpiexec or a test dependency is missing there would otherwise pass unseen;
 the run lists each such skip with its reason and exits with 1.
 """
@@ -15,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_server import S3Server, require, use
+
+from tests.support.backends import BACKENDS, Backend
+from tests.support.s3_server import S3Server, require, use
 
 #: Test files whose skips CI allows (they need a CUDA GPU).
 GPU_FILES = frozenset({"test_cuda.py"})
@@ -30,7 +34,8 @@ def in_ci() -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "gpu: needs a CUDA GPU; may skip under CI=true, as tests/test_cuda.py does"
+        "markers",
+        "gpu: needs a CUDA GPU; may skip under CI=true, as tests/engine/test_cuda.py does",
     )
     _unexpected_skips.clear()
 
@@ -80,21 +85,26 @@ def s3_server() -> Iterator[S3Server]:
         yield server
 
 
+def _fresh_prefix(server: Any, scheme: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """``server`` with its environment set and ``url`` a prefix named after the test."""
+    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
+    server.url = f"{scheme}://distckpt/{name}"
+    with use(server.env):
+        yield server
+
+
 @pytest.fixture
 def s3(s3_server: S3Server, request: pytest.FixtureRequest) -> Iterator[S3Server]:
     """The server, its environment set, and a fresh prefix: ``s3.url`` is
     ``s3://distckpt/<test name>``."""
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
-    s3_server.url = f"s3://distckpt/{name}"  # type: ignore[attr-defined]
-    with use(s3_server.env):
-        yield s3_server
+    yield from _fresh_prefix(s3_server, "s3", request)
 
 
 @pytest.fixture(scope="session")
 def azure_server() -> Iterator[Any]:
     """One Azurite blob service for the session, with container ``distckpt``; its
     environment is in ``os.environ`` only inside tests that use :func:`azure`."""
-    from azure_server import AzureServer
+    from tests.support.azure_server import AzureServer
 
     with AzureServer(containers=["distckpt", "other"]) as server:
         yield server
@@ -104,7 +114,15 @@ def azure_server() -> Iterator[Any]:
 def azure(azure_server: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     """The Azurite service, its environment set, and a fresh prefix: ``azure.url`` is
     ``az://distckpt/<test name>``."""
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
-    azure_server.url = f"az://distckpt/{name}"
-    with use(azure_server.env):
-        yield azure_server
+    yield from _fresh_prefix(azure_server, "az", request)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """One store per parameter (tests/support/backends.py): a directory, or a fresh
+    prefix of the S3 or Azure server (with its environment set, as :func:`s3` and
+    :func:`azure` do, and skipping as they do)."""
+    if request.param == "posix":
+        return Backend("posix", str(tmp_path / "store"))
+    server = request.getfixturevalue(request.param)
+    return Backend(request.param, server.url, dict(server.env), server)

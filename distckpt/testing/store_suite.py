@@ -1,5 +1,5 @@
 """The conformance suite of :class:`~distckpt.storage.backend.Store`: what every backend
-does, proven the same way for the repository's own (``tests/test_storage.py``) and for
+does, proven the same way for the repository's own (``tests/storage/test_storage.py``) and for
 any other. Import it in tests only: it needs pytest.
 
 A backend's test module subclasses :class:`StoreTests`, says what its store declares, and

@@ -1,5 +1,5 @@
 """Accelerate's FSDP2 path through DistckptAccelerator, on CPU ranks, for
-tests/test_integration_accelerate.py.
+tests/integrations/test_integration_accelerate.py.
 
 Accelerate turns FSDP on only for accelerators (GPUs and the like), never for CPU
 processes; this job sets its state to FSDP2 by hand before and after ``prepare``, so
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from job import say
-from same_tree import assert_same
+from rank import assert_same, say
 
 from distckpt.integrations.accelerate import DistckptAccelerator
 

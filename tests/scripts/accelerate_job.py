@@ -1,5 +1,5 @@
 """A tiny Accelerate training loop through DistckptAccelerator, for
-tests/test_integration_accelerate.py.
+tests/integrations/test_integration_accelerate.py.
 
 ``save DIR``: (torchrun, 2 processes on gloo) 5 steps of a prepared model, AdamW, StepLR
 and a shuffled dataloader (SeedableRandomSampler); ``save_state`` with automatic naming
@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
-from job import say
-from same_tree import assert_same
+from rank import assert_same, say
 from torch.utils.data import DataLoader, TensorDataset
 
 import distckpt

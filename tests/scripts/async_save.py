@@ -26,15 +26,12 @@ import sys
 from pathlib import Path
 
 import torch
+from rank import say
 
 import distckpt
 from distckpt.errors import CheckpointError
 
 ROWS, COLS = 64, 1000
-
-
-def say(line: str) -> None:
-    os.write(1, (line + "\n").encode())  # one write: the ranks share the pipe
 
 
 def training_collective(value: float) -> float:

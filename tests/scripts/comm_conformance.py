@@ -30,6 +30,8 @@ import time
 import traceback
 from typing import Any
 
+from rank import say
+
 from distckpt.comm import (
     Communicator,
     MPIComm,
@@ -48,11 +50,6 @@ class NeedsTwoArgs(Exception):
 
     def __init__(self, a: str, b: str) -> None:
         super().__init__(f"{a}/{b}")
-
-
-def say(line: str) -> None:
-    """Print one line with one write(2): ranks share the pipe, and print() writes twice."""
-    os.write(1, (line + "\n").encode())
 
 
 def launcher_rank() -> int:

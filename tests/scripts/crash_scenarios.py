@@ -1,4 +1,4 @@
-"""Crash-state scenarios of the POSIX store (see tests/crash_states.py).
+"""Crash-state scenarios of the POSIX store (see tests/support/crash_states.py).
 
 Each scenario records what distckpt does on the file system, builds every state a crash
 could leave, and returns the violations of distckpt's promises found in them:
@@ -38,15 +38,11 @@ from typing import Any
 import torch
 import zarr
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from crash_states import each_state, recording  # noqa: E402
-
 import distckpt  # noqa: E402
 from distckpt.commit.transaction import collect_garbage  # noqa: E402
 from distckpt.storage import posix  # noqa: E402
 from distckpt.training.lock import LOCK_FILE  # noqa: E402
+from tests.support.crash_states import each_state, recording  # noqa: E402
 
 distckpt.register_zarr_dtypes()
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from job import say
+from rank import fsdp_mlp, say
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -107,7 +107,6 @@ def dtensor_mode(mode: str, directory: Path, device: str) -> None:
 
 def fsdp_mode(directory: Path) -> None:
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -115,12 +114,7 @@ def fsdp_mode(directory: Path) -> None:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8)).cuda()
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fsdp_mlp(seed, (64, 512, 8), mesh, device="cuda")
         return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
     model, opt = build(0)

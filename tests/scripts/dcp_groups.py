@@ -23,10 +23,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import job
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from rank import finish_job, say, start_job
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import distckpt
@@ -159,7 +159,7 @@ def differing(directory: Path, rank: int) -> None:
 
 def main() -> None:
     directory = Path(sys.argv[1])
-    rank, world = job.start()
+    rank, world = start_job()
     assert world == 3, world
     for case in (
         groups,
@@ -171,8 +171,8 @@ def main() -> None:
         differing,
     ):
         case(directory, rank)
-        job.say(f"CASE {case.__name__} {rank}")
-    job.finish(rank)
+        say(f"CASE {case.__name__} {rank}")
+    finish_job(rank)
 
 
 if __name__ == "__main__":

@@ -35,15 +35,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import job
 import torch
 import torch.distributed.checkpoint as dcp
+from rank import finish_job, fsdp_mlp, start_job
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import distckpt
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
@@ -52,12 +51,7 @@ VALUES = {"epoch": 2, "best": {"loss": 0.25, "tags": ["a", "b"]}}
 
 
 def build(seed: int, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 5))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_mlp(seed, (24, 40, 5), mesh)
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
@@ -198,13 +192,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     mode, directory = sys.argv[1], Path(sys.argv[2])
     url = sys.argv[3] if len(sys.argv) > 3 else None
-    rank, world = job.start()
+    rank, world = start_job()
     mesh = init_device_mesh("cpu", (world,))
     if mode == "save":
         save(directory, url, mesh, rank)
     else:
         load(directory, url, mesh)
-    job.finish(rank)
+    finish_job(rank)
 
 
 if __name__ == "__main__":

@@ -51,13 +51,13 @@ import shutil
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from rank import Runner, say
 
 import distckpt
 from distckpt.comm import Communicator, auto
@@ -79,11 +79,6 @@ KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}
 # reused plan checks a rotating share of them by default.
 os.environ["DISTCKPT_REPLICA_CHECK"] = "1"
 ROWS = 8  # rows of w per rank
-
-
-def emit(line: str) -> None:
-    """Print one line with a single write, so the lines of several ranks never interleave."""
-    os.write(1, (line + "\n").encode())
 
 
 class DiskOnFire(Exception):
@@ -209,68 +204,10 @@ def raise_enospc(*_a: Any, **_kw: Any) -> Any:
 # --------------------------------------------------------------------------- errors mode
 
 
-class Runner:
-    def __init__(self, comm: Communicator, directory: Path) -> None:
-        self.comm = comm
-        self.dir = directory
-        self.failed = 0
-
-    def fail(self, case: str, why: str) -> None:
-        self.failed += 1
-        emit(f"FAIL {case} {self.comm.rank}: {why}")
-
-    def case(
-        self,
-        case: str,
-        fn: Callable[[], Any],
-        expect: type[BaseException] | None,
-        err_rank: int | None = None,
-        words: tuple[str, ...] = (),
-        check: Callable[[BaseException | None], list[str]] | None = None,
-        after: Callable[[], list[str]] | None = None,
-    ) -> None:
-        err: BaseException | None = None
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            err = exc
-        msg = "" if err is None else str(err)
-        record = {
-            "case": case,
-            "rank": self.comm.rank,
-            "type": type(err).__name__ if err else None,
-            "err_rank": getattr(err, "rank", None),
-            "msg": msg[:400],
-        }
-        emit("CASE " + json.dumps(record))
-        problems: list[str] = []
-        if expect is None:
-            if err is not None:
-                problems.append("raised " + "".join(traceback.format_exception(err)))
-        elif type(err) is not expect:
-            problems.append(f"raised {type(err).__name__}: {msg!r}, expected {expect.__name__}")
-        else:
-            if getattr(err, "rank", None) != err_rank:
-                problems.append(f"err.rank is {getattr(err, 'rank', None)}, expected {err_rank}")
-            problems += [f"message lacks {w!r}: {msg}" for w in words if w not in msg]
-            if err_rank is not None and err_rank != self.comm.rank:
-                notes = "".join(getattr(err, "__notes__", []))
-                if f"raised on rank {err_rank}" not in notes:
-                    problems.append(f"no note naming rank {err_rank}: {notes!r}")
-        if check is not None:
-            problems += check(err)
-        self.comm.barrier()  # every rank done (the coordinator's clean-up included)
-        if after is not None:
-            problems += after()
-        self.comm.barrier()
-        for p in problems:
-            self.fail(case, p)
-
-
 def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int:
     rank, world = comm.rank, comm.size
     last = world - 1
-    run = Runner(comm, directory)
+    run = Runner(comm)
     prev, bad, fresh = directory / "prev", directory / "bad", directory / "fresh"
 
     run.case(
@@ -559,15 +496,12 @@ def errors_mode(comm: Communicator, directory: Path, golden: Path | None) -> int
         run.case("golden", lambda: check_golden(comm, golden), None)
 
     run.case("final", lambda: None, None, after=lambda: verify(comm, prev, 1))
-    if run.failed == 0:
-        emit(f"OK {rank}")
-    return 0 if run.failed == 0 else 1
+    return run.finish()
 
 
 def check_golden(comm: Communicator, golden: Path) -> None:
     """Restore the 2-rank golden checkpoint on this world size (resharded), compare."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import make_golden as g
+    from tests.support import make_golden as g
 
     rank, world = comm.rank, comm.size
 
@@ -623,7 +557,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool)
         if _shard(path):  # only the shards of the big tensor count
             # The shard is whole (written, synced, closed): the last rank may die now. The
             # line goes out first: once the marker exists the job may be ended any time.
-            emit(f"WROTE {rank} {path}")
+            say(f"WROTE {rank} {path}")
             (markers / f"wrote-{rank}").write_text(path)
 
     def killer(store: PosixStore, key: str, size_hint: int | None = None) -> Any:
@@ -636,13 +570,13 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool)
                 break
             time.sleep(0.02)
         (markers / f"killing-{rank}").write_text(path)
-        emit(f"KILLING {rank} {path}")
+        say(f"KILLING {rank} {path}")
         if exit_:
             os._exit(9)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def noted(signum: int, _frame: Any) -> None:
-        emit(f"SIGNAL {rank} {signal.Signals(signum).name}")
+        say(f"SIGNAL {rank} {signal.Signals(signum).name}")
 
     if rank == last:
         PosixStore.create = killer  # type: ignore[method-assign]
@@ -656,7 +590,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool)
         distckpt.save(good_state(rank, world, 3), target, comm, overwrite=overwrite, **KW)
     except BaseException as exc:  # noqa: BLE001
         line = f"SURVIVOR {rank} {type(exc).__name__} {time.monotonic() - start:.1f}"
-        emit(line)
+        say(line)
         (markers / f"survivor-{rank}").write_text(line)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -664,7 +598,7 @@ def kill_mode(comm: Communicator, directory: Path, overwrite: bool, exit_: bool)
                 break
             time.sleep(0.02)
         os._exit(3)  # as a job that lost a rank would end, without MPI_Finalize
-    emit(f"COMMITTED {rank}")
+    say(f"COMMITTED {rank}")
     return 4
 
 

@@ -24,8 +24,8 @@ import logging
 import sys
 from pathlib import Path
 
-import job
 import torch
+from rank import finish_job, start_job
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -40,7 +40,7 @@ COLUMNS = "model.layers.0.mlp.up_proj.weight"
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     hf_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
-    rank, world = job.start()
+    rank, world = start_job()
     mesh = init_device_mesh("cpu", (world,))
     config = AutoConfig.from_pretrained(hf_dir)
     torch.manual_seed(1000 + rank)  # every rank's random start differs from the files
@@ -83,7 +83,7 @@ def main() -> None:
     if rank == 0:
         config.save_pretrained(work / "hf")
         assert written.files_written > 2, written
-    job.finish(rank)
+    finish_job(rank)
 
 
 if __name__ == "__main__":

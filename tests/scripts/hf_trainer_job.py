@@ -1,5 +1,5 @@
 """A tiny transformers.Trainer run through DistckptTrainer, for
-tests/test_integration_hf_trainer.py.
+tests/integrations/test_integration_hf_trainer.py.
 
 ``save DIR``: (torchrun, 2 processes, gloo, 2 samples each per step) 6 steps, a
 checkpoint every 2 (``save_total_limit=2``). At each save every process keeps its
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from job import say
-from same_tree import assert_same
+from rank import assert_same, say
 from transformers import TrainerCallback, TrainingArguments
 
 from distckpt.integrations.hf_trainer import DistckptTrainer

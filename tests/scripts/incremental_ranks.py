@@ -1,4 +1,4 @@
-"""Incremental saves across ranks (run by tests/test_incremental.py under torchrun).
+"""Incremental saves across ranks (run by tests/engine/test_incremental.py under torchrun).
 
 Usage::
 
@@ -19,6 +19,7 @@ import zlib
 from typing import Any
 
 import torch
+from rank import say
 
 import distckpt
 from distckpt.comm import auto
@@ -72,12 +73,6 @@ class Model:
         assert torch.equal(self.frozen, full("frozen", 0)[a:b]), "frozen"
         assert torch.equal(self.trained, full("trained", step)[a:b]), "trained"
         assert torch.equal(self.emb, full("emb", 0)), "emb"
-
-
-def say(line: str) -> None:
-    """One line, in one write (the ranks' outputs share a pipe)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Tiny Lightning fits through distckpt, for tests/test_integration_lightning.py.
+"""Tiny Lightning fits through distckpt, for tests/integrations/test_integration_lightning.py.
 
 One launch runs both: DDP with DistckptCheckpointIO in DIR/ddp, then (on more than one
 rank) DistckptModelParallelStrategy in DIR/sharded.
@@ -29,9 +29,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from job import say
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from same_tree import assert_same
+from rank import assert_same, say
 
 from distckpt.integrations.lightning import DistckptCheckpointIO, DistckptModelParallelStrategy
 

@@ -1,4 +1,4 @@
-"""A training job with a node-local tier, for tests/test_local_tier.py.
+"""A training job with a node-local tier, for tests/local/test_local_tier.py.
 
 Run under mpiexec or torchrun (any world size that divides 8), as 2 "nodes":
 ``$DISTCKPT_NODE`` set per node by the launcher, or ``--node-of-rank`` (the node of rank
@@ -24,41 +24,17 @@ Prints ``RESTORED {json}`` on rank 0 and ``OK <rank>`` per rank when every value
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
 import sys
 
-import torch
+from rank import RowsJob, say
 
 import distckpt
 from distckpt.local import nodes
-from distckpt.slices import chunk_bounds
 
 W_SHAPE = (8, 6)
-E_SHAPE = (10, 3)
-
-
-def initial(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.arange(int(torch.tensor(shape).prod()), dtype=dtype).reshape(shape) / 7
-
-
-def update(t: torch.Tensor, step: int, rows: tuple[int, int]) -> None:
-    """One training step on rows ``rows`` of a global tensor: elementwise, exact."""
-    index = torch.arange(rows[0], rows[1], dtype=t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
-    t.mul_(0.75).add_(index * 0.125 + step / 64)
-
-
-def say(line: str) -> None:
-    """One whole line in one write: ranks' lines never interleave."""
-    os.write(1, (line + "\n").encode())
-
-
-def rows(length: int, parts: int, index: int) -> tuple[int, int]:
-    """The rows [lo, hi) rank ``index`` of ``parts`` holds (torch.chunk's split)."""
-    start, size = chunk_bounds(length, parts, index)
-    return start, start + size
 
 
 def main() -> int:
@@ -80,69 +56,23 @@ def main() -> int:
         os.environ[nodes.NODE_ENV] = f"n{rank // 2}"
     node = nodes.node_identity()
 
-    w_rows = rows(W_SHAPE[0], size, rank)
-    e_rows = rows(E_SHAPE[0], size, rank)
-    w = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
-    e = initial(E_SHAPE, torch.float64)[e_rows[0] : e_rows[1]].clone()
-    bias = torch.zeros(5, dtype=torch.bfloat16)
-    step = torch.tensor(0)
-    counter = torch.zeros(1, dtype=torch.int64)
-    ckpt = distckpt.Checkpoint(
-        step=step,
-        w=distckpt.Shard(w, W_SHAPE, (w_rows[0], 0)),
-        e=distckpt.Shard(e, E_SHAPE, (e_rows[0], 0)),
-        bias=bias,
-        counter=distckpt.PerRank(counter),
-        meta={"lr": 0.0},
-    )
-    tier = distckpt.LocalTier(args.tier, replicas=1, max_to_keep=2)
-    manager = distckpt.CheckpointManager(
-        ckpt,
-        args.run,
-        max_to_keep=2,
-        checkpoint_interval=args.persistent_every,
-        step_counter=step,
-        comm=comm,
-        local=tier,
-    )
-    manager.restore_or_initialize()
-    restored = manager.restored
-    counter = ckpt.counter.value  # a restore replaces the value a PerRank holds
-    if rank == 0:
-        record = (
-            None
-            if restored is None
-            else {
-                "tier": restored.tier,
-                "number": restored.number,
-                "reason": restored.reason,
-            }
-        )
-        say("RESTORED " + json.dumps({**(record or {"tier": None}), "world": size}))
+    job = RowsJob(rank, size, W_SHAPE)
+    manager = job.manager(args.run, args.tier, args.persistent_every, comm)
+    job.restore(manager, size)
 
     marker = os.path.join(args.run, "killed")
     first_attempt = not os.path.exists(marker)
     if args.die_in_save_at >= 0 and rank == 1 and first_attempt:
-        from distckpt.local import save as local_save
 
-        replicate = local_save._replicate
-
-        def dying(*a, **k):  # type: ignore[no-untyped-def]
-            if int(step) == args.die_in_save_at:
+        def dying(step: int) -> None:
+            if step == args.die_in_save_at:
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return replicate(*a, **k)
 
-        local_save._replicate = dying
+        job.before_replicate(dying)
 
-    while int(step) < args.steps:
-        step.add_(1)
-        s = int(step)
-        update(w, s, w_rows)
-        update(e, s, e_rows)
-        bias.add_(1)
-        counter.add_(rank + 1)
-        ckpt.meta = {"lr": s / 100}
+    while int(job.step) < args.steps:
+        s = job.train_step()
         handle = manager.save(async_save=args.async_save)
         if args.async_save and handle is not None:
             handle.wait()
@@ -150,28 +80,16 @@ def main() -> int:
             comm.barrier()  # every rank has marked step s: it is committed
             if node == args.kill_node:
                 open(marker, "w").close()
-                shutil.rmtree(tier.path(), ignore_errors=True)
+                shutil.rmtree(job.tier.path(), ignore_errors=True)
                 say(f"KILLED {rank} at {s}")
                 os.kill(os.getpid(), signal.SIGKILL)
     manager.close()
 
-    # An uninterrupted run of the same steps, for this rank's boxes.
-    w_ref = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
-    e_ref = initial(E_SHAPE, torch.float64)[e_rows[0] : e_rows[1]].clone()
-    for s in range(1, args.steps + 1):
-        update(w_ref, s, w_rows)
-        update(e_ref, s, e_rows)
-    checks = {
-        "w": torch.equal(w.view(torch.int32), w_ref.view(torch.int32)),
-        "e": torch.equal(e.view(torch.int64), e_ref.view(torch.int64)),
-        "bias": torch.equal(bias, torch.full((5,), float(args.steps), dtype=torch.bfloat16)),
-        "step": int(step) == args.steps,
-        "counter": int(counter[0]) == args.steps * (rank + 1),
-        "meta": ckpt.meta == {"lr": args.steps / 100},
-    }
-    bad = [k for k, ok in checks.items() if not ok]
+    # Against an uninterrupted run of the same steps, for this rank's boxes.
+    bad = [k for k, ok in job.checks(args.steps).items() if not ok]
     if bad:
-        say(f"FAIL {rank}: {bad} w={w.tolist()} ref={w_ref.tolist()}")
+        w_ref = job.replay(args.steps)[0]
+        say(f"FAIL {rank}: {bad} w={job.w.tolist()} ref={w_ref.tolist()}")
         return 1
     say(f"OK {rank}")
     return 0

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank import say
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor import Shard as DShard
@@ -690,12 +691,6 @@ def restore_checkpoint(
     c.run(f"{where} strict mismatch", strict_refuses)
 
 
-def emit(line: str) -> None:
-    """One whole line in one write: ranks share the launcher's pipe, and a line printed
-    in pieces can be split by another rank's output (breaking ``^OK <rank>$``)."""
-    os.write(1, (line + "\n").encode())
-
-
 def parse_jobs(args: list[str]) -> list[tuple[Path, int]]:
     jobs: list[tuple[Path, int]] = []
     root: Path | None = None
@@ -721,17 +716,17 @@ def main(argv: list[str]) -> int:
         return 2
     if c.failures:
         for line in c.failures:
-            emit(line)
-        emit(f"FAILED rank {c.rank}: {len(c.failures)} of {c.checks} checks")
+            say(line)
+        say(f"FAILED rank {c.rank}: {len(c.failures)} of {c.checks} checks")
     else:
-        emit(f"checks {c.rank}: {c.checks}")
+        say(f"checks {c.rank}: {c.checks}")
     # Every rank finishes its checks before any rank tears the groups down.
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     if c.failures:
         return 1
-    emit(f"OK {c.rank}")
+    say(f"OK {c.rank}")
     return 0
 
 

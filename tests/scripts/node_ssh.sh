@@ -1,5 +1,5 @@
 #!/bin/sh
-# hydra's -launcher-exec for the two nodes of tests/nodes.py, in place of ssh: hydra runs
+# hydra's -launcher-exec for the two nodes of tests/support/nodes.py, in place of ssh: hydra runs
 #   node_ssh.sh -x HOST "PROXY" ARGS...
 # (a command line for a remote shell, as ssh takes it); this runs that line inside the
 # node named HOST: nsenter into its network, UTS, mount and PID namespaces, by the PID

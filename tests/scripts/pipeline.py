@@ -1,4 +1,5 @@
-"""Pipeline-parallel states, where ranks hold different variables, for tests/test_pipeline.py.
+"""Pipeline-parallel states, where ranks hold different variables, for
+tests/engine/test_pipeline.py.
 
 Usage (4 ranks, under torchrun or mpiexec)::
 
@@ -24,18 +25,16 @@ Every load is strict and checked bit for bit (``load``, ``load_hf``, a restore w
 status must be consumed, ``restore_or_initialize`` from the local tier, which must warn
 of nothing unmatched); then a stored variable no rank restores (``unexpected4``) and one
 a rank holds that is not stored (``missing4``), on 4 ranks. Each rank
-prints ``CASE {json}`` records (what the test compares between ranks), ``FAIL <rank>
-<case>: ...`` for every failed check and ``OK <rank>`` last when all passed.
+prints ``CASE {json}`` records (what the test compares between ranks), ``FAIL <case>
+<rank>: ...`` for every failed check and ``OK <rank>`` last when all passed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import sys
-import traceback
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank import Runner, record, same_bits
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
@@ -71,11 +71,6 @@ def TIER(root: Path) -> distckpt.LocalTier:  # noqa: N802 - a constant's factory
     return distckpt.LocalTier(root / "tier" / "{node}", replicas=1)
 
 
-def say(line: str) -> None:
-    """One whole line in one write: ranks' lines never interleave."""
-    os.write(1, (line + "\n").encode())
-
-
 def generate(
     name: str, shape: tuple[int, ...], dtype: torch.dtype, version: int = 0
 ) -> torch.Tensor:
@@ -84,14 +79,6 @@ def generate(
     size = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (math.prod(shape) * size,), generator=g, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(
-        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,32 +278,11 @@ class Warnings(logging.Handler):
 Case = Callable[["Job", Check], None]  # a case: run on the ranks of a job
 
 
-def record(case: str, **fields: Any) -> None:
-    """A ``CASE`` record of this rank, for the test to compare between ranks."""
-    say("CASE " + json.dumps({"case": case, "rank": dist.get_rank(), **fields}))
-
-
-class Runner:
-    """Runs the cases one after the other; counts failed checks."""
-
-    def __init__(self, rank: int, world_comm: Any) -> None:
-        self.rank, self.world_comm = rank, world_comm
-        self.failures = 0
-
-    def case(self, name: str, job: Job | None, fn: Case) -> None:
-        """Run ``fn`` on the ranks of ``job`` (None: this rank sits out), then wait for all."""
-        if job is not None:
-
-            def check(ok: bool, what: str) -> None:
-                if not ok:
-                    self.failures += 1
-                    say(f"FAIL {self.rank} {name}: {what}")
-
-            try:
-                fn(job, check)
-            except Exception:  # noqa: BLE001 - reported as a failed check
-                check(False, traceback.format_exc().replace("\n", " | "))
-        self.world_comm.barrier()
+def play(run: Runner, name: str, job: Job | None, fn: Case) -> None:
+    """Run ``fn`` on the ranks of ``job`` (None: this rank sits out), then wait for all."""
+    if job is not None:
+        run.attempt(name, lambda: fn(job, lambda ok, what: run.check(name, ok, what)))
+    run.comm.barrier()
 
 
 def managed(
@@ -418,7 +384,12 @@ def unexpected4(root: Path) -> Case:
         except MissingVariablesError as exc:
             check(exc.unexpected == [name] and exc.missing == [], f"{exc}")
             check(untouched(target), f"a strict {label} that failed filled targets")
-            record(f"unexpected4-{label}", message=str(exc), error_rank=getattr(exc, "rank", None))
+            record(
+                f"unexpected4-{label}",
+                dist.get_rank(),
+                message=str(exc),
+                error_rank=getattr(exc, "rank", None),
+            )
 
     def run(job: Job, check: Check) -> None:
         target = job.state(filled=False, skip=("stage2/w",))
@@ -448,7 +419,7 @@ def unexpected4(root: Path) -> Case:
             text = str(exc)
             check("stage2/weight" in text and "opt2/" in text, text)
             check("stage1/" not in text and "stage0/" not in text, text)
-            record("unexpected4-status", message=text)
+            record("unexpected4-status", dist.get_rank(), message=text)
         status.expect_partial()
 
     return run
@@ -467,7 +438,7 @@ def missing4(root: Path) -> Case:
         except MissingVariablesError as exc:
             check(exc.missing == ["stage2/extra"] and exc.unexpected == [], f"{exc}")
             check(getattr(exc, "rank", None) == 3, f"rank {getattr(exc, 'rank', None)}")
-            record("missing4", message=str(exc))
+            record("missing4", dist.get_rank(), message=str(exc))
 
     return run
 
@@ -518,22 +489,21 @@ def setup() -> tuple[int, dict[int, Any], dict[tuple[int, ...], DeviceMesh]]:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    rank, comms, meshes = setup()
-    runner = Runner(rank, comms[4])
+    _, comms, meshes = setup()
+    run = Runner(comms[4])
 
     def job(n: int) -> Job | None:
         return Job(n, comms[n].rank, comms[n], meshes) if n in comms else None
 
-    runner.case("save3", job(3), save3(root))
-    runner.case("load2", job(2), load(root))
-    runner.case("load4", job(4), load(root))
-    runner.case("save4", job(4), save4(root))
-    runner.case("unexpected4", job(4), unexpected4(root))
-    runner.case("missing4", job(4), missing4(root))
-    if runner.failures == 0:
-        say(f"OK {rank}")
+    play(run, "save3", job(3), save3(root))
+    play(run, "load2", job(2), load(root))
+    play(run, "load4", job(4), load(root))
+    play(run, "save4", job(4), save4(root))
+    play(run, "unexpected4", job(4), unexpected4(root))
+    play(run, "missing4", job(4), missing4(root))
+    status = run.finish()
     dist.destroy_process_group()
-    sys.exit(1 if runner.failures else 0)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Saves, loads and a manager through a store added by a plug-in (run by
-tests/test_store_plugin.py, which installs the ``files://`` store's package on
+tests/storage/test_store_plugin.py, which installs the ``files://`` store's package on
 ``PYTHONPATH``: the scheme is found through its entry point, nothing is imported here).
 
 Usage::
@@ -26,7 +26,7 @@ import zlib
 from typing import Any
 
 import torch
-from job import say
+from rank import say
 
 import distckpt
 from distckpt.comm import auto

@@ -1,4 +1,4 @@
-"""distckpt on an S3-compatible object store, with real processes (run by tests/test_s3.py).
+"""distckpt on an S3-compatible object store, with real processes (run by tests/storage/test_s3.py).
 
 The store is the one ``AWS_ENDPOINT_URL`` names (the tests' moto server on 127.0.0.1).
 
@@ -20,22 +20,18 @@ Each case prints ``CASE {json}`` per rank; a failed check prints ``FAIL <case> <
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
-import traceback
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from rank import Runner, communicator, say
 
 import distckpt
-from distckpt.comm import Communicator, auto
-from distckpt.comm.auto import launched_by_torchrun
 from distckpt.training.lock import DirectoryLockedError
 
 #: Compressed variables: the optimizer's.
@@ -44,11 +40,6 @@ ROWS, COLS = (64, 1280), (6, 10)  # rows: 320 KiB of float32 (regular); cols: in
 OPT = (128, 640)  # opt/m, opt/v: 320 KiB each (above small_bytes), several inner chunks
 INNER_BYTES = 16 * 1024
 VALUES: dict[str, Any] = {"step": 42, "cfg": {"lr": 0.125, "name": "run", "betas": [0.9, 0.95]}}
-
-
-def emit(line: str) -> None:
-    """One whole line in one write, so the lines of several ranks never interleave."""
-    os.write(1, (line + "\n").encode())
 
 
 # --------------------------------------------------------------------------- values
@@ -134,52 +125,6 @@ def save_state(rank: int, world: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- checks
 
 
-class Runner:
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-        self.failed = 0
-
-    def fail(self, case: str, why: str) -> None:
-        self.failed += 1
-        emit(f"FAIL {case} {self.comm.rank}: {why}")
-
-    def case(
-        self,
-        case: str,
-        fn: Callable[[], list[str] | None],
-        expect: type[BaseException] | None = None,
-        collective: bool = True,
-    ) -> None:
-        """Run ``fn`` (it returns problems found, or raises); report it, then barrier."""
-        err: BaseException | None = None
-        problems: list[str] = []
-        try:
-            problems = fn() or []
-        except Exception as exc:  # noqa: BLE001 - reported below
-            err = exc
-        record = {
-            "case": case,
-            "rank": self.comm.rank,
-            "type": type(err).__name__ if err else None,
-            "msg": "" if err is None else str(err)[:300],
-        }
-        emit("CASE " + json.dumps(record))
-        if expect is None and err is not None:
-            problems.append("raised " + "".join(traceback.format_exception(err)))
-        elif expect is not None and not isinstance(err, expect):
-            problems.append(f"raised {err!r}, expected {expect.__name__}")
-        for p in problems:
-            self.fail(case, p)
-        if collective:
-            self.comm.barrier()
-
-    def finish(self) -> int:
-        if self.failed == 0:
-            emit(f"OK {self.comm.rank}")
-            return 0
-        return 1
-
-
 def same(where: str, got: Any, want: torch.Tensor) -> list[str]:
     if not isinstance(got, torch.Tensor):
         return [f"{where}: got {type(got).__name__}, not a tensor"]
@@ -190,19 +135,11 @@ def same(where: str, got: Any, want: torch.Tensor) -> list[str]:
     return []
 
 
-def setup() -> Communicator:
-    if launched_by_torchrun():
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-    return auto()
-
-
 # --------------------------------------------------------------------------- save / restore
 
 
 def save_mode(url: str) -> int:
-    comm = setup()
+    comm = communicator()
     run = Runner(comm)
     path = f"{url}/n{comm.size}"
 
@@ -221,7 +158,7 @@ def save_mode(url: str) -> int:
 
 
 def restore_mode(url: str, n_saved: int) -> int:
-    comm = setup()
+    comm = communicator()
     rank, world = comm.rank, comm.size
     run = Runner(comm)
     path = f"{url}/n{n_saved}"
@@ -325,7 +262,7 @@ def manager_checkpoint() -> tuple[distckpt.Checkpoint, torch.nn.Linear]:
 
 
 def manager_mode(directory: str, locked: str) -> int:
-    comm = setup()
+    comm = communicator()
     run = Runner(comm)
     ckpt, net = manager_checkpoint()
 
@@ -416,7 +353,7 @@ def kill_mode(url: str, markers: Path) -> int:
     up), once every other rank has finished its own shard of ``w``."""
     from distckpt.storage.object_io import ObjectWriter
 
-    comm = setup()
+    comm = communicator()
     rank, world = comm.rank, comm.size
     last = world - 1
     distckpt.save(kill_state(rank, world, 1), f"{url}/prev", comm)
@@ -432,7 +369,7 @@ def kill_mode(url: str, markers: Path) -> int:
         key = key_of(self)
         if key.startswith("w/"):
             (markers / f"wrote-{rank}").write_text(key)
-            emit(f"WROTE {rank} {key}")
+            say(f"WROTE {rank} {key}")
 
     def write(self: ObjectWriter, buffers: Any, offset: int) -> int:
         n = real_write(self, buffers, offset)
@@ -442,7 +379,7 @@ def kill_mode(url: str, markers: Path) -> int:
                 if all((markers / f"wrote-{r}").exists() for r in range(last)):
                     break
                 time.sleep(0.02)
-            emit(f"KILLING {rank} {key_of(self)}")
+            say(f"KILLING {rank} {key_of(self)}")
             os.kill(os.getpid(), signal.SIGKILL)
         return n
 
@@ -453,9 +390,9 @@ def kill_mode(url: str, markers: Path) -> int:
     try:
         distckpt.save(kill_state(rank, world, 3), f"{url}/target", comm, inner_bytes=1 << 20)
     except BaseException as exc:  # noqa: BLE001
-        emit(f"SURVIVOR {rank} {type(exc).__name__} {time.monotonic() - start:.1f}")
+        say(f"SURVIVOR {rank} {type(exc).__name__} {time.monotonic() - start:.1f}")
         os._exit(3)  # as a job that lost a rank would end
-    emit(f"COMMITTED {rank}")
+    say(f"COMMITTED {rank}")
     return 4
 
 
@@ -484,7 +421,7 @@ def race_mode(url: str, who: int, rounds: int, markers: Path) -> int:
         deadline = time.monotonic() + 30
         while not (markers / f"ready-{r}-{1 - who}").exists():
             if time.monotonic() > deadline:
-                emit(f"RESULT {r} {who} timeout")
+                say(f"RESULT {r} {who} timeout")
                 return 1
             time.sleep(0.001)
         if r % 3 == who + 1:  # let the other one win this round (its name, its state)
@@ -496,8 +433,8 @@ def race_mode(url: str, who: int, rounds: int, markers: Path) -> int:
             outcome = "exists"
         except Exception as exc:  # noqa: BLE001 - reported
             outcome = f"{type(exc).__name__}:{' '.join(str(exc).split())[:200]}"
-        emit(f"RESULT {r} {who} {outcome}")
-    emit(f"OK {who}")
+        say(f"RESULT {r} {who} {outcome}")
+    say(f"OK {who}")
     return 0
 
 

@@ -1,5 +1,5 @@
 """A save whose object store stops answering, on every rank (run by
-tests/test_s3_deadlines.py under torchrun).
+tests/storage/test_s3_deadlines.py under torchrun).
 
 Usage::
 
@@ -16,7 +16,6 @@ and ``OK <rank>`` at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank import Runner, record
 
 import distckpt
 from distckpt.comm import auto
@@ -32,10 +32,6 @@ from distckpt.storage import s3
 from distckpt.training.pointer import advance_pointer
 
 ROWS, COLS = 512, 256  # 512 KiB of float32: each rank writes its half
-
-
-def emit(line: str) -> None:
-    os.write(1, (line + "\n").encode())
 
 
 def rows(step: int) -> torch.Tensor:
@@ -46,7 +42,7 @@ def main(run: str) -> int:
     dist.init_process_group("gloo")
     comm = auto()
     rank, half = comm.rank, ROWS // comm.size
-    failed = 0
+    runner = Runner(comm)
 
     def save(step: int) -> None:
         path = f"{run}/ckpt-{step}"
@@ -58,12 +54,6 @@ def main(run: str) -> int:
 
         distckpt.save(state, path, comm, after_commit=after_commit)
 
-    def check(case: str, ok: bool, why: str) -> None:
-        nonlocal failed
-        if not ok:
-            failed += 1
-            emit(f"FAIL {case} {rank}: {why}")
-
     save(1)
     comm.barrier()
     t0 = time.monotonic()
@@ -73,32 +63,24 @@ def main(run: str) -> int:
     except Exception as exc:  # noqa: BLE001 - reported
         error = exc
     took = time.monotonic() - t0
-    record = {
-        "case": "silent-save",
-        "rank": rank,
-        "type": type(error).__name__,
-        "message": str(error),
-        "took": took,
-    }
-    emit("CASE " + json.dumps(record))
+    record("silent-save", rank, type=type(error).__name__, message=str(error), took=took)
 
     comm.barrier()  # every rank has failed: the server may answer again
     if rank == 0:
         os.kill(int(os.environ["MOTO_PID"]), signal.SIGCONT)
-    check("answering", s3.answering(60), "the service did not answer again")
-    check("pointer", distckpt.latest_checkpoint(run) == f"{run}/ckpt-1", "the pointer moved")
+    runner.check("answering", s3.answering(60), "the service did not answer again")
+    runner.check("pointer", distckpt.latest_checkpoint(run) == f"{run}/ckpt-1", "the pointer moved")
     got: dict[str, Any] = {"w": torch.zeros(ROWS, COLS), "step": None}
     distckpt.load(got, f"{run}/ckpt-1", comm)
-    check("ckpt-1", torch.equal(got["w"], rows(1)) and got["step"] == 1, "ckpt-1 changed")
+    runner.check("ckpt-1", torch.equal(got["w"], rows(1)) and got["step"] == 1, "ckpt-1 changed")
     comm.barrier()
     save(3)
     latest = distckpt.latest_checkpoint(run)
-    check("ckpt-3", latest == f"{run}/ckpt-3", f"latest is {latest}")
+    runner.check("ckpt-3", latest == f"{run}/ckpt-3", f"latest is {latest}")
     comm.barrier()
-    if not failed:
-        emit(f"OK {rank}")
+    status = runner.finish()
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return status
 
 
 if __name__ == "__main__":

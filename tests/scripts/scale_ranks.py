@@ -1,4 +1,4 @@
-"""Coordination at scale with real processes (run by tests/test_scale.py).
+"""Coordination at scale with real processes (run by tests/engine/test_scale.py).
 
 Usage::
 
@@ -22,19 +22,16 @@ a failed check, and ``OK <rank>`` at the end if every check passed.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from rank import Runner, communicator
 
 import distckpt
-from distckpt.comm import Communicator, auto
 from distckpt.comm.auto import launched_by_torchrun
 from distckpt.errors import ValidationError
 from distckpt.format.index import read_index
@@ -43,10 +40,6 @@ from distckpt.format.stored import Pieces
 SMALL = 1000  # replicated small tensors of 48 x 64 float32 (12 KiB: plain chunks)
 BIG = {"big/a": (1024, 1024), "big/b": (700, 513)}  # replicated, several inner chunks
 INNER = 256 * 1024
-
-
-def emit(line: str) -> None:
-    os.write(1, (line + "\n").encode())
 
 
 def generate(key: object, shape: tuple[int, ...]) -> torch.Tensor:
@@ -94,30 +87,8 @@ def header_bytes(path: Path) -> int:
     return total
 
 
-class Runner:
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-        self.failed = 0
-
-    def check(self, case: str, ok: bool, why: str) -> None:
-        if not ok:
-            self.failed += 1
-            emit(f"FAIL {case} {self.comm.rank}: {why}")
-
-    def case(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
-        try:
-            emit("CASE " + json.dumps({"case": name, "rank": self.comm.rank, **fn()}))
-        except Exception:  # noqa: BLE001 - reported; the next case still runs on every rank
-            self.failed += 1
-            emit(f"FAIL {name} {self.comm.rank}: raised\n{traceback.format_exc()}")
-
-
 def main(root: Path) -> int:
-    if launched_by_torchrun():
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-    comm = auto()
+    comm = communicator()
     rank, world = comm.rank, comm.size
     run = Runner(comm)
 
@@ -200,17 +171,16 @@ def main(root: Path) -> int:
         }
 
     for name, fn in (("reuse", reuse), ("sampled", sampled), ("replicated", replicated)):
-        run.case(name, fn)
+        run.measure(name, fn)
     if world % 2 == 0:
-        run.case("hsdp", hsdp)
+        run.measure("hsdp", hsdp)
     comm.barrier()
-    if not run.failed:
-        emit(f"OK {rank}")
+    status = run.finish()
     if launched_by_torchrun():  # every group (the exchange's too) torn down together: a
         import torch.distributed as dist  # rank that exits with them alive can abort another
 
         dist.destroy_process_group()
-    return 1 if run.failed else 0
+    return status
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rank import say
+
 EXIT_PREEMPTED = 75
 STATE = "stub_state.json"
 #: Rank 0's step while it runs, for tests that wait for a step; never read by the stub.
@@ -53,10 +55,6 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
-
-
-def _say(text: str) -> None:
-    os.write(1, (text + "\n").encode())  # one write(2): lines of ranks never interleave
 
 
 def main() -> None:
@@ -88,12 +86,12 @@ def main() -> None:
         state["restart_counts"].append(os.environ.get("SLURM_RESTART_COUNT", "-"))
         _write_json(state_file, state)
     step = int(state["step"])
-    _say(f"rank {rank}/{world} start at step {step}")
+    say(f"rank {rank}/{world} start at step {step}")
 
     done = 0
     while step < args.steps:
         if args.fail_at is not None and step >= args.fail_at:
-            _say(f"rank {rank}/{world} fails at step {step}")
+            say(f"rank {rank}/{world} fails at step {step}")
             sys.exit(3)
         if stop or (args.preempt_after is not None and done >= args.preempt_after):
             reason = stop[0] if stop else "SIGTERM"
@@ -107,7 +105,7 @@ def main() -> None:
                         Path(marker),
                         {"step": step, "checkpoint": str(state_file), "signal": reason},
                     )
-            _say(f"rank {rank}/{world} preempted at step {step} by {reason}")
+            say(f"rank {rank}/{world} preempted at step {step} by {reason}")
             # The ranks of a real job leave together after their collective final save;
             # these do not talk, so give the others time to reach their step boundary
             # before mpiexec, seeing this rank end, kills them.
@@ -121,7 +119,7 @@ def main() -> None:
     if rank == 0:
         state["step"] = step
         _write_json(state_file, state)
-    _say(f"rank {rank}/{world} done at step {step}")
+    say(f"rank {rank}/{world} done at step {step}")
 
 
 if __name__ == "__main__":

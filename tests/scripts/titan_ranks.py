@@ -22,13 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import job
 import torch
 import torch.distributed as dist
+from rank import finish_job, fsdp_mlp, start_job
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 
@@ -63,12 +62,7 @@ class TrainState:
 
 
 def build(seed: int, mesh: Any, directory: Path, folder: str) -> tuple[Any, ...]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_mlp(seed, (16, 48, 4), mesh)
     optimizer_config = default_adamw(lr=1e-2)
     optimizer_config.implementation = "for-loop"
     optimizers = optimizer_config.build(model_parts=[model])
@@ -122,14 +116,14 @@ FOLDERS = ("ckpt", "ckpt-async")
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     mode, directory = sys.argv[1], Path(sys.argv[2])
-    rank, world = job.start()
+    rank, world = start_job()
     mesh = init_device_mesh("cpu", (world,))
     for folder in FOLDERS:
         if mode == "save":
             save(mesh, directory, folder, write_expected=folder == FOLDERS[0])
         else:
             resume(mesh, directory, folder)
-    job.finish(rank)
+    finish_job(rank)
 
 
 def save(mesh: Any, directory: Path, folder: str, write_expected: bool) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_sharded as example  # noqa: E402
+from rank import say  # noqa: E402
 
 GLOBAL_BATCH = 12
 
@@ -37,7 +38,7 @@ def main() -> None:
         err = (got - q.grad).abs().max().item()
         assert err <= 1e-5 * scale, f"{name}: gradient off by {err} (largest {scale})"
     if rank == 0:
-        print(f"OK gradients {world}", flush=True)
+        say(f"OK gradients {world}")
     # The example's teardown: every rank reaches its end first, and under MPI rank 0 (the
     # rendezvous store's host) lets go last. Destroying the group at once could abort
     # another rank still using it ("terminate called without an active exception").

@@ -12,15 +12,14 @@ Each rank prints ``OK <mode> <rank>`` as its last line when every check passed.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank import fsdp_mlp, say
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import distckpt
 
@@ -28,15 +27,7 @@ import distckpt
 def build(seed: int, mesh: object) -> nn.Module:
     """An MLP whose first weight (and its Adam moments) is large enough to be written as
     per-rank pieces, not gathered as a small variable; every layer sharded with FSDP2."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(96, 1024), nn.ReLU(), nn.Linear(1024, 6), nn.ReLU(), nn.Linear(6, 3)
-    )
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return fsdp_mlp(seed, (96, 1024, 6, 3), mesh)
 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -84,7 +75,7 @@ def main() -> None:
             assert torch.equal(got[key], value), key
         assert cursor.position == 40 and ckpt.save_counter == 1
     dist.barrier()
-    os.write(1, f"OK {mode} {rank}\n".encode())  # one write: the ranks share the pipe
+    say(f"OK {mode} {rank}")
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""Jobs across the two "nodes" of tests/nodes.py, for tests/test_two_nodes.py.
+"""Jobs across the two "nodes" of tests/support/nodes.py, for tests/cluster/test_two_nodes.py.
 
 Run under torchrun (one agent per node) or mpiexec (hydra's launcher entering each
 node), 2 nodes of 2 ranks; the node of a rank is what the library finds (its host name:
@@ -32,7 +32,6 @@ A rank that gave up exits at once with 3 (``os._exit``: no exit barrier with los
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rank import RowsJob, record, same_bits, say
 
 import distckpt
 from distckpt.comm import Communicator
@@ -49,20 +49,9 @@ from distckpt.format.index import read_index
 from distckpt.format.stored import Pieces
 from distckpt.local import nodes
 from distckpt.local.save import topology
-from distckpt.slices import chunk_bounds
 
 W_SHAPE = (4096, 256)  # float32, sharded by rows: 1 MiB a rank on 4 ranks
-E_SHAPE = (10, 3)
 WAIT = 120.0  # seconds a rank waits for the test's next event at most
-
-
-def say(line: str) -> None:
-    """One whole line in one write: ranks' lines never interleave."""
-    os.write(1, (line + "\n").encode())
-
-
-def case(name: str, rank: int, **record: Any) -> None:
-    say("CASE " + json.dumps({"case": name, "rank": rank, **record}))
 
 
 def wait_for(path: Path) -> None:
@@ -103,7 +92,7 @@ def replicated_state() -> dict[str, Any]:
 def probe(comm: Communicator, root: Path) -> int:
     rank = comm.rank
     topo = topology(comm)
-    case(
+    record(
         "topology",
         rank,
         host=socket.gethostname(),
@@ -123,7 +112,7 @@ def probe(comm: Communicator, root: Path) -> int:
     result = distckpt.load(target, path, comm)
     comm.barrier()
     received = rx_bytes() - before if leader else None
-    wrong = [k for k, v in replicated_state().items() if not _same_bits(target[k], v)]
+    wrong = [k for k, v in replicated_state().items() if not same_bits(target[k], v)]
     variables = read_index(path)["variables"]
     stored = headers = 0
     for name, entry in variables.items():
@@ -136,7 +125,7 @@ def probe(comm: Communicator, root: Path) -> int:
                 for b, i in zip(p.block, p.inner, strict=True):
                     chunks *= -(-b // i)
                 headers += chunks * (16 + 4) + 8
-    case(
+    record(
         "exchange",
         rank,
         node=topo.node_of(rank),
@@ -152,101 +141,37 @@ def probe(comm: Communicator, root: Path) -> int:
     return 0
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-    )
-
-
 # ---------------------------------------------------------------- train
-
-
-def initial(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    n = int(torch.tensor(shape).prod())
-    return (torch.arange(n, dtype=dtype) % 1000).reshape(shape) / 7
-
-
-def update(t: torch.Tensor, step: int, rows: tuple[int, int]) -> None:
-    """One training step on rows ``rows`` of a global tensor: elementwise, exact."""
-    index = torch.arange(rows[0], rows[1], dtype=t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
-    t.mul_(0.75).add_(index * 0.125 + step / 64)
-
-
-def rows(length: int, parts: int, index: int) -> tuple[int, int]:
-    start, size = chunk_bounds(length, parts, index)
-    return start, start + size
 
 
 def train(comm: Communicator, args: argparse.Namespace) -> int:
     rank, size = comm.rank, comm.size
     signals = Path(args.events)
-    w_rows = rows(W_SHAPE[0], size, rank)
-    e_rows = rows(E_SHAPE[0], size, rank)
-    w = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
-    e = initial(E_SHAPE, torch.float64)[e_rows[0] : e_rows[1]].clone()
-    bias = torch.zeros(5, dtype=torch.bfloat16)
-    step = torch.tensor(0)
-    counter = torch.zeros(1, dtype=torch.int64)
-    ckpt = distckpt.Checkpoint(
-        step=step,
-        w=distckpt.Shard(w, W_SHAPE, (w_rows[0], 0)),
-        e=distckpt.Shard(e, E_SHAPE, (e_rows[0], 0)),
-        bias=bias,
-        counter=distckpt.PerRank(counter),
-        meta={"lr": 0.0},
-    )
-    tier = distckpt.LocalTier(args.local_dir, replicas=1, max_to_keep=2)
-    manager = distckpt.CheckpointManager(
-        ckpt,
-        args.ckpt_dir,
-        max_to_keep=2,
-        checkpoint_interval=args.persistent_every,
-        step_counter=step,
-        comm=comm,
-        local=tier,
-    )
-    manager.restore_or_initialize()
-    restored = manager.restored
-    counter = ckpt.counter.value  # a restore replaces the value a PerRank holds
-    if rank == 0:
-        record = (
-            {"tier": None}
-            if restored is None
-            else {"tier": restored.tier, "number": restored.number, "reason": restored.reason}
-        )
-        say("RESTORED " + json.dumps({**record, "world": size}))
+    job = RowsJob(rank, size, W_SHAPE)
+    manager = job.manager(args.ckpt_dir, args.local_dir, args.persistent_every, comm)
+    job.restore(manager, size)
 
     cut = signals / "cut"
     moment: dict[str, float] = {}  # when this rank saw the cut
     if args.cut_at >= 0:
-        from distckpt.local import save as local_save
 
-        replicate = local_save._replicate
-
-        def cut_in_the_middle(*a: Any, **k: Any) -> Any:
-            if int(step) == args.cut_at:
+        def cut_in_the_middle(step: int) -> None:
+            if step == args.cut_at:
                 (signals / f"insave.{rank}").touch()
                 wait_for(cut)
                 moment["cut"] = time.monotonic()
-            return replicate(*a, **k)
 
-        local_save._replicate = cut_in_the_middle
+        job.before_replicate(cut_in_the_middle)
 
-    while int(step) < args.steps:
-        step.add_(1)
-        s = int(step)
-        update(w, s, w_rows)
-        update(e, s, e_rows)
-        bias.add_(1)
-        counter.add_(rank + 1)
-        ckpt.meta = {"lr": s / 100}
+    while int(job.step) < args.steps:
+        s = job.train_step()
         try:
             manager.save()
         except Exception as exc:
             if s != args.cut_at:
                 raise
             since = time.monotonic() - moment["cut"]
-            case("cut", rank, step=s, error=type(exc).__name__, message=str(exc), seconds=since)
+            record("cut", rank, step=s, error=type(exc).__name__, message=str(exc), seconds=since)
             (signals / f"failed.{rank}").touch()
             os._exit(3)
         if s == args.hold_at:
@@ -263,20 +188,8 @@ def train(comm: Communicator, args: argparse.Namespace) -> int:
             os._exit(1)
     manager.close()
 
-    w_ref = initial(W_SHAPE, torch.float32)[w_rows[0] : w_rows[1]].clone()
-    e_ref = initial(E_SHAPE, torch.float64)[e_rows[0] : e_rows[1]].clone()
-    for s in range(1, args.steps + 1):
-        update(w_ref, s, w_rows)
-        update(e_ref, s, e_rows)
-    checks = {
-        "w": _same_bits(w, w_ref),
-        "e": _same_bits(e, e_ref),
-        "bias": _same_bits(bias, torch.full((5,), float(args.steps), dtype=torch.bfloat16)),
-        "step": int(step) == args.steps,
-        "counter": int(counter[0]) == args.steps * (rank + 1),
-        "meta": ckpt.meta == {"lr": args.steps / 100},
-        "node": nodes.node_identity() == socket.gethostname(),
-    }
+    checks = job.checks(args.steps)
+    checks["node"] = nodes.node_identity() == socket.gethostname()
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
         say(f"FAIL {rank}: {bad}")

@@ -1,0 +1,1 @@
+"""launch/, SLURM, and two nodes in namespaces."""

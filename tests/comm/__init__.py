@@ -1,0 +1,1 @@
+"""Communicators under every launcher."""

@@ -1,0 +1,1 @@
+"""How a save commits: crash states, racing saves of one name."""

@@ -1,0 +1,38 @@
+"""The README's commands and .ci/run stay in step, and the test files the documents name
+exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    test_command = next(b.strip() for b in blocks if "pytest" in b)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci
+
+
+def test_readme_example_exists():
+    readme = (ROOT / "README.md").read_text()
+    for script in re.findall(r"python (examples/\S+\.py)", readme):
+        assert (ROOT / script).is_file(), script
+
+
+#: Where tests are named: the documents, the CI script, and the package metadata.
+NAMING = ["README.md", "benchmarks/README.md", ".ci/run", "pyproject.toml"]
+
+
+def test_named_test_files_exist():
+    """Every ``tests/...`` path (or pattern) these files name is there: the layout of
+    tests/ and what the documents say of it move together."""
+    named = set()
+    for doc in NAMING:
+        named.update(re.findall(r"tests/[\w/*.-]*\w", (ROOT / doc).read_text()))
+    assert len(named) > 20, named
+    missing = sorted(path for path in named if not list(ROOT.glob(path)))
+    assert not missing, missing

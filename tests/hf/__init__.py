@@ -1,0 +1,1 @@
+"""Hugging Face weights in and out."""

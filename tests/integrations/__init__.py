@@ -1,0 +1,1 @@
+"""DCP, torchtitan, Lightning, Accelerate, the HF Trainer, framework trees."""

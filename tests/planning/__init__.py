@@ -1,0 +1,1 @@
+"""Slices and pure save and read plans."""

@@ -1,0 +1,1 @@
+"""Stores: POSIX, S3 (moto), Azure (Azurite), GCS, plug-ins."""

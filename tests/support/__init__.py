@@ -1,0 +1,1 @@
+"""What the tests import: servers, launchers, golden values, simulated jobs."""

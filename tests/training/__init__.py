@@ -1,0 +1,1 @@
+"""Checkpoint, CheckpointManager, preemption, elastic resume."""

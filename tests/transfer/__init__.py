@@ -1,0 +1,1 @@
+"""A rank's data path: I/O workers, staging slabs, I/O priority."""
