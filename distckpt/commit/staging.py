@@ -135,22 +135,38 @@ class Staging:
         self.store.persist([OWNER_FILE])
         parent, mine, name = self.parent, self.entry, self.final.name
         if overwrite and parent.exists(name):
-            if parent.exchange(mine, name):
-                self._placed()
-                parent.persist([name])
-                parent.delete_tree(mine)  # now holds the old checkpoint
-                return
-            trash = trash_name(name, self.token)
-            parent.rename(name, trash)
-            parent.rename(mine, name)
-            self._placed()
-            parent.persist([name])
-            parent.delete_tree(trash)
+            self._replace()
             return
         # A rename onto a directory that holds entries fails: no silent overwrite.
+        try:
+            parent.rename(mine, name)
+        except OSError as exc:
+            # Another save took the name between the check and the rename.
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not parent.exists(name):
+                raise
+            if overwrite:
+                self._replace()
+                return
+            raise CheckpointExists(
+                f"{self.final.url} was committed by another save while this one ran"
+            ) from None
+        self._placed()
+        parent.persist([name])
+
+    def _replace(self) -> None:
+        """Put the staging directory in the place of the checkpoint its name holds."""
+        parent, mine, name = self.parent, self.entry, self.final.name
+        if parent.exchange(mine, name):
+            self._placed()
+            parent.persist([name])
+            parent.delete_tree(mine)  # now holds the old checkpoint
+            return
+        trash = trash_name(name, self.token)
+        parent.rename(name, trash)
         parent.rename(mine, name)
         self._placed()
         parent.persist([name])
+        parent.delete_tree(trash)
 
     def _placed(self) -> None:
         """After the rename: the name holds a directory. A racing process that swapped

@@ -36,13 +36,7 @@ sr = load_script(SCRIPT, "s3_ranks_script")
 #: other save renamed in between, rename(2) fails with ENOTEMPTY (an OSError, not
 #: CheckpointExists; nothing is overwritten). Expected to fail until the rename commit
 #: (distckpt/commit/staging.py) turns that into CheckpointExists.
-RACERS = [
-    pytest.param(
-        "posix",
-        marks=pytest.mark.xfail(reason="the rename commit's loser may get OSError(ENOTEMPTY)"),
-    ),
-    *OBJECT_STORES,
-]
+RACERS = ["posix", *OBJECT_STORES]
 
 
 @pytest.mark.timeout(120)
