@@ -159,12 +159,12 @@ MUTATIONS = [
     (
         "delete-before-rename",
         "commit/staging.py",
-        "            if parent.exchange(mine, name):\n",
-        "            parent.delete_tree(name)\n"
-        "            parent.rename(mine, name)\n"
-        "            parent.persist([name])\n"
-        "            return\n"
-        "            if parent.exchange(mine, name):\n",
+        "        if parent.exchange(mine, name):\n",
+        "        parent.delete_tree(name)\n"
+        "        parent.rename(mine, name)\n"
+        "        parent.persist([name])\n"
+        "        return\n"
+        "        if parent.exchange(mine, name):\n",
         ["overwrite"],
     ),
     (  # the groups' metadata, written at the commit, left out of the directories' fsync
