@@ -1,10 +1,11 @@
 """Every ``DISTCKPT_*`` environment variable distckpt reads: its name, default and meaning.
 
 This module is the only one that reads them. Each is a :class:`Setting`; a caller asks
-for its value when it needs it (never at import, so a test or a launcher may set it
-late), and a value that does not parse is a :class:`ValueError` that names the variable.
-:func:`table` renders them as the table in the documentation; ``tests`` check that the
-table there is this one and that no other module reads a ``DISTCKPT_*`` variable.
+for its value when it needs it, so a test or a launcher may set it late (only the two
+part sizes are read once, when their store's module is imported). A value that does not
+parse is a :class:`ValueError` that names the variable. :func:`table` renders them as
+the table in the documentation; the tests check that the table there is this one and
+that no other module reads a ``DISTCKPT_*`` variable.
 
 Keyword arguments and :class:`~distckpt.engine.options.CheckpointOptions` win over the
 environment wherever both exist; the environment wins over the built-in defaults.

@@ -39,6 +39,7 @@ from distckpt.commit.lease import pid_dead
 from distckpt.commit.strategy import Pending
 from distckpt.errors import CheckpointExists, StorageError, UnsafePathError
 from distckpt.format import seal
+from distckpt.format.index import is_committed
 from distckpt.format.zarr_meta import ZARR_JSON
 from distckpt.storage.backend import RenamingStore, Store, is_name, write_whole
 from distckpt.storage.registry import location, open_store
@@ -141,17 +142,20 @@ class Staging:
         try:
             parent.rename(mine, name)
         except OSError as exc:
-            # Another save took the name between the check and the rename.
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not parent.exists(name):
+            # Another save committed the name between the check and the rename; anything
+            # else there is not ours to replace.
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_committed(self.final):
                 raise
-            if overwrite:
-                self._replace()
-                return
+            taken = exc
+        else:
+            self._placed()
+            parent.persist([name])
+            return
+        if not overwrite:
             raise CheckpointExists(
                 f"{self.final.url} was committed by another save while this one ran"
-            ) from None
-        self._placed()
-        parent.persist([name])
+            ) from taken
+        self._replace()
 
     def _replace(self) -> None:
         """Put the staging directory in the place of the checkpoint its name holds."""
@@ -187,8 +191,6 @@ class RenameCommit:
     """The staging directory of one save and its rename into place (coordinator only)."""
 
     def __init__(self, final: Store, token: str, world_size: int, *, overwrite: bool) -> None:
-        from distckpt.format.index import is_committed
-
         parent = final.parent
         committed = is_committed(final)
         if not committed and parent.exists(final.name) and (not final.is_dir("") or final.list()):
@@ -208,8 +210,6 @@ class RenameCommit:
         self.root: Store = self._staging.store
 
     def commit(self, files: dict[str, bytes], index: bytes) -> None:
-        from distckpt.format.index import is_committed
-
         self._staging.check_mine()
         for key, data in files.items():
             self.root.write(key, data)
@@ -249,8 +249,6 @@ def owner_alive(staging: Store, stale_seconds: float = STALE_SECONDS) -> bool:
 
 
 def _complete(staging: Store) -> bool:
-    from distckpt.format.index import is_committed
-
     return not staging.exists(OWNER_FILE) and is_committed(staging)
 
 

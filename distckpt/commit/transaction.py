@@ -44,19 +44,23 @@ __all__ = [
 STRATEGIES: dict[str, CommitStrategy] = {RENAME.name: RENAME, CLAIM.name: CLAIM}
 
 
+def declared(store: Store) -> CommitStrategy:
+    """The commit strategy ``store`` names (or, from a plug-in, hands over as an object of
+    its own); :class:`~distckpt.errors.StorageError` for a name that is none."""
+    named: object = store.commit_strategy
+    found = STRATEGIES.get(named) if isinstance(named, str) else cast(CommitStrategy, named)
+    if found is None:
+        raise StorageError(
+            f"{store.url}: unknown commit strategy {named!r} "
+            f"(a store declares one of {', '.join(map(repr, STRATEGIES))})"
+        )
+    return found
+
+
 def strategy(store: Store) -> CommitStrategy:
     """The commit strategy ``store`` declares, once it is seen to have what it needs
     (else :class:`~distckpt.errors.StorageError` naming the missing capabilities)."""
-    declared: object = store.commit_strategy
-    # A name; a plug-in may also hand over a strategy object of its own.
-    found = (
-        STRATEGIES.get(declared) if isinstance(declared, str) else cast(CommitStrategy, declared)
-    )
-    if found is None:
-        raise StorageError(
-            f"{store.url}: unknown commit strategy {declared!r} "
-            f"(a store declares one of {', '.join(map(repr, STRATEGIES))})"
-        )
+    found = declared(store)
     require(store, *found.requires, doing=f"commit by {found.name}")
     return found
 

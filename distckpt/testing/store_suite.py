@@ -104,8 +104,7 @@ class StoreTests(ConditionalWriteCases):
     def test_protocols(self, store: Store) -> None:
         assert isinstance(store, Store)
         assert store.capabilities == self.capabilities
-        assert store.commit_strategy in transaction.STRATEGIES
-        strategy = transaction.STRATEGIES[store.commit_strategy]
+        strategy = transaction.declared(store)
         lacking = [flag for flag in strategy.requires if not getattr(store.capabilities, flag)]
         assert not lacking, f"its commit strategy {strategy.name!r} needs {lacking}"
         if store.capabilities.renames:

@@ -24,7 +24,7 @@ from distckpt.training.tracking import ObjectGraphError, Position, RestoreTarget
 from distckpt.values import encode
 
 
-class RestoreSession(RestoreTarget, Protocol):
+class Restoring(RestoreTarget, Protocol):
     """What the planners here use of a restore
     (:class:`distckpt.training.session.RestoreSession`)."""
 
@@ -152,11 +152,11 @@ def _in_place(leaf: Any) -> Any:
     return leaf if isinstance(leaf, (torch.Tensor, Shard)) else None
 
 
-def _plan_node(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_node(visit: Visit, plan: Plan, session: Restoring) -> None:
     visit.obj._bind(Position(session, visit.name))
 
 
-def _plan_module(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_module(visit: Visit, plan: Plan, session: Restoring) -> None:
     lazy: dict[int, list[ModuleTensor]] = {}
     for mt in module_tensors(visit.obj, visit.name):
         if is_uninitialized(mt.tensor):
@@ -167,7 +167,7 @@ def _plan_module(visit: Visit, plan: Plan, session: RestoreSession) -> None:
         _restore_when_materialized(waiting, session)
 
 
-def _restore_when_materialized(waiting: list[ModuleTensor], session: RestoreSession) -> None:
+def _restore_when_materialized(waiting: list[ModuleTensor], session: Restoring) -> None:
     """Restore a lazy module's parameters right after its first forward creates them.
 
     The hook runs after the module's own initializing pre-hook (registered in its
@@ -192,7 +192,7 @@ def _restore_when_materialized(waiting: list[ModuleTensor], session: RestoreSess
     handle.append(owner.register_forward_pre_hook(hook))
 
 
-def _plan_optimizer(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_optimizer(visit: Visit, plan: Plan, session: Restoring) -> None:
     opt, name = visit.obj, visit.name
     names = session.tensor_names()
     state = join(name, "state")
@@ -215,7 +215,7 @@ def _plan_optimizer(visit: Visit, plan: Plan, session: RestoreSession) -> None:
     plan.finalizers.append(finish)
 
 
-def _plan_stateful(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_stateful(visit: Visit, plan: Plan, session: Restoring) -> None:
     obj = visit.obj
     template = obj.state_dict()
     found: dict[stateful.Path, Any] = {}
@@ -229,23 +229,23 @@ def _plan_stateful(visit: Visit, plan: Plan, session: RestoreSession) -> None:
     plan.finalizers.append(finish)
 
 
-def _plan_tensor(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_tensor(visit: Visit, plan: Plan, session: Restoring) -> None:
     plan.slots.append(Slot(visit.name, visit.obj))
 
 
-def _plan_per_rank(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_per_rank(visit: Visit, plan: Plan, session: Restoring) -> None:
     holder = visit.obj
     plan.slots.append(Slot(visit.name, None, lambda v: setattr(holder, "value", v)))
 
 
-def _plan_value(visit: Visit, plan: Plan, session: RestoreSession) -> None:
+def _plan_value(visit: Visit, plan: Plan, session: Restoring) -> None:
     parent, key = visit.parent, visit.key
     if parent is None:
         raise ObjectGraphError(f"{visit.name!r}: a restore root must be a Checkpoint")
     plan.slots.append(Slot(visit.name, None, lambda v: parent._replace(key, v)))
 
 
-_PLANNERS: dict[str, Callable[[Visit, Plan, RestoreSession], None]] = {
+_PLANNERS: dict[str, Callable[[Visit, Plan, Restoring], None]] = {
     "node": _plan_node,
     "module": _plan_module,
     "optimizer": _plan_optimizer,
@@ -257,7 +257,7 @@ _PLANNERS: dict[str, Callable[[Visit, Plan, RestoreSession], None]] = {
 
 
 def plan_restore(
-    obj: Any, name: str, parent: Any, key: Any, session: RestoreSession, plan: Plan
+    obj: Any, name: str, parent: Any, key: Any, session: Restoring, plan: Plan
 ) -> None:
     """Add to ``plan`` what restores ``obj`` (and everything under it) from ``name``."""
     for visit in walk(obj, name, parent, key):
