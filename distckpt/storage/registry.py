@@ -12,6 +12,7 @@ from pathlib import Path
 
 from distckpt.errors import CheckpointError, LocationError
 from distckpt.storage.backend import Store
+from distckpt.storage.posix import PosixStore
 
 #: The entry-point group through which installed packages add stores: an entry named
 #: after the URL scheme whose object is the store's opener (``opener(url) -> Store``, e.g.
@@ -109,8 +110,6 @@ def open_store(location: str | os.PathLike[str] | Store) -> Store:
             raise LocationError(text if location in text else f"{location}: {text}") from exc
     if isinstance(location, str) and location.startswith("file://"):
         location = location[len("file://") :]
-    from distckpt.storage.posix import PosixStore
-
     return PosixStore(Path(location).absolute())
 
 
