@@ -49,7 +49,6 @@ from distckpt.planning.validate import check_contents, raise_inconsistent
 COORDINATOR = 0
 #: Default ``k``: each replicated tensor is checked at least once every ``k`` saves.
 REPLICA_CHECK_EVERY = settings.REPLICA_CHECK.built_in
-REPLICA_CHECK_ENV = settings.REPLICA_CHECK.name
 #: Plans kept per process (a job may alternate between a few states).
 CACHED_PLANS = 4
 

@@ -61,8 +61,6 @@ from distckpt.storage.s3_service import MAX_ATTEMPTS, deadline
 PART_BYTES = settings.CLOUD_PART_BYTES.value()
 #: Parts of one object uploaded at once.
 UPLOAD_CONCURRENCY = 8
-#: Set to 1 to let a service be reached over plain ``http://`` (an emulator on loopback).
-ALLOW_HTTP_ENV = settings.CLOUD_ALLOW_HTTP.name
 #: The services, by URL scheme: obstore's store class and what the URL names.
 #: (``s3`` is obstore's S3 client, which benchmarks/bench_s3.py compares with boto3's;
 #: ``s3://`` locations open :class:`~distckpt.storage.s3.S3Store`.)

@@ -44,8 +44,6 @@ log = logging.getLogger("distckpt")
 #: Exit code of a process that saved and stopped because of a preemption (EX_TEMPFAIL).
 EXIT_PREEMPTED = 75
 
-#: If set, rank 0 writes this file after the final checkpoint of a preemption.
-MARKER_ENV = settings.PREEMPTED_FILE.name
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

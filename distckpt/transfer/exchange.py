@@ -50,8 +50,6 @@ UNIT_BYTES = 64 << 20
 SPLIT_BYTES = 1 << 20
 
 REPLICATED, OTHER = 0, 1
-#: ``0`` turns the exchange off: every rank reads what it restores.
-ENV = settings.EXCHANGE.name
 
 
 @dataclass

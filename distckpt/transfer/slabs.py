@@ -33,8 +33,6 @@ from distckpt import settings
 MiB = 1 << 20
 DEFAULT_SLAB_BYTES = settings.SLAB_MIB.built_in * MiB
 DEFAULT_SLABS = settings.SLABS.built_in
-SLAB_ENV = settings.SLAB_MIB.name
-COUNT_ENV = settings.SLABS.name
 ALIGN = 64  # every region starts at a multiple of this (any dtype's alignment)
 
 
