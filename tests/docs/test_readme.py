@@ -24,7 +24,13 @@ def test_readme_example_exists():
 
 
 #: Where tests are named: the documents, the CI script, and the package metadata.
-NAMING = ["README.md", "benchmarks/README.md", ".ci/run", "pyproject.toml"]
+NAMING = [
+    "README.md",
+    "benchmarks/README.md",
+    ".ci/run",
+    "pyproject.toml",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")),
+]
 
 
 def test_named_test_files_exist():

@@ -1,0 +1,93 @@
+"""Every code block of the README and the documentation site runs, or says why it cannot
+(:mod:`tests.docs.blocks` says how): an example that breaks breaks the build."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.docs.blocks import ROOT, Block, pages, read
+
+#: A whole page's blocks get this long (multi-rank ones start their own processes).
+PAGE_TIMEOUT = 900
+
+
+def page_id(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("path", pages(), ids=page_id)
+def test_blocks_say_how_they_run(path: Path) -> None:
+    read(path)
+
+
+def runnable(path: Path) -> bool:
+    try:
+        return any(b.kind not in ("skip", "output") for b in read(path))
+    except ValueError:
+        return True  # test_page_runs names what is wrong
+
+
+@pytest.mark.timeout(PAGE_TIMEOUT + 60)
+@pytest.mark.parametrize("path", [p for p in pages() if runnable(p)], ids=page_id)
+def test_page_runs(path: Path, tmp_path: Path) -> None:
+    blocks = read(path)
+    work = tmp_path / "page"
+    work.mkdir()
+    # The paths a page names from the checkout, as a reader in a clone has them.
+    for name in ("examples", "benchmarks"):
+        (work / name).symlink_to(ROOT / name)
+    listing = tmp_path / "blocks.json"
+    listing.write_text(json.dumps([dict(vars(b), where=b.where) for b in blocks]))
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)
+    env.update(
+        PATH=bin_dir + os.pathsep + env.get("PATH", ""),
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONUNBUFFERED="1",
+        HOME=str(tmp_path / "home"),
+    )
+    (tmp_path / "home").mkdir()
+    for name in [n for n in env if n.startswith("DISTCKPT_")]:
+        del env[name]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "docs" / "session.py"), str(listing)],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=PAGE_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stdout[-8000:]
+
+
+def all_blocks() -> list[Block]:
+    return [block for path in pages() for block in read(path)]
+
+
+def test_every_command_named_exists() -> None:
+    """Every ``distckpt <command>`` the pages show is a command of the CLI."""
+    from distckpt import cli
+
+    sub = next(a for a in cli._parser()._actions if a.dest == "command")
+    commands = set(sub.choices)  # type: ignore[arg-type]
+    named = set()
+    for path in pages():
+        # In running text (`distckpt verify DIR`) and in the command lines of blocks.
+        named.update(re.findall(r"`distckpt ([a-z][\w-]*)", path.read_text()))
+        for block in read(path):
+            if block.lang in ("bash", "text"):
+                line = r"(?:^|[|;&]\s*|\$\s*)distckpt ([a-z][\w-]*)"
+                named.update(re.findall(line, block.code, flags=re.M))
+    assert named, "no command named"
+    assert named <= commands, sorted(named - commands)
