@@ -98,7 +98,9 @@ def read(path: Path) -> list[Block]:
         )
         if end is None:
             raise ValueError(f"{page}:{i + 1}: a code block that does not end")
-        body = [text[len(indent) :] if text.startswith(indent) else text for text in lines[i + 1 : end]]
+        body = [
+            text[len(indent) :] if text.startswith(indent) else text for text in lines[i + 1 : end]
+        ]
         block = Block(page, i + 1, lang, "\n".join(body) + "\n", setup=setup)
         setup = []
         previous = lines[i - 1] if i else ""

@@ -4,6 +4,7 @@ exist."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +43,17 @@ def test_named_test_files_exist():
     assert len(named) > 20, named
     missing = sorted(path for path in named if not list(ROOT.glob(path)))
     assert not missing, missing
+
+
+def test_example_checkpoints_are_ignored() -> None:
+    """What an example writes when run from the checkout as the README says (its default
+    ``--dir``) is ignored by git: a user who tries it leaves no untracked directory."""
+    written = set()
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        written.update(re.findall(r'"--dir",\s*default="(?:\./)?([\w.-]+)"', script.read_text()))
+    assert "quickstart_ckpt" in written, written
+    for name in sorted(written):
+        ignored = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", f"{name}/ckpt/zarr.json"], cwd=ROOT
+        )
+        assert ignored.returncode == 0, f"{name}/ is not in .gitignore"
