@@ -81,7 +81,7 @@ from distckpt.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from distckpt.format import seal, wellformed, zarr_meta
+from distckpt.format import schema, seal, wellformed, zarr_meta
 from distckpt.format.stored import Pieces, stored_dtype
 from distckpt.numbering import number
 from distckpt.storage.backend import Store
@@ -164,6 +164,10 @@ def parse_index(raw: bytes, store: Store, *, tiling: bool = True) -> Index:
             check_entry(entry, name, made=checked.pieces, tiling=tiling)
         except CheckpointError as exc:
             raise type(exc)(f"{store.url}: {exc}") from None
+    # The published schema last: what the checks above name more precisely is named so.
+    wrong = schema.problem(doc)
+    if wrong is not None:
+        raise CorruptCheckpointError(f"{path}: the index does not follow its schema {wrong}")
     return checked
 
 
