@@ -19,13 +19,16 @@ on ``PYTHONPATH`` in the jobs. Then:
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+import distckpt
 from distckpt.storage import registry
 from distckpt.storage.backend import Capabilities, Store
 from distckpt.storage.registry import open_store
@@ -193,6 +196,23 @@ class TestFilesStore(StoreTests):
         found = open_store(f"files://{tmp_path}/store")
         assert type(found).__module__ == "files_store" and type(found).__name__ == "FilesStore"
         return found
+
+
+def test_a_save_on_a_base_writes_every_piece(
+    site: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store does not declare copies: a save built on a base (as the manager's are)
+    writes every piece, without trying, and warning about, a copy of each."""
+    state = {"w": torch.arange(4096.0), "b": torch.ones(3)}
+    url = f"files://{tmp_path}"
+    distckpt.save(state, f"{url}/ckpt-1")
+    with caplog.at_level(logging.WARNING):
+        result = distckpt.save(state, f"{url}/ckpt-2", base=f"{url}/ckpt-1")
+    assert result.bytes_reused == 0 and result.pieces_reused == 0
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    restored = {"w": torch.zeros(4096), "b": torch.zeros(3)}
+    distckpt.load(restored, f"{url}/ckpt-2")
+    assert torch.equal(restored["w"], state["w"]) and torch.equal(restored["b"], state["b"])
 
 
 @pytest.mark.timeout(300)
