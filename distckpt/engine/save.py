@@ -105,6 +105,8 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         self.source_of = source_of
         self.after_commit = after_commit
         self.final: Store = self.run.store
+        if self.base is not None and not self.final.capabilities.copies:
+            self.base = None  # a store that cannot copy takes nothing: every piece is written
         self.options: CheckpointOptions = self.run.options
         self.where = self.final.url
         self.result = SaveResult(location(self.final))

@@ -190,8 +190,9 @@ class CloudStore(ObjectStore):
             return StorageError(f"{failed}: access denied")
         if name == "UnauthenticatedError":
             return StorageError(
-                f"{failed}: not authenticated (see the credentials the README's section on "
-                "object stores names)"
+                f"{failed}: not authenticated (Azure: AZURE_STORAGE_ACCOUNT_NAME with "
+                "AZURE_STORAGE_ACCOUNT_KEY, a SAS token or an identity; GCS: "
+                "GOOGLE_APPLICATION_CREDENTIALS or a VM's metadata server)"
             )
         said = " ".join(str(exc).split("\n\nDebug source")[0].split())[:300]  # not the dump
         return StorageError(f"{failed} after {waited:.1f} s: {said}")

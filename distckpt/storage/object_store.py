@@ -45,8 +45,9 @@ one it cannot parse). Then the six primitives; where the service does better,
 ``scan_level`` (a listing with a delimiter), ``get_runs`` (ranges in one request),
 ``put_parts`` or multipart uploads (:attr:`~distckpt.storage.object_io.Objects.uploads_parts`),
 and ``translate`` to turn the client's errors into ``FileNotFoundError``,
-``ConditionFailed`` and :class:`~distckpt.errors.StorageError`. The README's
-``files://`` plug-in is a whole one, in under a hundred lines::
+``ConditionFailed`` and :class:`~distckpt.errors.StorageError`. The ``files://``
+plug-in of the documentation (docs/storage/plugins.md) is a whole one, in under a hundred
+lines::
 
     class FilesStore(ObjectStore):
         def __init__(self, path):

@@ -199,6 +199,8 @@ class StoreTests(ConditionalWriteCases):
         with pytest.raises(FileNotFoundError), store.open("nope") as handle:
             handle.read(0, 1)  # raised when opened, or at the first read
         assert not store.exists("nope")
+        assert not store.exists("there/nope")  # below an object: nothing, not an error
+        assert not store.is_dir("there/nope")
         assert store.list("nope") == []
         assert store.walk("nope") == []
         assert not store.is_dir("nope")

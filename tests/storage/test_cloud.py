@@ -1,8 +1,8 @@
 """distckpt on Azure Blob Storage (``az://``, against Azurite, Microsoft's emulator, on
 127.0.0.1) and what of Google Cloud Storage (``gs://``) runs without a server. Both go
 through one obstore-backed store (:mod:`distckpt.storage.cloud`): what Azurite proves of
-its code proves it for GCS but for the service's own answers (see the README's section on
-object stores for what is tested where).
+its code proves it for GCS but for the service's own answers (docs/storage/object-storage.md
+says what is tested where).
 
 On Azure: the conformance suite (with faults injected between client and service), a
 3-rank save restored on 2 ranks, a forked child. What every store does alike runs on

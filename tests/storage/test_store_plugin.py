@@ -1,9 +1,10 @@
 """A newcomer's backend: one new module plus an entry point, proven with the shipped suite.
 
-The backend below (:data:`BACKEND`, the README's plug-in example, word for word) is a
-``files://`` store written on :class:`~distckpt.storage.object_store.ObjectStore` (its six
-primitives): a directory of any file system, whose saves commit as on an object store (a
-claim, then the index last), so no directory is ever renamed. The test installs it as a
+The backend below (:data:`BACKEND`, the plug-in example of docs/storage/plugins.md, word
+for word) is a ``files://`` store written on
+:class:`~distckpt.storage.object_store.ObjectStore` (its six primitives): a directory of
+any file system, whose saves commit as on an object store (a claim, then the index last),
+so no directory is ever renamed. The test installs it as a
 package would be: the module and a ``files_store-1.0.dist-info`` with
 ``entry_points.txt`` (group ``distckpt.stores``) in a directory on ``sys.path`` here and
 on ``PYTHONPATH`` in the jobs. Then:
@@ -18,17 +19,21 @@ on ``PYTHONPATH`` in the jobs. Then:
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+import distckpt
 from distckpt.storage import registry
 from distckpt.storage.backend import Capabilities, Store
 from distckpt.storage.registry import open_store
 from distckpt.testing import StoreTests
+from tests.docs.blocks import read
 from tests.support.launch_util import (
     HAVE_MPIEXEC,
     REPO_ROOT,
@@ -105,7 +110,10 @@ class FilesStore(ObjectStore):
         return _version(data)
 
     def head(self, path: str) -> ObjectInfo:
-        st = os.stat("/" + path)
+        try:
+            st = os.stat("/" + path)
+        except NotADirectoryError:  # a key below an object: there is none
+            raise FileNotFoundError(f"{self.address(path)} does not exist") from None
         if not stat.S_ISREG(st.st_mode):  # a directory is a prefix, not an object
             raise FileNotFoundError(f"{self.address(path)} is not a file")
         return ObjectInfo(path, st.st_size, st.st_mtime)
@@ -168,11 +176,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         sys.modules.pop("files_store", None)
 
 
-def test_the_readme_shows_this_very_backend() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    blocks = re.findall(r"```(?:python|toml)\n(.*?)```", readme, flags=re.S)
-    assert "# files_store.py\n" + BACKEND in blocks
-    assert "# its pyproject.toml\n" + ENTRY_POINTS in blocks
+def test_the_docs_show_this_very_backend() -> None:
+    """The page's module and pyproject.toml (the files its blocks write) are these."""
+    page = read(REPO_ROOT / "docs" / "storage" / "plugins.md")
+    files = {block.arg: block.code for block in page if block.kind == "file"}
+    assert files["files_store.py"] == BACKEND
+    assert ENTRY_POINTS in files["pyproject.toml"]
 
 
 class TestFilesStore(StoreTests):
@@ -187,6 +196,23 @@ class TestFilesStore(StoreTests):
         found = open_store(f"files://{tmp_path}/store")
         assert type(found).__module__ == "files_store" and type(found).__name__ == "FilesStore"
         return found
+
+
+def test_a_save_on_a_base_writes_every_piece(
+    site: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store does not declare copies: a save built on a base (as the manager's are)
+    writes every piece, without trying, and warning about, a copy of each."""
+    state = {"w": torch.arange(4096.0), "b": torch.ones(3)}
+    url = f"files://{tmp_path}"
+    distckpt.save(state, f"{url}/ckpt-1")
+    with caplog.at_level(logging.WARNING):
+        result = distckpt.save(state, f"{url}/ckpt-2", base=f"{url}/ckpt-1")
+    assert result.bytes_reused == 0 and result.pieces_reused == 0
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    restored = {"w": torch.zeros(4096), "b": torch.zeros(3)}
+    distckpt.load(restored, f"{url}/ckpt-2")
+    assert torch.equal(restored["w"], state["w"]) and torch.equal(restored["b"], state["b"])
 
 
 @pytest.mark.timeout(300)
