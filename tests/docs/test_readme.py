@@ -10,12 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_commands():
+    """The README's two commands (run the example, run the tests) are lines of .ci/run,
+    which CI runs on a fresh clone."""
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
     test_command = next(b.strip() for b in blocks if "pytest" in b)
+    run_command = next(
+        b.strip() for b in blocks if b.startswith("python3 -m venv") and "examples/" in b
+    )
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in ci
+    assert run_command in ci
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
 
 
 def test_readme_example_exists():
