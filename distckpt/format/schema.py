@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Callable, Sized
 from importlib import resources
@@ -110,8 +111,9 @@ class Compiler:
             for part in target[2:].split("/"):
                 node = node[part.replace("~1", "/").replace("~0", "~")]
             compiled: list[Check] = []
-            self.refs[target] = lambda value: compiled[0](value)
+            self.refs[target] = lambda value: compiled[0](value)  # for a recursive one
             compiled.append(self.compile(node))
+            self.refs[target] = compiled[0]  # later references skip the indirection
         return self.refs[target]
 
     def compile(self, schema: Any) -> Check:
@@ -123,6 +125,7 @@ class Compiler:
         if unknown:
             raise ValueError(f"schema: keywords {sorted(unknown)} are not read")
         checks = [KEYWORDS[k](self, schema[k], schema) for k in KEYWORDS if k in schema]
+        fast = _fused(self, schema)
 
         def check(value: Any) -> Failure | None:
             for one in checks:
@@ -131,7 +134,47 @@ class Compiler:
                     return found
             return None
 
-        return checks[0] if len(checks) == 1 else check
+        general = checks[0] if len(checks) == 1 else check
+        if fast is None:
+            return general
+
+        def fused(value: Any) -> Failure | None:
+            return None if fast(value) else general(value)
+
+        return fused
+
+
+def _fused(c: Compiler, schema: dict[str, Any]) -> Callable[[Any], bool] | None:
+    """One test for the schemas an index has most of (a count, a list of counts, a
+    patterned string), so that a value that passes costs one call: True when the value
+    follows ``schema``; False sends it to the keyword checks, which decide and explain."""
+    keys = set(schema) - ANNOTATIONS
+    if schema.get("type") == "integer" and keys <= {"type", "minimum", "maximum"}:
+        low, high = schema.get("minimum", -math.inf), schema.get("maximum", math.inf)
+        return lambda v: type(v) is int and low <= v <= high
+    if schema.get("type") == "string" and keys <= {"type", "pattern"}:
+        search = re.compile(schema.get("pattern", "")).search
+        return lambda v: type(v) is str and search(v) is not None
+    if (
+        schema.get("type") == "array"
+        and keys <= {"type", "items", "maxItems"}
+        and "items" in schema
+    ):
+        item = _fused(c, _resolved(c, schema["items"]))
+        most = schema.get("maxItems", math.inf)
+        if item is not None:
+            return lambda v: type(v) is list and len(v) <= most and all(map(item, v))
+    return None
+
+
+def _resolved(c: Compiler, schema: Any) -> Any:
+    """``schema``, or what its lone ``$ref`` names."""
+    while isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"$ref"}:
+        node: Any = c.root
+        for part in schema["$ref"][2:].split("/"):
+            node = node[part.replace("~1", "/").replace("~0", "~")]
+        schema = node
+    return schema
 
 
 Keyword = Callable[[Compiler, Any, dict[str, Any]], Check]
