@@ -41,7 +41,7 @@ def test_page_runs(path: Path, tmp_path: Path) -> None:
     work = tmp_path / "page"
     work.mkdir()
     # The paths a page names from the checkout, as a reader in a clone has them.
-    for name in ("examples", "benchmarks"):
+    for name in ("examples", "benchmarks", "launch"):
         (work / name).symlink_to(ROOT / name)
     listing = tmp_path / "blocks.json"
     listing.write_text(json.dumps([dict(vars(b), where=b.where) for b in blocks]))
