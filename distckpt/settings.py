@@ -143,7 +143,7 @@ REPLICA_CHECK: Setting[int] = Setting(
     _whole("DISTCKPT_REPLICA_CHECK", 0),
     8,
     "Check that replicated values agree across ranks on every k-th save "
-    "(`1`: every save, `0`: never).",
+    "(`1`: every save, `0`: only when a plan is made).",
 )
 S3_TIMEOUT: Setting[float] = Setting(
     "DISTCKPT_S3_TIMEOUT",
