@@ -103,16 +103,20 @@ class Compiler:
         self.root = root
         self.refs: dict[str, Check] = {}
 
+    def at(self, target: str) -> Any:
+        """The part of the schema a local reference (``#/$defs/name``) names."""
+        if not target.startswith("#/"):
+            raise ValueError(f"schema: only local references are read, not {target!r}")
+        node: Any = self.root
+        for part in target[2:].split("/"):
+            node = node[part.replace("~1", "/").replace("~0", "~")]
+        return node
+
     def ref(self, target: str) -> Check:
         if target not in self.refs:
-            if not target.startswith("#/"):
-                raise ValueError(f"schema: only local references are read, not {target!r}")
-            node: Any = self.root
-            for part in target[2:].split("/"):
-                node = node[part.replace("~1", "/").replace("~0", "~")]
             compiled: list[Check] = []
             self.refs[target] = lambda value: compiled[0](value)  # for a recursive one
-            compiled.append(self.compile(node))
+            compiled.append(self.compile(self.at(target)))
             self.refs[target] = compiled[0]  # later references skip the indirection
         return self.refs[target]
 
@@ -126,15 +130,7 @@ class Compiler:
             raise ValueError(f"schema: keywords {sorted(unknown)} are not read")
         checks = [KEYWORDS[k](self, schema[k], schema) for k in KEYWORDS if k in schema]
         fast = _fused(self, schema)
-
-        def check(value: Any) -> Failure | None:
-            for one in checks:
-                found = one(value)
-                if found is not None:
-                    return found
-            return None
-
-        general = checks[0] if len(checks) == 1 else check
+        general = _first(checks)
         if fast is None:
             return general
 
@@ -170,10 +166,7 @@ def _fused(c: Compiler, schema: dict[str, Any]) -> Callable[[Any], bool] | None:
 def _resolved(c: Compiler, schema: Any) -> Any:
     """``schema``, or what its lone ``$ref`` names."""
     while isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"$ref"}:
-        node: Any = c.root
-        for part in schema["$ref"][2:].split("/"):
-            node = node[part.replace("~1", "/").replace("~0", "~")]
-        schema = node
+        schema = c.at(schema["$ref"])
     return schema
 
 
@@ -267,20 +260,24 @@ def _items(c: Compiler, items: Any, schema: dict[str, Any]) -> Check:
     return check
 
 
+def _members(
+    value: Any, checks: Callable[[str], Check | None], closed: bool = False
+) -> Failure | None:
+    """The first failure of a member of the object ``value`` by the check ``checks``
+    gives its name (None: not checked); ``closed``: a failing member is one not allowed."""
+    if not isinstance(value, dict):
+        return None
+    for name, item in value.items():
+        one = checks(name)
+        found = None if one is None else one(item)
+        if found is not None:
+            return _fail(f"{_short(name)} is not allowed here") if closed else _within(found, name)
+    return None
+
+
 def _properties(c: Compiler, properties: dict[str, Any], schema: dict[str, Any]) -> Check:
     named = {name: c.compile(sub) for name, sub in properties.items()}
-
-    def check(value: Any) -> Failure | None:
-        if not isinstance(value, dict):
-            return None
-        for name, one in named.items():
-            if name in value:
-                found = one(value[name])
-                if found is not None:
-                    return _within(found, name)
-        return None
-
-    return check
+    return lambda value: _members(value, named.get)
 
 
 def _required(c: Compiler, names: list[str], schema: dict[str, Any]) -> Check:
@@ -297,19 +294,10 @@ def _additional(c: Compiler, extra: Any, schema: dict[str, Any]) -> Check:
     known = set(schema.get("properties", ()))
     each = c.compile(extra)
 
-    def check(value: Any) -> Failure | None:
-        if not isinstance(value, dict):
-            return None
-        for name, item in value.items():
-            if name not in known:
-                found = each(item)
-                if found is not None:
-                    if extra is False:
-                        return _fail(f"{_short(name)} is not allowed here")
-                    return _within(found, name)
-        return None
+    def checks(name: str) -> Check | None:
+        return None if name in known else each
 
-    return check
+    return lambda value: _members(value, checks, closed=extra is False)
 
 
 def _property_names(c: Compiler, names: Any, schema: dict[str, Any]) -> Check:
@@ -344,8 +332,10 @@ def _any_of(c: Compiler, options: list[Any], schema: dict[str, Any]) -> Check:
     return check
 
 
-def _all_of(c: Compiler, parts: list[Any], schema: dict[str, Any]) -> Check:
-    checks = [c.compile(p) for p in parts]
+def _first(checks: list[Check]) -> Check:
+    """All of ``checks``: the first failure."""
+    if len(checks) == 1:
+        return checks[0]
 
     def check(value: Any) -> Failure | None:
         for one in checks:
@@ -355,6 +345,10 @@ def _all_of(c: Compiler, parts: list[Any], schema: dict[str, Any]) -> Check:
         return None
 
     return check
+
+
+def _all_of(c: Compiler, parts: list[Any], schema: dict[str, Any]) -> Check:
+    return _first([c.compile(p) for p in parts])
 
 
 def _if(c: Compiler, condition: Any, schema: dict[str, Any]) -> Check:
