@@ -120,6 +120,24 @@ def decode(data: JSON, *, allow_pickle: bool = False, name: str = "") -> Any:
     return _Decoder(name, "load" if allow_pickle else "refuse").value(data, 0)
 
 
+def show(data: JSON, limit: int = 80) -> str:
+    """The Python value that ``data`` holds, as ``repr`` writes it, cut to ``limit``
+    characters, for a message; nothing is unpickled (a pickled object shows as
+    ``<pickled object>``), and a malformed ``data`` shows as it is stored."""
+    try:
+        text = repr(_Decoder("", "show").value(data, 0))
+    except (CorruptCheckpointError, RecursionError):
+        text = repr(data)
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+class _Pickled:
+    """A pickled object in a value shown in a message (see :func:`show`)."""
+
+    def __repr__(self) -> str:
+        return "<pickled object>"
+
+
 def check(data: JSON, name: str = "") -> None:
     """Check that ``data`` is a well-formed stored value, without unpickling anything
     (raises :class:`~distckpt.errors.CorruptCheckpointError` naming ``name``)."""
@@ -127,7 +145,8 @@ def check(data: JSON, name: str = "") -> None:
 
 
 class _Decoder:
-    """Typed JSON to Python values; ``pickled``: "load", "refuse" or "skip" (check only)."""
+    """Typed JSON to Python values; ``pickled``: "load", "refuse", "skip" (check only) or
+    "show" (a placeholder, see :func:`show`)."""
 
     def __init__(self, name: str, pickled: str) -> None:
         self.name = name
@@ -176,6 +195,8 @@ class _Decoder:
     def unpickle(self, body: str) -> Any:
         if self.pickled == "skip":
             return None
+        if self.pickled == "show":
+            return _Pickled()
         if self.pickled == "refuse":
             where = f"variable {self.name!r}" if self.name else "a stored value"
             raise UnsupportedValueError(

@@ -29,6 +29,12 @@ With ``automatic_checkpoint_naming`` the checkpoints are
 ``project_dir/checkpoints/checkpoint_<n>``, the oldest beyond ``total_limit`` are removed
 whole, and a ``load_state()`` of the newest sets the next ``<n>``. Models, optimizers and
 schedulers that DeepSpeed or Megatron-LM manage are not supported (a ``ValueError``).
+Launching on CPUs: ``accelerate launch --multi_gpu --num_processes N`` (torchrun inside)
+with ``DistckptAccelerator(cpu=True, ...)``, or ``torchrun``. ``accelerate launch --cpu
+--num_processes N`` starts one process whatever N is (several only with
+``--mpirun_hostfile``), and processes started for several that Accelerate runs alone (no
+``cpu=True`` on a machine without GPUs) each see a world of one: a ``DistckptAccelerator``
+made in either case warns.
 The hooks of ``register_load_state_pre_hook`` run as in Accelerate, and a model a hook
 removes from the list is left to it; ``register_save_state_pre_hook`` hooks receive the
 models and their state dicts, and a model whose state dict a hook removes is left to it.
@@ -37,6 +43,7 @@ models and their state dicts, and a model whose state dict a hook removes is lef
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from accelerate import Accelerator
@@ -46,6 +53,31 @@ from accelerate.utils import DistributedType
 import distckpt
 from distckpt.numbering import numbered
 from distckpt.storage.registry import open_store
+
+
+def _alone_but_launched_for_more() -> str | None:
+    """Why this process, which Accelerate sees as the only one, was launched to be one of
+    several (None when nothing says so). Checked when a ``DistckptAccelerator`` is made:
+    a save would hold one process's state, or several processes would each write their
+    own checkpoint to one path."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        return (
+            f"the launcher started {world} processes (WORLD_SIZE={world}) but Accelerate runs "
+            "this one alone: on a machine without GPUs, make the accelerator with cpu=True "
+            "(DistckptAccelerator(cpu=True, ...)) so that its processes join one gloo group"
+        )
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if use_cpu and "MASTER_ADDR" in os.environ:
+        return (
+            "this process runs alone, under `accelerate launch --cpu` with MASTER_ADDR set, as "
+            "that launcher leaves it when asked for more than one process: it starts ONE "
+            "process whatever --num_processes says (several only with --mpirun_hostfile), so "
+            "the checkpoints saved hold one process's state; for N processes on CPUs run "
+            "`accelerate launch --multi_gpu --num_processes N` with "
+            "DistckptAccelerator(cpu=True, ...), or `torchrun --nproc-per-node N`"
+        )
+    return None
 
 
 class DistckptAccelerator(Accelerator):
@@ -58,6 +90,9 @@ class DistckptAccelerator(Accelerator):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.distckpt_options = distckpt_options or distckpt.CheckpointOptions()
+        alone = _alone_but_launched_for_more() if self.num_processes == 1 else None
+        if alone is not None:
+            warnings.warn(alone, stacklevel=2)
 
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any

@@ -25,7 +25,9 @@ The Trainer's data position is its optimizer step: a resume skips the batches of
 steps taken. On another world size that is the same data only when the global batch
 (processes x ``per_device_train_batch_size`` x ``gradient_accumulation_steps``) is the
 same. The model is not written in the Hugging Face format inside checkpoints (use
-``trainer.save_model()`` or ``distckpt export-hf``); DeepSpeed is not supported, and
+``trainer.save_model()``, or after the fact :func:`distckpt.export_hf` of
+``checkpoint-<step>/distckpt`` with a ``rename`` from ``model/l1/weight`` to
+``l1.weight``); DeepSpeed is not supported, and
 ``push_to_hub`` does not push checkpoints.
 """
 

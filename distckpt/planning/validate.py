@@ -22,6 +22,7 @@ from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
 from distckpt.slices import Box
 from distckpt.tiling import tiling_problem
+from distckpt.values import show
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -168,11 +169,7 @@ def check_contents(kinds: dict[str, str], ranks: Sequence[RankDesc]) -> list[str
     )
     crcs = ((r, name, crc) for r, desc in enumerate(ranks) for name, crc in desc.checksums.items())
     return [
-        *(
-            f"{name!r}: the value differs between rank {r0} ({v0!r}) and rank {r} ({v!r}); "
-            "wrap state that differs by rank in distckpt.PerRank"
-            for name, r0, v0, r, v in _differences(values)
-        ),
+        *(_value_differs(name, r0, v0, r, v) for name, r0, v0, r, v in _differences(values)),
         *(
             f"{name!r}: a plain tensor is saved as replicated but differs between rank {r0} "
             f"and rank {r}; use distckpt.Shard or a DTensor for partitioned values and "
@@ -180,6 +177,52 @@ def check_contents(kinds: dict[str, str], ranks: Sequence[RankDesc]) -> list[str
             for name, r0, _, r, _ in _differences(crcs)
         ),
     ]
+
+
+def _value_differs(name: str, r0: int, v0: Any, r: int, v: Any) -> str:
+    """The message for a value (encoded, see :mod:`distckpt.values`) that differs between
+    ranks ``r0`` and ``r``: the two values as the user holds them, cut short, and where
+    inside them they first differ."""
+    where, a, b = _first_difference(v0, v)
+    inside = f", first at {where}: {show(a)} on rank {r0}, {show(b)} on rank {r}" if where else ""
+    return (
+        f"{name!r}: the value differs between rank {r0} ({show(v0)}) and rank {r} "
+        f"({show(v)}){inside}; wrap state that differs by rank in distckpt.PerRank "
+        "(a state_dict() may return it too)"
+    )
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> tuple[str, Any, Any]:
+    """Where the encoded values ``a`` and ``b`` first differ, as the index into the
+    decoded value (``['epoch'][0]``; empty: the values themselves), and what each holds
+    there. Walks the containers that both hold alike (same kind and keys)."""
+    pairs: list[tuple[str, Any, Any]] = []
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        pairs = [(f"[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
+    elif (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and len(a) == len(b) == 1
+        and a.keys() == b.keys()
+    ):
+        ((tag, x),), y = a.items(), b[next(iter(a))]
+        if tag == "tuple" and isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+            pairs = [(f"[{i}]", p, q) for i, (p, q) in enumerate(zip(x, y))]
+        elif tag == "map" and isinstance(x, dict) and isinstance(y, dict) and list(x) == list(y):
+            pairs = [(f"[{k!r}]", x[k], y[k]) for k in x]
+        elif (
+            tag == "dict"
+            and isinstance(x, list)
+            and isinstance(y, list)
+            and len(x) == len(y)
+            and all(isinstance(p, list) and len(p) == 2 for p in (*x, *y))
+            and [p[0] for p in x] == [q[0] for q in y]
+        ):
+            pairs = [(f"[{show(p[0])}]", p[1], q[1]) for p, q in zip(x, y)]
+    for key, x, y in pairs:
+        if x != y:
+            return _first_difference(x, y, where + key)
+    return where, a, b
 
 
 def _differences(

@@ -15,6 +15,7 @@ from distckpt.planning.layout import inner_chunks, regular_grid
 from distckpt.planning.read_plan import plan_reads
 from distckpt.planning.save_plan import make_save_plan
 from distckpt.slices import Box, chunk_bounds
+from distckpt.values import encode
 
 
 def row_shards(name, shape, world, dtype="float32"):
@@ -182,6 +183,32 @@ def test_irregular_partition_uses_one_array_per_box():
 def test_validation_errors_name_the_variable_and_ranks(descs, match):
     with pytest.raises(ValidationError, match=match):
         make_save_plan(descs)
+
+
+def test_a_differing_value_is_shown_as_the_user_holds_it():
+    """A value that differs by rank (an Accelerate custom object's state, say) is named
+    with the values as saved, not their stored encoding, cut short, and with the place
+    inside them where they first differ."""
+    states = [
+        {"0": {"seen": {0: r, 1: "x" * 300}, "epoch": (1, float("nan")), "blob": b"\x00"}}
+        for r in (0, 1)
+    ]
+    descs = [[Desc("custom", "value", value=encode(s, allow_pickle=True))] for s in states]
+    with pytest.raises(ValidationError) as caught:
+        make_save_plan(descs)
+    message = str(caught.value)
+    assert "{'map'" not in message and "{'dict'" not in message and "tuple" not in message
+    assert "'custom': the value differs between rank 0 ({'0': {'seen': {0: 0, 1: 'xxx" in message
+    assert "first at ['0']['seen'][0]: 0 on rank 0, 1 on rank 1" in message
+    assert "x" * 100 not in message  # the 300 characters are cut
+    assert "distckpt.PerRank (a state_dict() may return it too)" in message
+    # A pickled object is shown, never unpickled; NaN equals NaN where it is stored.
+    pickled = [
+        [Desc("cfg", "value", value=encode((float("nan"), {1}, r), allow_pickle=True))]
+        for r in (0, 1)
+    ]
+    with pytest.raises(ValidationError, match=r"\(nan, <pickled object>, 0\).*first at \[2\]: 0"):
+        make_save_plan(pickled)
 
 
 def _reshard_in_memory(shape, save_world, load_world, split_dim):

@@ -112,6 +112,21 @@ def main() -> None:
         except distckpt.UnsupportedValueError as exc:
             assert "custom" in str(exc) and "allow_pickle" in str(exc), exc
         accelerator._custom_objects.remove(bad)
+        # A state that differs by process is refused on every process, the message
+        # showing the values as the object returned them and where they differ.
+        mine = Progress()
+        mine.samples = 100 + rank
+        accelerator.register_for_checkpointing(mine)
+        try:
+            accelerator.save_state()
+            raise AssertionError("saved a custom state that differs by process")
+        except distckpt.ValidationError as exc:
+            message = str(exc)
+            assert "{'map'" not in message, message
+            assert "'custom': the value differs between rank 0 ({'0': {'epoch': 0," in message
+            assert "first at ['1']['samples']: 100 on rank 0, 101 on rank 1" in message, message
+            assert "distckpt.PerRank" in message, message
+        accelerator._custom_objects.remove(mine)
         accelerator.wait_for_everyone()
         kept = sorted(p.name for p in (root / "checkpoints").iterdir())
         assert kept == ["checkpoint_1", "checkpoint_2"], kept
