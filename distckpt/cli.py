@@ -229,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         "--hf",
         action="store_true",
         help="write Hugging Face weights into the directory OUT: safetensors files of at most "
-        "--max-shard-size and model.safetensors.index.json (streamed, bounded memory)",
+        "--max-shard-size, with model.safetensors.index.json when there are several "
+        "(streamed, bounded memory)",
     )
     p.add_argument(
         "--prefix",
