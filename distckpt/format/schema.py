@@ -34,6 +34,8 @@ Check = Callable[[Any], "Failure | None"]
 ANNOTATIONS = {"$schema", "$id", "$defs", "title", "description", "$comment"}
 
 SCHEMA_FILE = "index.schema.json"
+#: Where the index's entries are, in the root document.
+VARIABLES = ["attributes", "distckpt", "variables"]
 
 
 @functools.cache
@@ -60,7 +62,10 @@ def problem(doc: Any) -> str | None:
     if found is None:
         return None
     path, what = found
-    where = "".join("/" + str(k).replace("~", "~0").replace("/", "~1") for k in reversed(path))
+    path.reverse()
+    where = "".join("/" + str(k).replace("~", "~0").replace("/", "~1") for k in path)
+    if path[:3] == VARIABLES and len(path) > 3:  # inside an entry: name its variable
+        return f"at {where}: {what} (variable {path[3]!r:.200})"
     return f"at {where or '/'}: {what}"
 
 

@@ -8,6 +8,7 @@ import base64
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,10 @@ def reuse_column(which: np.ndarray, origins: list[str]) -> dict[str, Any] | None
     return {"from": names, "pieces": column(pieces)}
 
 
+#: What a base64 column may hold (checked without decoding it).
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
 class Column:
     """A regular entry's ``crc`` or ``size`` column, decoded lazily: a rank reading a few
     shards of a variable of thousands decodes only their entries, not the whole column."""
@@ -184,6 +189,8 @@ class Column:
         if isinstance(data, str):
             if len(data) != 4 * -(-count * self.dtype.itemsize // 3):
                 raise self._error(f"does not hold {count} entries")
+            if not _BASE64.fullmatch(data):  # its alphabet now; its bytes when a rank reads them
+                raise self._error("is not base64")
             self._text = data
         elif isinstance(data, list) and len(data) == count:
             limit = 1 << min(8 * self.dtype.itemsize, 62)
