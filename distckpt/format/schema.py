@@ -6,7 +6,7 @@ implementation can validate with any JSON Schema library. distckpt checks with t
 validator below instead, for the keywords the schema uses and no others (a keyword it
 does not know is an error when the schema is loaded, not a rule silently skipped): it
 needs no dependency and compiles the schema once into closures, so a reader pays
-microseconds per index entry. The suite checks that it agrees with the reference
+tens of microseconds per index entry. The suite checks that it agrees with the reference
 implementation (``jsonschema``) on valid and damaged indexes.
 
 What a schema cannot say (pieces tile their tensor exactly once, boxes lie inside the
