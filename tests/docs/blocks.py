@@ -2,7 +2,7 @@
 
 Every fenced block is one of:
 
-- ``python``: run. By default in the page's session: the page's Python blocks run in
+- ``python``: run. By default in the page's interpreter: the page's Python blocks run in
   order in one interpreter, sharing their globals, as a reader types them in. A
   directive on the line just before the fence says otherwise:
   ``<!-- run: torchrun N -->`` (a whole script, on N ranks under torchrun),
@@ -24,7 +24,7 @@ in a comment just before it, invisible on the site::
     model = torch.nn.Linear(4, 4)
     -->
 
-A ``setup`` comment runs in the session before the block after it, or starts the script
+A ``setup`` comment runs in the page's interpreter before the block after it, or starts the script
 of a block that runs on its own.
 """
 
@@ -55,7 +55,7 @@ class Block:
     line: int  # of the opening fence, counted from 1
     lang: str
     code: str
-    kind: str = "session"  # session, script, torchrun, mpiexec, bash, file, skip, output
+    kind: str = "page"  # page, script, torchrun, mpiexec, bash, file, skip, output
     arg: str = ""  # a launcher's rank count, a file's name, a reason
     setup: list[str] = field(default_factory=list)
 
@@ -117,7 +117,7 @@ def classify(block: Block, directive: re.Match[str] | None) -> None:
     where = block.where
     if directive is None:
         if block.lang == "python":
-            block.kind = "session"
+            block.kind = "page"
         elif block.lang == "bash":
             block.kind = "bash"
         elif block.lang == OUTPUT:

@@ -59,7 +59,7 @@ def test_page_runs(path: Path, tmp_path: Path) -> None:
     for name in [n for n in env if n.startswith("DISTCKPT_")]:
         del env[name]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "docs" / "session.py"), str(listing)],
+        [sys.executable, str(ROOT / "tests" / "docs" / "run_page.py"), str(listing)],
         cwd=work,
         env=env,
         stdin=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""Run one page's code blocks in order, as a reader would: ``python session.py BLOCKS``,
+"""Run one page's code blocks in order, as a reader would: ``python run_page.py BLOCKS``,
 in the page's directory, where ``BLOCKS`` is the JSON list that ``test_examples`` wrote
 (see :mod:`tests.docs.blocks`). Python blocks share one interpreter's globals; the others
 run as their own processes. The first failure names its block (page and line) and ends
@@ -60,7 +60,7 @@ def main() -> None:
         if kind == "bash":
             run_process(block, ["bash", "-euo", "pipefail", "-c", block["code"]])
             continue
-        if kind == "session":
+        if kind == "page":
             print(f"--- {where}", flush=True)
             for code in [*block["setup"], block["code"]]:
                 try:
