@@ -1,0 +1,354 @@
+"""Megatron-core ``dist_checkpointing`` strategies that save and load distckpt checkpoints.
+
+``megatron.core.dist_checkpointing.save`` hands a sharded strategy the
+``ShardedTensor`` and ``ShardedObject`` leaves of a sharded state dict; the strategies
+here write them, on every rank, as one committed distckpt checkpoint in the
+``distckpt`` folder of Megatron's checkpoint directory (beside Megatron's own
+``common.pt`` and ``metadata.json``), and read them back onto any tensor-, pipeline- or
+data-parallel layout::
+
+    from megatron.core import dist_checkpointing
+    from distckpt.integrations.megatron import DistckptSaveStrategy
+
+    dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=DistckptSaveStrategy())
+    state = dist_checkpointing.load(sharded_state_dict, ckpt_dir)  # backend from metadata.json
+
+Importing this module registers both strategies under the backend name ``"distckpt"``
+(version 1), so ``sharded_strategy=("distckpt", 1)`` works too, and ``load`` finds the
+load strategy from the checkpoint's ``metadata.json``.
+
+How Megatron's leaves are stored:
+
+* a ``ShardedTensor`` is the box ``global_offset`` / ``local_shape`` of the global tensor
+  named by its ``key`` (``prepend_axis_num`` leading axes of length one added), stored as
+  ``tensors/<key>``; only the main replica (``replica_id`` 0 or all zeros) writes it;
+* a ``ShardedObject`` is serialised with ``torch.save`` and stored as a byte tensor
+  ``objects/<unique_key>``, written by its main replica; loading it unpickles it, as
+  Megatron's own backends do, so load only checkpoints you trust.
+
+Flattened ranges (``ShardedTensor.flattened_range``) are refused by megatron-core 0.16
+itself; the distributed optimizer's reshardable formats (``fully_reshardable``,
+``dp_reshardable``) give regular ``ShardedTensor`` and ``ShardedObject`` leaves, which is
+what these strategies store. A ``ShardedTensor`` that still carries a flattened range is
+refused with a clear error.
+
+Async saves: :meth:`DistckptSaveStrategy.async_save` starts distckpt's own background save
+(state copied to host memory before it returns; written and committed on a background
+thread) and returns an ``AsyncRequest`` without a function to run in Megatron's worker,
+whose finalisation waits for the commit. Megatron then writes ``metadata.json``, so a
+checkpoint directory with ``metadata.json`` always holds a committed distckpt checkpoint.
+
+Requires ``megatron-core`` (the ``megatron`` extra); it is imported only when this module
+is.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import distckpt
+from distckpt.items import Branch
+
+try:
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        is_main_replica,
+    )
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.base import (
+        AsyncSaveShardedStrategy,
+        LoadShardedStrategy,
+        StrategyAction,
+        register_default_strategy,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "distckpt.integrations.megatron needs megatron-core: pip install 'distckpt[megatron]'"
+    ) from exc
+
+#: The backend name Megatron records in ``metadata.json`` for these checkpoints.
+BACKEND = "distckpt"
+#: The format version of that backend.
+VERSION = 1
+#: The folder of Megatron's checkpoint directory that holds the distckpt checkpoint.
+SUBDIR = "distckpt"
+
+_TENSORS = "tensors"
+_OBJECTS = "objects"
+
+
+def checkpoint_path(checkpoint_dir: str | os.PathLike[str]) -> str:
+    """Where the distckpt checkpoint of Megatron's ``checkpoint_dir`` lies."""
+    return os.path.join(os.fspath(checkpoint_dir), SUBDIR)
+
+
+def _inner_shape(sh: ShardedTensor) -> tuple[int, ...]:
+    return tuple(sh.global_shape[sh.prepend_axis_num :])
+
+
+def _inner_offset(sh: ShardedTensor) -> tuple[int, ...]:
+    return tuple(sh.global_offset[sh.prepend_axis_num :])
+
+
+def _stack_index(sh: ShardedTensor) -> str:
+    """The name of a stacked tensor's part: its offsets along the prepended axes."""
+    return ".".join(str(int(o)) for o in sh.global_offset[: sh.prepend_axis_num])
+
+
+def _place(tensors: dict[str, Any], sh: ShardedTensor, shard: Any, same_ok: bool = False) -> None:
+    """Put ``shard`` where ``sh`` is stored: ``tensors[key]``, or for a tensor with
+    prepended axes (Megatron's stacked layers, one layer per box along those axes)
+    ``tensors[key][<offsets along them>]``, so each layer is a tensor of its own and a
+    rank holding several layers holds one box of each."""
+    if sh.prepend_axis_num:
+        parts = tensors.setdefault(sh.key, Branch())
+        if not isinstance(parts, dict):
+            raise CheckpointingException(f"{sh.key}: stacked on some ranks and not on others")
+        name = _stack_index(sh)
+        where: dict[str, Any] = parts
+    else:
+        name = sh.key
+        where = tensors
+    if name in where:
+        held = where[name]
+        if same_ok and held.offsets == shard.offsets and held.tensor.shape == shard.tensor.shape:
+            return  # a load asking for the same box twice (tied weights): read once
+        raise CheckpointingException(
+            f"{sh.key}: this rank holds several shards of the same part of it; the "
+            f"{BACKEND!r} backend stores one box of a tensor per rank"
+        )
+    where[name] = shard
+
+
+def _placed(tensors: dict[str, Any], sh: ShardedTensor) -> Any:
+    if sh.prepend_axis_num:
+        return tensors[sh.key][_stack_index(sh)]
+    return tensors[sh.key]
+
+
+def _refuse_flattened(sh: ShardedTensor) -> None:
+    if getattr(sh, "flattened_range", None) is not None:
+        raise CheckpointingException(
+            f"{sh.key}: a ShardedTensor with a flattened_range is not supported by the "
+            f"{BACKEND!r} backend; save the distributed optimizer with a reshardable "
+            "sharding type (metadata['distrib_optim_sharding_type'] = 'fully_reshardable')"
+        )
+
+
+def _object_bytes(value: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _object_value(data: torch.Tensor) -> Any:
+    raw = data.cpu().numpy().tobytes()
+    return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
+
+
+def _unescape(name: str) -> str:
+    """A key as the state named it, from its stored name (see :mod:`distckpt.naming`)."""
+    return name.replace("%2F", "/").replace("%25", "%")
+
+
+def _leaves(sharded_state_dict: Any) -> list[Any]:
+    return [v for v in nested_values(sharded_state_dict)]
+
+
+def save_state(sharded_state_dict: Any) -> dict[str, Any]:
+    """This rank's distckpt state for Megatron's ``sharded_state_dict`` (its main replicas
+    only)."""
+    tensors: dict[str, Any] = Branch()
+    objects: dict[str, Any] = Branch()
+    for leaf in _leaves(sharded_state_dict):
+        if isinstance(leaf, ShardedTensor):
+            _refuse_flattened(leaf)
+            if not is_main_replica(leaf.replica_id):
+                continue
+            data = leaf.data.detach().reshape(tuple(leaf.local_shape))
+            _place(tensors, leaf, distckpt.Shard(data, _inner_shape(leaf), _inner_offset(leaf)))
+        elif isinstance(leaf, ShardedObject):
+            if is_main_replica(leaf.replica_id):
+                payload = _object_bytes(leaf.data)
+                objects[leaf.unique_key] = distckpt.Shard(payload, (payload.numel(),), (0,))
+        else:
+            raise CheckpointingException(
+                f"the {BACKEND!r} backend saves ShardedTensor and ShardedObject leaves, "
+                f"got {type(leaf).__name__}"
+            )
+    return {_TENSORS: tensors, _OBJECTS: objects}
+
+
+class DistckptSaveStrategy(AsyncSaveShardedStrategy):
+    """Saves a Megatron sharded state dict as a committed distckpt checkpoint.
+
+    ``comm``: distckpt's communicator over the ranks that save (default: the default
+    process group). Other keywords are :func:`distckpt.save`'s (``compression``,
+    ``io_workers``, ...). ``overwrite`` defaults to True: Megatron saves into a directory
+    it has already prepared."""
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        *,
+        comm: Any = None,
+        **save_keywords: Any,
+    ) -> None:
+        super().__init__(backend, version)
+        self.comm = comm
+        save_keywords.setdefault("overwrite", True)
+        self.save_keywords = save_keywords
+        self.result: distckpt.SaveResult | None = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        self.result = distckpt.save(
+            save_state(sharded_state_dict),
+            checkpoint_path(checkpoint_dir),
+            self.comm,
+            **self.save_keywords,
+        )
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
+        handle = distckpt.save(
+            save_state(sharded_state_dict),
+            checkpoint_path(checkpoint_dir),
+            self.comm,
+            async_save=True,
+            **self.save_keywords,
+        )
+
+        def finalize() -> None:
+            self.result = handle.wait()
+
+        return AsyncRequest(None, (), [finalize])
+
+
+class DistckptLoadStrategy(LoadShardedStrategy):
+    """Loads a checkpoint written by :class:`DistckptSaveStrategy` onto the layout of the
+    given sharded state dict. Keywords are :func:`distckpt.load`'s (``io_workers``, ...)."""
+
+    def __init__(self, *, comm: Any = None, **load_keywords: Any) -> None:
+        self.comm = comm
+        self.load_keywords = load_keywords
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != BACKEND:
+            raise CheckpointingException(
+                f"the {BACKEND!r} load strategy cannot read a {loaded_backend!r} checkpoint"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != VERSION:
+            raise CheckpointingException(
+                f"the {BACKEND!r} load strategy reads version {VERSION}, the checkpoint is "
+                f"version {loaded_version}"
+            )
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        tensors: dict[str, Any] = Branch()
+        objects: dict[str, Any] = Branch()
+        for leaf in _leaves(sharded_state_dict):
+            if isinstance(leaf, ShardedTensor):
+                _refuse_flattened(leaf)
+                buffer = torch.empty(tuple(leaf.local_shape), dtype=leaf.dtype)
+                shard = distckpt.Shard(buffer, _inner_shape(leaf), _inner_offset(leaf))
+                _place(tensors, leaf, shard, same_ok=True)
+            elif isinstance(leaf, ShardedObject):
+                objects[leaf.unique_key] = None
+        state = {_TENSORS: tensors, _OBJECTS: objects}
+        keywords = dict(self.load_keywords)
+        keywords.setdefault("strict", False)  # Megatron checks keys itself (its `strict`)
+        result = distckpt.load(state, checkpoint_path(checkpoint_dir), self.comm, **keywords)
+        missing = [
+            name
+            for name in getattr(result, "missing", [])
+            if name.startswith(f"{_TENSORS}/") or name.startswith(f"{_OBJECTS}/")
+        ]
+        if missing:
+            raise CheckpointingException(
+                f"not in the checkpoint at {checkpoint_dir}: {sorted(missing)}"
+            )
+
+        def fill(leaf: Any) -> Any:
+            if isinstance(leaf, ShardedTensor):
+                loaded = _placed(tensors, leaf).tensor.clone()
+                if leaf.data is not None and leaf.data.device.type != "cpu":
+                    loaded = loaded.to(leaf.data.device)
+                return loaded
+            if isinstance(leaf, ShardedObject):
+                return _object_value(objects[leaf.unique_key])
+            return leaf
+
+        dict_list_map_inplace(fill, sharded_state_dict)
+        return sharded_state_dict
+
+    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
+        from distckpt import dtypes
+
+        metadata: dict[str, ShardedTensor] = {}
+        stacked: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
+        for variable in distckpt.list_variables(checkpoint_path(checkpoint_dir)):
+            parts = variable.name.split("/")
+            if parts[0] != _TENSORS or variable.shape is None or len(parts) not in (2, 3):
+                continue
+            key = _unescape(parts[1])
+            if len(parts) == 3:  # a layer of a stacked tensor
+                index = tuple(int(i) for i in parts[2].split("."))
+                stacked.setdefault(key, []).append((index, variable))
+                continue
+            empty = torch.empty(variable.shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta")
+            metadata[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
+        for key, layers in stacked.items():
+            outer = tuple(max(index[d] for index, _ in layers) + 1 for d in range(len(layers[0][0])))
+            variable = layers[0][1]
+            shape = outer + tuple(variable.shape)
+            empty = torch.empty(shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta")
+            metadata[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
+        return metadata
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        for variable in distckpt.list_variables(checkpoint_path(checkpoint_dir)):
+            group, _, name = variable.name.partition("/")
+            if group == _OBJECTS:
+                obj = ShardedObject.empty_from_unique_key(_unescape(name))
+                metadata[obj.unique_key] = obj
+        metadata.update(self.load_tensors_metadata(checkpoint_dir))
+        return metadata
+
+
+def register_default_distckpt_strategies() -> None:
+    """Register the strategies under the backend name ``"distckpt"``, version 1 (done on
+    import of this module)."""
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, DistckptSaveStrategy())
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, DistckptLoadStrategy())
+
+
+register_default_distckpt_strategies()
+
+__all__ = [
+    "BACKEND",
+    "VERSION",
+    "DistckptLoadStrategy",
+    "DistckptSaveStrategy",
+    "checkpoint_path",
+    "register_default_distckpt_strategies",
+    "save_state",
+]
