@@ -29,6 +29,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing import serialization  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
     ShardedObject,
@@ -60,6 +61,7 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
     )
     model = GPTModel(
         config=config,
@@ -166,6 +168,14 @@ else:
             covered[mine_idx] = True
         assert bool(covered.all()), f"{sh.key}: part of the box is in no saved box"
         checked += 1
+    # The metadata Megatron's strict checks and load_plain_tensors use.
+    tensors_meta = dist_checkpointing.load_tensors_metadata(ckpt)
+    sharded_meta = serialization.load_sharded_metadata(ckpt)
+    for sh, _ in walk(state2, loaded):
+        meta = tensors_meta[sh.key]
+        assert tuple(meta.global_shape) == tuple(sh.global_shape), (sh.key, meta, sh)
+        assert meta.dtype == sh.dtype and sh.key in sharded_meta
+    assert "layout/shard_0_1" in sharded_meta, sorted(sharded_meta)[:5]
     assert loaded["iteration"] == 7
     assert loaded["layout"]["rng"].tolist() == [0, 1, 2, 3]
     dist.barrier()
