@@ -182,3 +182,4 @@ else:
     print(f"rank {rank}: LOADED {checked} boxes bit for bit", flush=True)
 
 dist.destroy_process_group()
+print(f"OK {rank}", flush=True)
