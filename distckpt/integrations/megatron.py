@@ -313,10 +313,14 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                 index = tuple(int(i) for i in parts[2].split("."))
                 stacked.setdefault(key, []).append((index, variable))
                 continue
-            empty = torch.empty(variable.shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta")
+            empty = torch.empty(
+                variable.shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta"
+            )
             metadata[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
         for key, layers in stacked.items():
-            outer = tuple(max(index[d] for index, _ in layers) + 1 for d in range(len(layers[0][0])))
+            outer = tuple(
+                max(index[d] for index, _ in layers) + 1 for d in range(len(layers[0][0]))
+            )
             variable = layers[0][1]
             shape = outer + tuple(variable.shape)
             empty = torch.empty(shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta")

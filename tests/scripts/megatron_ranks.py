@@ -84,7 +84,9 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {
         "model": model_state,
         "optimizer": optim_state,
-        "layout": ShardedObject("layout", {"tp": tp, "pp": pp, "rng": torch.arange(4)}, (1,), (0,), replica_id=rank),
+        "layout": ShardedObject(
+            "layout", {"tp": tp, "pp": pp, "rng": torch.arange(4)}, (1,), (0,), replica_id=rank
+        ),
         "iteration": 7,
     }
 
@@ -94,7 +96,14 @@ def boxes(state: dict) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
     for leaf in nested_values(state):
         if isinstance(leaf, ShardedTensor) and is_main_replica(leaf.replica_id):
             shape = (1,) * leaf.prepend_axis_num + tuple(leaf.local_shape)
-            out.append((leaf.key, tuple(leaf.global_offset), shape, leaf.data.detach().clone().reshape(shape)))
+            out.append(
+                (
+                    leaf.key,
+                    tuple(leaf.global_offset),
+                    shape,
+                    leaf.data.detach().clone().reshape(shape),
+                )
+            )
     return out
 
 
@@ -116,7 +125,9 @@ if mode == "save":
     os.makedirs(ref, exist_ok=True)
     strategy = DistckptSaveStrategy()
     if use_async:
-        request = dist_checkpointing.save(state, ckpt, sharded_strategy=strategy, async_sharded_save=True)
+        request = dist_checkpointing.save(
+            state, ckpt, sharded_strategy=strategy, async_sharded_save=True
+        )
         request.execute_sync()
     else:
         dist_checkpointing.save(state, ckpt, sharded_strategy=strategy)
@@ -157,14 +168,16 @@ else:
                 continue
             lo = [max(a, b) for a, b in zip(offset, sh.global_offset)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(offset, rshape, sh.global_offset, shape)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            if any(end <= start for start, end in zip(lo, hi)):
                 continue
-            mine_idx = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, sh.global_offset))
-            ref_idx = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))
+            mine_idx = tuple(slice(s - o, e - o) for s, e, o in zip(lo, hi, sh.global_offset))
+            ref_idx = tuple(slice(s - o, e - o) for s, e, o in zip(lo, hi, offset))
             a, b = mine[mine_idx], rdata[ref_idx]
             assert a.dtype == b.dtype, (sh.key, a.dtype, b.dtype)
-            assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
-                               b.view(torch.uint8) if b.dtype.is_floating_point else b), sh.key
+            assert torch.equal(
+                a.view(torch.uint8) if a.dtype.is_floating_point else a,
+                b.view(torch.uint8) if b.dtype.is_floating_point else b,
+            ), sh.key
             covered[mine_idx] = True
         assert bool(covered.all()), f"{sh.key}: part of the box is in no saved box"
         checked += 1
