@@ -37,6 +37,9 @@ Async saves: :meth:`DistckptSaveStrategy.async_save` starts distckpt's own backg
 thread) and returns an ``AsyncRequest`` without a function to run in Megatron's worker,
 whose finalisation waits for the commit. Megatron then writes ``metadata.json``, so a
 checkpoint directory with ``metadata.json`` always holds a committed distckpt checkpoint.
+Megatron's ``AsyncCallsQueue`` sees a request without a function as done at once, so its
+first ``maybe_finalize_async_calls`` after the save blocks until the commit; a loop that
+must not block can ask :meth:`DistckptSaveStrategy.pending` first.
 
 Requires ``megatron-core`` (the ``megatron`` extra); it is imported only when this module
 is.
@@ -208,6 +211,7 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
         save_keywords.setdefault("overwrite", True)
         self.save_keywords = save_keywords
         self.result: distckpt.SaveResult | None = None
+        self._handle: distckpt.AsyncSave | None = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -221,8 +225,12 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
             **self.save_keywords,
         )
 
+    def pending(self) -> bool:
+        """Whether the last :meth:`async_save` is still writing on this rank."""
+        return self._handle is not None and not self._handle.done()
+
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
-        handle = distckpt.save(
+        self._handle = handle = distckpt.save(
             save_state(sharded_state_dict),
             checkpoint_path(checkpoint_dir),
             self.comm,

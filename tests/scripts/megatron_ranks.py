@@ -30,6 +30,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing import serialization  # noqa: E402
+from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
     ShardedObject,
@@ -129,6 +130,7 @@ if mode == "save":
             state, ckpt, sharded_strategy=strategy, async_sharded_save=True
         )
         request.execute_sync()
+        assert not strategy.pending() and strategy.result is not None
     else:
         dist_checkpointing.save(state, ckpt, sharded_strategy=strategy)
     torch.save(saved, os.path.join(ref, f"rank{rank}.pt"))
@@ -144,7 +146,8 @@ else:
         for leaf in nested_values(state):
             if isinstance(leaf, ShardedTensor):
                 leaf.data.fill_(float("nan") if leaf.data.is_floating_point() else -1)
-    loaded = dist_checkpointing.load(state, ckpt)
+    # RAISE_ALL: Megatron compares the keys with the strategy's load_sharded_metadata.
+    loaded = dist_checkpointing.load(state, ckpt, strict=StrictHandling.RAISE_ALL)
     reference = [b for f in sorted(os.listdir(ref)) for b in torch.load(os.path.join(ref, f))]
     checked = 0
 
