@@ -30,7 +30,6 @@ rank, world = dist.get_rank(), dist.get_world_size()
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing import serialization  # noqa: E402
-from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
     ShardedObject,
@@ -41,6 +40,7 @@ from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
+from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
