@@ -74,3 +74,46 @@ def test_registered_under_its_backend_name() -> None:
         load.check_backend_compatibility("torch_dist")
     with pytest.raises(CheckpointingException):
         load.check_version_compatibility(2)
+
+
+def test_save_state_maps_megatron_leaves() -> None:
+    """What one rank writes: main replicas only, a stacked tensor as one tensor per
+    layer, a ShardedObject as its serialised bytes; a flattened range is refused."""
+    import dataclasses
+
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    import distckpt
+    from distckpt.integrations.megatron import _object_value, save_state
+
+    weight = torch.arange(8.0).reshape(2, 4)
+    layers = [torch.full((3,), float(i)) for i in range(2)]
+    state = {
+        "w": ShardedTensor.from_rank_offsets("w", weight, (1, 1, 2)),  # columns 4..7 of 8
+        "replica": ShardedTensor.from_rank_offsets("r", weight, replica_id=(0, 1, 0)),
+        "layers": [
+            ShardedTensor.from_rank_offsets("stack", t, (0, i, 2), prepend_axis_num=1)
+            for i, t in enumerate(layers)
+        ],
+        "obj": ShardedObject("obj", {"a": 1}, (2,), (1,)),
+        "obj_replica": ShardedObject("obj2", {"a": 1}, (1,), (0,), replica_id=1),
+    }
+    out = save_state(state)
+    assert set(out["tensors"]) == {"w", "stack"}
+    w = out["tensors"]["w"]
+    assert isinstance(w, distckpt.Shard) and w.global_shape == (2, 8) and w.offsets == (0, 4)
+    assert sorted(out["tensors"]["stack"]) == ["0", "1"]
+    assert out["tensors"]["stack"]["1"].global_shape == (3,)
+    assert torch.equal(out["tensors"]["stack"]["1"].tensor, layers[1])
+    assert list(out["objects"]) == ["obj/shard_1_2"]
+    assert _object_value(out["objects"]["obj/shard_1_2"].tensor) == {"a": 1}
+
+    flat = ShardedTensor.from_rank_offsets("f", weight)
+    object.__setattr__(flat, "flattened_range", slice(0, 4))  # megatron-core refuses it too
+    with pytest.raises(CheckpointingException, match="flattened_range"):
+        save_state({"f": flat})
+    twice = ShardedTensor.from_rank_offsets("w", weight)
+    with pytest.raises(CheckpointingException, match="several shards"):
+        save_state({"a": twice, "b": dataclasses.replace(twice)})
