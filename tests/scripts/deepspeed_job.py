@@ -54,9 +54,9 @@ def train(engine, steps: int, first: int) -> None:
 
 
 def plain(obj):
-    """``obj`` with objects as their class and attributes, OrderedDicts as dicts."""
+    """A copy of ``obj`` with objects as their class and attributes, OrderedDicts as dicts."""
     if isinstance(obj, torch.Tensor):
-        return obj
+        return obj.detach().clone()
     if isinstance(obj, dict):
         return {k: plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
