@@ -1,0 +1,38 @@
+"""distckpt.integrations.deepspeed: DeepSpeed's own save_checkpoint / load_checkpoint on
+CPU processes (gloo, DeepSpeed's CPU accelerator), through distckpt's checkpoint engine.
+
+A small model trains 3 steps on 2 torchrun ranks and is saved (tag ``t``) through
+distckpt's engine and DeepSpeed's own (torch.save) engine: every file read back through
+distckpt equals DeepSpeed's own, bit for bit. The checkpoint is then loaded by a fresh
+job (other initial weights):
+
+* on 2 ranks: model and optimizer bit for bit, and 2 more steps end where the saving
+  job's 2 more steps ended;
+* on 3 (and 1) ranks: the model bit for bit; the optimizer too with ZeRO stage 0 (it is
+  in the model states file); with ZeRO stages 1 and 2 DeepSpeed refuses optimizer states
+  saved on another data-parallel size (checked), and loads the model without them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_torchrun
+
+pytest.importorskip("deepspeed")
+
+SCRIPT = SCRIPTS / "deepspeed_job.py"
+TIMEOUT = 180  # seconds, per launch (DeepSpeed's first start on a machine builds an op)
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def launch(nprocs: int, *args: str) -> None:
+    assert_all_ok(run_torchrun(nprocs, SCRIPT, *args, timeout=TIMEOUT, env=ENV), nprocs)
+
+
+@pytest.mark.timeout(4 * TIMEOUT + 30)
+@pytest.mark.parametrize(("stage", "others"), [(1, (3,)), (0, (3, 1))])
+def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path, stage, others):
+    launch(2, "save", str(tmp_path), str(stage))
+    for nprocs in (2, *others):
+        launch(nprocs, "resume", str(tmp_path), str(stage))
