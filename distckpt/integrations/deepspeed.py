@@ -20,13 +20,13 @@ the ``save`` calls in memory and writes them at ``commit`` as ONE distckpt check
 Each file's dict is stored under the file's name, its tensors as zarr arrays written by
 the process that saved the file (``mp_rank_00_model_states.pt/module/0.weight``), and
 beside it, as the value ``<file name>.structure``, the containers it was made of
-(:mod:`distckpt.integrations.trees`). Nothing is pickled: the
-objects DeepSpeed puts in these dicts that are not tensors or plain values -- ``torch.Size``
-(``param_shapes``), enums (``zero_stage``), dataclasses (``fragment_address``) and loss
-scalers -- are stored as typed values naming their class, and rebuilt only for
-``torch.Size`` and classes of the ``deepspeed`` package. Anything else is refused
-unless the engine is made with ``options=CheckpointOptions(allow_pickle=True)``.
-``OrderedDict`` comes back as ``dict``.
+(:mod:`distckpt.integrations.trees`). Nothing is pickled: the objects DeepSpeed puts in
+these dicts that are not tensors or plain values -- ``torch.Size`` (``param_shapes``),
+``torch.dtype``, ``torch.device``, enums (``zero_stage``), dataclasses
+(``fragment_address``) and loss scalers -- are stored as typed values naming their class,
+and rebuilt only for these torch types and classes of the ``deepspeed`` package. Anything
+else is refused unless the engine is made with
+``options=CheckpointOptions(allow_pickle=True)``. ``OrderedDict`` comes back as ``dict``.
 
 DeepSpeed checks that the files it is about to load exist: a file's name is the folder
 of its arrays, and for a file that holds no tensor ``commit`` leaves, after the
@@ -191,6 +191,10 @@ def _encode(obj: Any) -> Any:
         return obj
     if isinstance(obj, torch.Size):
         return {TYPE_TAG: "torch.Size", "value": list(obj)}
+    if isinstance(obj, torch.dtype):
+        return {TYPE_TAG: "torch.dtype", "value": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {TYPE_TAG: "torch.device", "value": str(obj)}
     if isinstance(obj, dict):
         return {k: _encode(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
@@ -227,6 +231,13 @@ def _decode(obj: Any) -> Any:
         if isinstance(tag, str):
             if tag == "torch.Size":
                 return torch.Size(obj["value"])
+            if tag == "torch.dtype":
+                dtype = getattr(torch, str(obj["value"]), None)
+                if not isinstance(dtype, torch.dtype):
+                    raise distckpt.CorruptCheckpointError(f"not a torch dtype: {obj['value']!r}")
+                return dtype
+            if tag == "torch.device":
+                return torch.device(obj["value"])
             cls = _class(tag)
             if "enum" in obj:
                 return cls(_decode(obj["enum"]))

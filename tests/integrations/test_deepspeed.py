@@ -36,3 +36,45 @@ def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path, stage, others)
     launch(2, "save", str(tmp_path), str(stage))
     for nprocs in (2, *others):
         launch(nprocs, "resume", str(tmp_path), str(stage))
+
+
+def test_deepspeed_objects_are_typed_values_not_pickles():
+    """What DeepSpeed puts in its dicts besides tensors and plain values is stored as
+    typed values and rebuilt; a class outside deepspeed is never imported."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    import distckpt
+    from distckpt.integrations.deepspeed import TYPE_TAG, _decode, _encode
+    from distckpt.values import encode
+
+    tree = {
+        "shapes": [{"w": torch.Size([8, 4])}],
+        "stage": ZeroStageEnum.gradients,
+        "mapping": {"w": fragment_address(numel=30, start=2)},
+        "scaler": LossScaler(4.0),
+        "dynamic": DynamicLossScaler(
+            init_scale=2.0**8,
+            scale_window=10,
+            min_scale=1,
+            delayed_shift=2,
+            consecutive_hysteresis=False,
+        ),
+        "betas": (0.9, 0.999),
+        "dtype": torch.bfloat16,
+    }
+    stored = _encode(tree)
+    encode(stored)  # plain typed values: distckpt stores them without pickling
+    back = _decode(stored)
+    assert back["shapes"][0]["w"] == torch.Size([8, 4])
+    assert isinstance(back["shapes"][0]["w"], torch.Size)
+    assert back["stage"] is ZeroStageEnum.gradients
+    assert back["mapping"]["w"] == fragment_address(numel=30, start=2)
+    assert type(back["scaler"]) is LossScaler and vars(back["scaler"]) == vars(tree["scaler"])
+    assert vars(back["dynamic"]) == vars(tree["dynamic"])
+    assert back["betas"] == (0.9, 0.999)
+    assert back["dtype"] is torch.bfloat16
+    with pytest.raises(distckpt.CorruptCheckpointError):
+        _decode({TYPE_TAG: "os:system", "attributes": {}})

@@ -13,7 +13,6 @@ and 2: DeepSpeed refuses it, checked, and the model loads without it).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -137,8 +136,12 @@ def main() -> None:
                 assert "world size" in str(exc), exc
             else:
                 raise AssertionError("DeepSpeed loaded ZeRO optimizer states on another DP size")
-            engine.load_checkpoint(str(root / "ds"), tag=TAG, load_optimizer_states=False,
-                                   load_lr_scheduler_states=False)
+            engine.load_checkpoint(
+                str(root / "ds"),
+                tag=TAG,
+                load_optimizer_states=False,
+                load_lr_scheduler_states=False,
+            )
             assert_same(engine.module.state_dict(), ref["saved"]["model"], "model")
         sys.stdout.write(f"RESTORED {rank}\n")
     torch.distributed.barrier()
