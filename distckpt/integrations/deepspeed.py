@@ -67,7 +67,9 @@ ENGINE_NAME = "DistckptCheckpointEngine"
 STUB = "distckpt checkpoint: {checkpoint}\nfile: {name}\n"
 
 
-def use_distckpt(engine: Any, options: distckpt.CheckpointOptions | None = None) -> Any:
+def use_distckpt(
+    engine: Any, options: distckpt.CheckpointOptions | None = None, *, overwrite: bool = False
+) -> Any:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load its checkpoints with distckpt;
     returns the :class:`DistckptCheckpointEngine` it now uses. Every process calls it."""
     if getattr(engine, "use_node_local_storage", lambda: False)():
@@ -75,21 +77,28 @@ def use_distckpt(engine: Any, options: distckpt.CheckpointOptions | None = None)
             "distckpt's DeepSpeed engine writes one checkpoint per save for the whole job; "
             "DeepSpeed's use_node_local_storage (each node writes its own copy) is not supported"
         )
-    engine.checkpoint_engine = DistckptCheckpointEngine(options=options)
+    engine.checkpoint_engine = DistckptCheckpointEngine(options=options, overwrite=overwrite)
     return engine.checkpoint_engine
 
 
 class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     """A DeepSpeed ``CheckpointEngine`` that writes each ``save_checkpoint`` as one
     committed distckpt checkpoint (see the module docstring). ``options`` (a
-    :class:`distckpt.CheckpointOptions`) applies to its saves and loads."""
+    :class:`distckpt.CheckpointOptions`) applies to its saves and loads. A tag that already
+    holds a committed checkpoint is not saved again (:class:`distckpt.CheckpointExists`)
+    unless ``overwrite=True``."""
 
     def __init__(
-        self, config_params: Any = None, *, options: distckpt.CheckpointOptions | None = None
+        self,
+        config_params: Any = None,
+        *,
+        options: distckpt.CheckpointOptions | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
         self.options = options or distckpt.CheckpointOptions()
+        self.overwrite = overwrite
         self._pending: dict[str, dict[str, Any]] = {}  # checkpoint dir -> {file name: dict}
         self._info: CheckpointCommitInfo | None = None
 
@@ -129,7 +138,7 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             state[name] = _shards(tree)
             state[name + STRUCTURE_SUFFIX] = trees.structure(tree)
         # DeepSpeed made the folder, empty, for its files: distckpt commits into it.
-        distckpt.save(state, folder, options=self.options, overwrite=True)
+        distckpt.save(state, folder, options=self.options, overwrite=self.overwrite)
         for name in pending:
             if os.path.exists(os.path.join(folder, name)):
                 continue  # the zarr group of the file's tensors
