@@ -38,7 +38,10 @@ asked for any file by any process (each reads its own, no collective), so the mo
 states, and with ZeRO stage 0 the optimizer (it is in the model states file), load on
 any number of processes; with ZeRO stages 1 and 2 DeepSpeed refuses optimizer states
 saved with another data-parallel size (its "universal checkpoint" conversion), while
-``load_checkpoint(..., load_optimizer_states=False)`` loads the model.
+``load_checkpoint(..., load_optimizer_states=False)`` loads the model. With ZeRO stage 3
+a load on another number of processes is not supported: DeepSpeed then reads the files
+itself with ``torch.load`` (``zero_to_fp32``), not through the checkpoint engine; the same
+goes for DeepSpeed's ``zero_to_fp32.py`` script and its universal-checkpoint conversion.
 """
 
 from __future__ import annotations
