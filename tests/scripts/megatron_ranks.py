@@ -47,6 +47,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from distckpt.integrations.megatron import DistckptSaveStrategy  # noqa: E402
 
+
+def say(line: str) -> None:
+    """One write(2) per line: the ranks share the pipe."""
+    os.write(1, f"{line}\n".encode())
+
 parallel_state.initialize_model_parallel(
     tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
 )
@@ -136,7 +141,7 @@ if mode == "save":
     torch.save(saved, os.path.join(ref, f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
-        print("SAVED", len(saved), "boxes", sorted(os.listdir(ckpt)), flush=True)
+        say(f"SAVED {len(saved)} boxes {sorted(os.listdir(ckpt))}")
 else:
     for p in model.parameters():  # create Adam's state for the load to fill
         p.grad = torch.zeros_like(p)
@@ -195,7 +200,7 @@ else:
     assert loaded["iteration"] == 7
     assert loaded["layout"]["rng"].tolist() == [0, 1, 2, 3]
     dist.barrier()
-    print(f"rank {rank}: LOADED {checked} boxes bit for bit", flush=True)
+    say(f"rank {rank}: LOADED {checked} boxes bit for bit")
 
 dist.destroy_process_group()
-print(f"OK {rank}", flush=True)
+say(f"OK {rank}")
