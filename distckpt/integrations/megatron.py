@@ -26,11 +26,15 @@ How Megatron's leaves are stored:
   ``objects/<unique_key>``, written by its main replica; loading it unpickles it, as
   Megatron's own backends do, so load only checkpoints you trust.
 
-Flattened ranges (``ShardedTensor.flattened_range``) are refused by megatron-core 0.16
-itself; the distributed optimizer's reshardable formats (``fully_reshardable``,
-``dp_reshardable``) give regular ``ShardedTensor`` and ``ShardedObject`` leaves, which is
-what these strategies store. A ``ShardedTensor`` that still carries a flattened range is
-refused with a clear error.
+The distributed optimizer: megatron-core 0.16's reshardable formats give regular leaves.
+``dp_reshardable`` cuts each bucket's data-parallel range into one
+``ShardedTensor`` per parameter and padding, all of the bucket's key, so a rank holds
+several boxes of one tensor: they follow one another, and are saved as the one box they
+make (copied into one host tensor) and read back as the smallest box holding them, then
+cut. ``fully_reshardable`` gives each parameter's state the parameter's own sharding.
+Flattened ranges (``ShardedTensor.flattened_range``, the older ``fully_sharded_model_space``
+format) are refused by megatron-core 0.16 itself when a ShardedTensor is made; one that
+still carries a flattened range is refused here with a clear error.
 
 Async saves: :meth:`DistckptSaveStrategy.async_save` starts distckpt's own background save
 (state copied to host memory before it returns; written and committed on a background
@@ -56,6 +60,7 @@ import torch
 
 import distckpt
 from distckpt.items import Branch
+from distckpt.slices import Box
 
 try:
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -106,35 +111,79 @@ def _stack_index(sh: ShardedTensor) -> str:
     return ".".join(str(int(o)) for o in sh.global_offset[: sh.prepend_axis_num])
 
 
-def _place(tensors: dict[str, Any], sh: ShardedTensor, shard: Any, same_ok: bool = False) -> None:
-    """Put ``shard`` where ``sh`` is stored: ``tensors[key]``, or for a tensor with
-    prepended axes (Megatron's stacked layers, one layer per box along those axes)
-    ``tensors[key][<offsets along them>]``, so each layer is a tensor of its own and a
-    rank holding several layers holds one box of each."""
-    if sh.prepend_axis_num:
-        parts = tensors.setdefault(sh.key, Branch())
-        if not isinstance(parts, dict):
-            raise CheckpointingException(f"{sh.key}: stacked on some ranks and not on others")
-        name = _stack_index(sh)
-        where: dict[str, Any] = parts
-    else:
-        name = sh.key
-        where = tensors
-    if name in where:
-        held = where[name]
-        if same_ok and held.offsets == shard.offsets and held.tensor.shape == shard.tensor.shape:
-            return  # a load asking for the same box twice (tied weights): read once
-        raise CheckpointingException(
-            f"{sh.key}: this rank holds several shards of the same part of it; the "
-            f"{BACKEND!r} backend stores one box of a tensor per rank"
-        )
-    where[name] = shard
+def _where(tensors: dict[str, Any], sh: ShardedTensor) -> tuple[dict[str, Any], str]:
+    """Where ``sh`` is stored: ``tensors[key]``, or for a tensor with prepended axes
+    (Megatron's stacked layers, one layer per box along those axes)
+    ``tensors[key][<offsets along them>]``, so each layer is a tensor of its own and a rank
+    holding several layers holds one box of each."""
+    if not sh.prepend_axis_num:
+        return tensors, sh.key
+    parts = tensors.setdefault(sh.key, Branch())
+    if not isinstance(parts, dict):
+        raise CheckpointingException(f"{sh.key}: stacked on some ranks and not on others")
+    return parts, _stack_index(sh)
 
 
-def _placed(tensors: dict[str, Any], sh: ShardedTensor) -> Any:
-    if sh.prepend_axis_num:
-        return tensors[sh.key][_stack_index(sh)]
-    return tensors[sh.key]
+def _box(sh: ShardedTensor) -> Box:
+    return Box(_inner_offset(sh), tuple(int(n) for n in sh.local_shape))
+
+
+def _groups(leaves: list[ShardedTensor]) -> list[list[ShardedTensor]]:
+    """``leaves`` grouped by the stored tensor they are boxes of (key, and layer when
+    stacked).
+
+    A rank may hold several boxes of one tensor: the distributed optimizer's
+    ``dp_reshardable`` format gives each parameter's (and each padding's) part of a
+    bucket's data-parallel range as a ShardedTensor of the bucket's key."""
+    groups: dict[tuple[str, str], list[ShardedTensor]] = {}
+    for leaf in leaves:
+        stack = _stack_index(leaf) if leaf.prepend_axis_num else ""
+        groups.setdefault((leaf.key, stack), []).append(leaf)
+    for group in groups.values():
+        if len({leaf.prepend_axis_num for leaf in group}) > 1:
+            raise CheckpointingException(f"{group[0].key}: stacked by some leaves, not by others")
+    return list(groups.values())
+
+
+def _joined(leaves: list[ShardedTensor]) -> distckpt.Shard:
+    """One box of the boxes ``leaves`` hold (distckpt stores one box of a tensor per
+    rank): the box itself for one leaf; for several, boxes that follow one another along
+    the first axis, copied into one host tensor (one copy, as a save of device tensors
+    makes anyway)."""
+    first = leaves[0]
+    shape = _inner_shape(first)
+    if len(leaves) == 1:
+        data = first.data.detach().reshape(tuple(first.local_shape))
+        return distckpt.Shard(data, shape, _inner_offset(first))
+    ordered = sorted(leaves, key=_inner_offset)
+    boxes = [_box(leaf) for leaf in ordered]
+    for leaf, a, b in zip(ordered[1:], boxes, boxes[1:]):
+        if (
+            _inner_shape(leaf) != shape
+            or b.offsets[0] != a.ends[0]
+            or b.offsets[1:] != a.offsets[1:]
+            or b.lengths[1:] != a.lengths[1:]
+        ):
+            raise CheckpointingException(
+                f"{first.key}: this rank holds {len(leaves)} boxes of it that do not join "
+                f"into one (offsets {list(a.offsets)} size {list(a.lengths)}, then offsets "
+                f"{list(b.offsets)} size {list(b.lengths)}); the {BACKEND!r} backend stores "
+                "one box of a tensor per rank"
+            )
+    rows = boxes[-1].ends[0] - boxes[0].offsets[0]
+    whole = Box(boxes[0].offsets, (rows, *boxes[0].lengths[1:]))
+    data = torch.empty(whole.lengths, dtype=first.dtype)
+    for leaf, box in zip(ordered, boxes):
+        data[box.relative_to(whole).slices()].copy_(leaf.data.detach().reshape(box.lengths))
+    return distckpt.Shard(data, shape, whole.offsets)
+
+
+def _bounds(leaves: list[ShardedTensor]) -> Box:
+    """The smallest box holding the boxes of ``leaves``: what a load reads for them."""
+    boxes = [_box(leaf) for leaf in leaves]
+    low = tuple(min(b.offsets[d] for b in boxes) for d in range(boxes[0].ndim))
+    high = tuple(max(b.ends[d] for b in boxes) for d in range(boxes[0].ndim))
+    return Box(low, tuple(h - lo for h, lo in zip(high, low)))
 
 
 def _refuse_flattened(sh: ShardedTensor) -> None:
@@ -171,13 +220,12 @@ def save_state(sharded_state_dict: Any) -> dict[str, Any]:
     only)."""
     tensors: dict[str, Any] = Branch()
     objects: dict[str, Any] = Branch()
+    main: list[ShardedTensor] = []
     for leaf in _leaves(sharded_state_dict):
         if isinstance(leaf, ShardedTensor):
             _refuse_flattened(leaf)
-            if not is_main_replica(leaf.replica_id):
-                continue
-            data = leaf.data.detach().reshape(tuple(leaf.local_shape))
-            _place(tensors, leaf, distckpt.Shard(data, _inner_shape(leaf), _inner_offset(leaf)))
+            if is_main_replica(leaf.replica_id):
+                main.append(leaf)
         elif isinstance(leaf, ShardedObject):
             if is_main_replica(leaf.replica_id):
                 payload = _object_bytes(leaf.data)
@@ -187,6 +235,9 @@ def save_state(sharded_state_dict: Any) -> dict[str, Any]:
                 f"the {BACKEND!r} backend saves ShardedTensor and ShardedObject leaves, "
                 f"got {type(leaf).__name__}"
             )
+    for group in _groups(main):
+        where, name = _where(tensors, group[0])
+        where[name] = _joined(group)
     return {_TENSORS: tensors, _OBJECTS: objects}
 
 
@@ -272,14 +323,27 @@ class DistckptLoadStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         tensors: dict[str, Any] = Branch()
         objects: dict[str, Any] = Branch()
+        wanted: list[ShardedTensor] = []
         for leaf in _leaves(sharded_state_dict):
             if isinstance(leaf, ShardedTensor):
                 _refuse_flattened(leaf)
-                buffer = torch.empty(tuple(leaf.local_shape), dtype=leaf.dtype)
-                shard = distckpt.Shard(buffer, _inner_shape(leaf), _inner_offset(leaf))
-                _place(tensors, leaf, shard, same_ok=True)
+                wanted.append(leaf)
             elif isinstance(leaf, ShardedObject):
                 objects[leaf.unique_key] = None
+        # Each stored tensor is read once per rank, as the smallest box holding every box
+        # this rank asks of it (several: tied weights, the distributed optimizer's buckets).
+        read: dict[int, tuple[distckpt.Shard, Box]] = {}
+        for group in _groups(wanted):
+            bounds = _bounds(group)
+            shard = distckpt.Shard(
+                torch.empty(bounds.lengths, dtype=group[0].dtype),
+                _inner_shape(group[0]),
+                bounds.offsets,
+            )
+            where, name = _where(tensors, group[0])
+            where[name] = shard
+            for leaf in group:
+                read[id(leaf)] = (shard, bounds)
         state = {_TENSORS: tensors, _OBJECTS: objects}
         keywords = dict(self.load_keywords)
         keywords.setdefault("strict", False)  # Megatron checks keys itself (its `strict`)
@@ -296,7 +360,9 @@ class DistckptLoadStrategy(LoadShardedStrategy):
 
         def fill(leaf: Any) -> Any:
             if isinstance(leaf, ShardedTensor):
-                loaded = _placed(tensors, leaf).tensor.clone()
+                shard, bounds = read[id(leaf)]
+                box = _box(leaf).relative_to(bounds)
+                loaded = shard.tensor[box.slices()].clone().reshape(tuple(leaf.local_shape))
                 if leaf.data is not None and leaf.data.device.type != "cpu":
                     loaded = loaded.to(leaf.data.device)
                 return loaded

@@ -3,8 +3,10 @@
 (gloo): a small GPT model of Megatron-core's layers (local spec, CPU initialisation) and
 its Adam state (sharded by Megatron's ``optim_state_to_sharding_state``) saved on one
 tensor/pipeline/data-parallel layout and loaded on others, every box bit for bit, plus a
-``ShardedObject`` and a common value (tests/scripts/megatron_ranks.py). Megatron's
-``DistributedOptimizer`` needs CUDA for its buffers and is not run here."""
+``ShardedObject``, a common value, and a bucket of optimizer state cut as the
+distributed optimizer's ``dp_reshardable`` format cuts it (several boxes of one tensor per
+rank) (tests/scripts/megatron_ranks.py). Megatron's ``DistributedOptimizer`` needs CUDA
+for its buffers and is not run here."""
 
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def test_registered_under_its_backend_name() -> None:
 
 def test_save_state_maps_megatron_leaves() -> None:
     """What one rank writes: main replicas only, a stacked tensor as one tensor per
-    layer, a ShardedObject as its serialised bytes; a flattened range is refused."""
+    layer, a ShardedObject as its serialised bytes, several boxes of one tensor as the box
+    they make; a flattened range is refused."""
     import dataclasses
 
     import torch
@@ -114,6 +117,16 @@ def test_save_state_maps_megatron_leaves() -> None:
     object.__setattr__(flat, "flattened_range", slice(0, 4))  # megatron-core refuses it too
     with pytest.raises(CheckpointingException, match="flattened_range"):
         save_state({"f": flat})
+    # Several boxes of one tensor that follow one another (the distributed optimizer's
+    # dp_reshardable buckets) are saved as the one box they make, in their order.
+    rows = [ShardedTensor.from_rank_offsets("rows", weight[i : i + 1], (0, i, 2)) for i in (1, 0)]
+    joined = save_state({"rows": rows})["tensors"]["rows"]
+    assert joined.offsets == (0, 0) and joined.global_shape == (2, 4)
+    assert torch.equal(joined.tensor, weight)
+    # Boxes that do not make one box are refused, naming the tensor.
     twice = ShardedTensor.from_rank_offsets("w", weight)
-    with pytest.raises(CheckpointingException, match="several shards"):
+    with pytest.raises(CheckpointingException, match="w: this rank holds 2 boxes"):
         save_state({"a": twice, "b": dataclasses.replace(twice)})
+    apart = [ShardedTensor.from_rank_offsets("gap", weight[:1], (0, i, 3)) for i in (0, 2)]
+    with pytest.raises(CheckpointingException, match="do not join"):
+        save_state({"gap": apart})

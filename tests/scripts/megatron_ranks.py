@@ -52,6 +52,7 @@ def say(line: str) -> None:
     """One write(2) per line: the ranks share the pipe."""
     os.write(1, f"{line}\n".encode())
 
+
 parallel_state.initialize_model_parallel(
     tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
 )
@@ -80,6 +81,37 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
+#: Parameter bounds in a bucket of 37 elements, for :func:`bucket`.
+BUCKET_PARAMS = (0, 5, 12, 13, 20, 31, 37)
+
+
+def bucket() -> list[ShardedTensor]:
+    """One bucket of the distributed optimizer's state as megatron-core's ``dp_reshardable``
+    format gives it (``DistributedOptimizer.sharded_param_state_dp_reshardable``, which
+    needs CUDA to run): the bucket, padded to a multiple of the data-parallel size (here
+    every rank), split evenly over the ranks; the padding past its end not stored; each
+    rank's range cut at the parameters' bounds into several ShardedTensors of the bucket's
+    key, each a tensor of its own, with replica id (0, 0, 0) on every rank."""
+    unpadded = BUCKET_PARAMS[-1]
+    local = -(-unpadded // world)
+    start, end = rank * local, min((rank + 1) * local, unpadded)
+    cuts = sorted({start, end, *(b for b in BUCKET_PARAMS if start < b < end)})
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_torch.float32.bucket_idx_0"
+    return [
+        ShardedTensor(
+            f"{key}.exp_avg",
+            torch.randn(hi - lo),
+            torch.float32,
+            (hi - lo,),
+            (unpadded,),
+            (lo,),
+            axis_fragmentations=None,
+            replica_id=(0, 0, 0),
+        )
+        for lo, hi in zip(cuts, cuts[1:])
+    ]
+
+
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     model_state = model.sharded_state_dict()
     id_to_sharded = get_param_id_to_sharded_param_map(
@@ -94,6 +126,7 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
             "layout", {"tp": tp, "pp": pp, "rng": torch.arange(4)}, (1,), (0,), replica_id=rank
         ),
         "iteration": 7,
+        "bucket": bucket(),
     }
 
 
