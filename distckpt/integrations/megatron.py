@@ -43,7 +43,9 @@ whose finalisation waits for the commit. Megatron then writes ``metadata.json``,
 checkpoint directory with ``metadata.json`` always holds a committed distckpt checkpoint.
 Megatron's ``AsyncCallsQueue`` sees a request without a function as done at once, so its
 first ``maybe_finalize_async_calls`` after the save blocks until the commit; a loop that
-must not block can ask :meth:`DistckptSaveStrategy.pending` first.
+must not block can ask :meth:`DistckptSaveStrategy.pending` first, on every rank, and
+reduce the answers (``maybe_finalize_async_calls`` is collective: every rank must take the
+same branch).
 
 Requires ``megatron-core`` (the ``megatron`` extra); it is imported only when this module
 is.
@@ -277,7 +279,9 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
         )
 
     def pending(self) -> bool:
-        """Whether the last :meth:`async_save` is still writing on this rank."""
+        """Whether the last :meth:`async_save` is still writing on this rank (this rank's
+        answer: reduce it over the ranks before a collective such as Megatron's
+        ``maybe_finalize_async_calls``)."""
         return self._handle is not None and not self._handle.done()
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
