@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import get_default_build_root
 
 from tests.docs.blocks import ROOT, Block, pages, read
 
@@ -46,6 +47,9 @@ def test_page_runs(path: Path, tmp_path: Path) -> None:
     listing = tmp_path / "blocks.json"
     listing.write_text(json.dumps([dict(vars(b), where=b.where) for b in blocks]))
     env = dict(os.environ)
+    # DeepSpeed builds a torch extension at its first start on a machine (minutes): the
+    # pages share one build cache rather than build it again in each run's fresh HOME.
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(get_default_build_root(), "docs-pages"))
     bin_dir = str(Path(sys.executable).parent)
     env.update(
         PATH=bin_dir + os.pathsep + env.get("PATH", ""),
