@@ -71,7 +71,10 @@ STUB = "distckpt checkpoint: {checkpoint}\nfile: {name}\n"
 
 
 def use_distckpt(
-    engine: Any, options: distckpt.CheckpointOptions | None = None, *, overwrite: bool = False
+    engine: Any,
+    options: distckpt.CheckpointOptions | None = None,
+    *,
+    overwrite: bool | None = None,
 ) -> Any:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load its checkpoints with distckpt;
     returns the :class:`DistckptCheckpointEngine` it now uses. Every process calls it."""
@@ -89,14 +92,14 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     committed distckpt checkpoint (see the module docstring). ``options`` (a
     :class:`distckpt.CheckpointOptions`) applies to its saves and loads. A tag that already
     holds a committed checkpoint is not saved again (:class:`distckpt.CheckpointExists`)
-    unless ``overwrite=True``."""
+    unless ``overwrite=True`` (or, when ``overwrite`` is not given, ``options.overwrite``)."""
 
     def __init__(
         self,
         config_params: Any = None,
         *,
         options: distckpt.CheckpointOptions | None = None,
-        overwrite: bool = False,
+        overwrite: bool | None = None,
     ) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
@@ -141,7 +144,10 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             state[name] = _shards(tree)
             state[name + STRUCTURE_SUFFIX] = trees.structure(tree)
         # DeepSpeed made the folder, empty, for its files: distckpt commits into it.
-        distckpt.save(state, folder, options=self.options, overwrite=self.overwrite)
+        options = self.options
+        if self.overwrite is not None:
+            options = dataclasses.replace(options, overwrite=self.overwrite)
+        distckpt.save(state, folder, options=options)
         for name in pending:
             if os.path.exists(os.path.join(folder, name)):
                 continue  # the zarr group of the file's tensors

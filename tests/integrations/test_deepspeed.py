@@ -35,7 +35,7 @@ def launch(nprocs: int, *args: str) -> None:
 
 
 @pytest.mark.timeout(4 * TIMEOUT + 30)
-@pytest.mark.parametrize(("stage", "others"), [(1, (3,)), (0, (3, 1)), (3, ())])
+@pytest.mark.parametrize(("stage", "others"), [(1, ()), (2, (3,)), (0, (3, 1)), (3, ())])
 def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path, stage, others):
     launch(2, "save", str(tmp_path), str(stage))
     for nprocs in (2, *others):
@@ -82,3 +82,37 @@ def test_deepspeed_objects_are_typed_values_not_pickles():
     assert back["dtype"] is torch.bfloat16
     with pytest.raises(distckpt.CorruptCheckpointError):
         _decode({TYPE_TAG: "os:system", "attributes": {}})
+
+
+def test_a_saved_tag_is_replaced_only_when_asked(tmp_path):
+    """One process, the engine alone: a second save of a tag is refused; ``overwrite=True``
+    or options with ``overwrite=True`` replace it, and the new values are read back."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    import distckpt
+    from distckpt.integrations.deepspeed import DistckptCheckpointEngine
+
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False)
+    path = str(tmp_path / "t" / "mp_rank_00_model_states.pt")
+
+    def save(engine: DistckptCheckpointEngine, value: float) -> None:
+        engine.create(info)
+        engine.makedirs(str(tmp_path / "t"), exist_ok=True)
+        engine.save({"module": {"w": torch.full((3,), value)}}, path)
+        engine.commit(info)
+
+    save(DistckptCheckpointEngine(), 1.0)
+    with pytest.raises(distckpt.CheckpointExists):
+        save(DistckptCheckpointEngine(), 2.0)
+    save(DistckptCheckpointEngine(overwrite=True), 3.0)
+    assert torch.equal(DistckptCheckpointEngine().load(path)["module"]["w"], torch.full((3,), 3.0))
+    save(DistckptCheckpointEngine(options=distckpt.CheckpointOptions(overwrite=True)), 4.0)
+    assert torch.equal(DistckptCheckpointEngine().load(path)["module"]["w"], torch.full((3,), 4.0))
+    with pytest.raises(distckpt.CheckpointExists):  # the keyword wins over the options
+        save(
+            DistckptCheckpointEngine(
+                options=distckpt.CheckpointOptions(overwrite=True), overwrite=False
+            ),
+            5.0,
+        )
