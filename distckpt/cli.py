@@ -12,7 +12,8 @@
 
 Exit status: 0 on success; 1 when ``verify`` finds a problem or ``diff`` a difference;
 2 on an error (bad input: not a checkpoint, an unreadable index, a missing file), which
-is reported as one line on stderr, ``distckpt CMD: error: ...``, never a traceback.
+is reported as one line on stderr, ``distckpt CMD: error: ...``, never a traceback;
+141 (128 + SIGPIPE), silently, when the reader of its output goes away (``| head``).
 Everything printed that may hold text from storage (names, paths, messages) has its
 control characters escaped (:func:`distckpt.terminal.printable`); ``--json`` output is
 ASCII, JSON's own escapes.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import TextIO
@@ -36,6 +38,7 @@ from distckpt.progress import progress
 from distckpt.terminal import printable
 
 OK, NEGATIVE, ERROR = 0, 1, 2
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a tool killed by the signal reports
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -289,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`distckpt inspect CKPT | head`): stop quietly, as the
+        # shell's own tools do, with their status (128 + SIGPIPE); stdout goes nowhere
+        # from here, so the flush at exit raises nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
     except (CheckpointError, OSError) as exc:
         _say(f"distckpt {args.command}: error: {_one_line(exc)}", sys.stderr)
         return ERROR

@@ -66,11 +66,16 @@ def _row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _count(n: Any, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> list[str]:
     """The lines ``distckpt inspect`` prints."""
     rows = summary["variables"]
+    world = summary["world_size"]
     lines = [
-        f"{path}: {len(rows)} variables, saved on {summary['world_size']} ranks, "
+        f"{path}: {_count(len(rows), 'variable')}, saved on {_count(world, 'rank')}, "
         f"{summary['bytes']} bytes of tensors"
         + (
             f", {summary['reused_bytes']} stored bytes reused from earlier checkpoints"

@@ -618,3 +618,23 @@ def test_ls_tells_a_running_save_from_an_abandoned_one(
     assert code == 0
     assert notes[live.name] == "a save of ckpt-2 in progress"
     assert notes[dead.name].startswith("leftover of a save of ckpt-1"), notes
+
+
+def test_a_reader_that_goes_away_ends_it_quietly(tmp_path: Path) -> None:
+    """``distckpt inspect CKPT | head -1``: once the reader has gone, the command stops
+    with status 141 (128 + SIGPIPE), as the shell's own tools do, printing nothing more."""
+    ckpt = tmp_path / "many"
+    distckpt.save({f"variable_{i:05d}": torch.zeros(1) for i in range(3000)}, ckpt)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distckpt", "inspect", str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(str(ckpt).encode())
+    proc.stdout.close()  # the pipe holds less than the listing: the writer meets EPIPE
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == b""
