@@ -57,6 +57,25 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: How long a rank waits at a barrier for the others of its launch (seconds).
+BARRIER_TIMEOUT = 120.0
+
+
+def barrier(run_dir: Path, name: str, rank: int, world: int) -> None:
+    """Wait until every rank of this launch (the children of one launcher process: one
+    ``mpiexec`` proxy, one ``torchrun`` agent) has reached barrier ``name``: each leaves
+    a file, and waits for ``world`` of them, up to :data:`BARRIER_TIMEOUT`."""
+    where = run_dir / ".stub-barriers" / f"{os.getppid()}-{name}"
+    where.mkdir(parents=True, exist_ok=True)
+    (where / str(rank)).touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT
+    while sum(1 for _ in where.iterdir()) < world:
+        if time.monotonic() > deadline:
+            say(f"rank {rank}/{world} gave up waiting at barrier {name}")
+            sys.exit(4)
+        time.sleep(0.005)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -87,6 +106,9 @@ def main() -> None:
         _write_json(state_file, state)
     step = int(state["step"])
     say(f"rank {rank}/{world} start at step {step}")
+    # Every rank has read the state before rank 0 may write the next (a rank that starts
+    # late would otherwise read where this run stops).
+    barrier(run_dir, "start", rank, world)
 
     done = 0
     while step < args.steps:
@@ -106,10 +128,9 @@ def main() -> None:
                         {"step": step, "checkpoint": str(state_file), "signal": reason},
                     )
             say(f"rank {rank}/{world} preempted at step {step} by {reason}")
-            # The ranks of a real job leave together after their collective final save;
-            # these do not talk, so give the others time to reach their step boundary
-            # before mpiexec, seeing this rank end, kills them.
-            time.sleep(10 * args.step_time)
+            # The ranks of a real job leave together after their collective final save:
+            # none leaves before all have stopped (mpiexec, seeing one end, kills the rest).
+            barrier(run_dir, "stop", rank, world)
             sys.exit(EXIT_PREEMPTED)
         time.sleep(args.step_time)
         step += 1
