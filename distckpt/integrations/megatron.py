@@ -54,6 +54,7 @@ is.
 from __future__ import annotations
 
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,25 @@ def _joined(leaves: list[ShardedTensor]) -> distckpt.Shard:
     for leaf, box in zip(ordered, boxes):
         data[box.relative_to(whole).slices()].copy_(leaf.data.detach().reshape(box.lengths))
     return distckpt.Shard(data, shape, whole.offsets)
+
+
+def _own_tensor(group: list[ShardedTensor]) -> torch.Tensor | None:
+    """The tensor a load reads into in place for a tensor this rank asks one box of: the
+    leaf's own data (detached: the same memory), when it has the leaf's dtype and number
+    of elements and is contiguous; None otherwise (then a new buffer is read, and cut)."""
+    if len(group) != 1:
+        return None
+    leaf = group[0]
+    data = leaf.data
+    shape = tuple(int(n) for n in leaf.local_shape)
+    if (
+        not isinstance(data, torch.Tensor)
+        or data.dtype != leaf.dtype
+        or data.numel() != math.prod(shape)
+        or not data.is_contiguous()
+    ):
+        return None
+    return data.detach().view(shape)
 
 
 def _bounds(leaves: list[ShardedTensor]) -> Box:
@@ -336,15 +356,20 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                 objects[leaf.unique_key] = None
         # Each stored tensor is read once per rank, as the smallest box holding every box
         # this rank asks of it (several: tied weights, the distributed optimizer's buckets).
-        read: dict[int, tuple[distckpt.Shard, Box]] = {}
+        read: dict[int, tuple[distckpt.Shard, Box] | torch.Tensor] = {}
         for group in _groups(wanted):
+            where, name = _where(tensors, group[0])
+            own = _own_tensor(group)
+            if own is not None:  # read straight into the leaf's tensor, as Megatron's do
+                where[name] = distckpt.Shard(own, _inner_shape(group[0]), _inner_offset(group[0]))
+                read[id(group[0])] = group[0].data
+                continue
             bounds = _bounds(group)
             shard = distckpt.Shard(
                 torch.empty(bounds.lengths, dtype=group[0].dtype),
                 _inner_shape(group[0]),
                 bounds.offsets,
             )
-            where, name = _where(tensors, group[0])
             where[name] = shard
             for leaf in group:
                 read[id(leaf)] = (shard, bounds)
@@ -364,7 +389,10 @@ class DistckptLoadStrategy(LoadShardedStrategy):
 
         def fill(leaf: Any) -> Any:
             if isinstance(leaf, ShardedTensor):
-                shard, bounds = read[id(leaf)]
+                got = read[id(leaf)]
+                if isinstance(got, torch.Tensor):
+                    return got
+                shard, bounds = got
                 box = _box(leaf).relative_to(bounds)
                 loaded = shard.tensor[box.slices()].clone().reshape(tuple(leaf.local_shape))
                 if leaf.data is not None and leaf.data.device.type != "cpu":
