@@ -36,6 +36,9 @@ Flattened ranges (``ShardedTensor.flattened_range``, the older ``fully_sharded_m
 format) are refused by megatron-core 0.16 itself when a ShardedTensor is made; one that
 still carries a flattened range is refused here with a clear error.
 
+A load reads a tensor asked for in one box straight into the leaf's own tensor (its data,
+detached: the same memory), as Megatron's own strategies do.
+
 Async saves: :meth:`DistckptSaveStrategy.async_save` starts distckpt's own background save
 (state copied to host memory before it returns; written and committed on a background
 thread) and returns an ``AsyncRequest`` without a function to run in Megatron's worker,
