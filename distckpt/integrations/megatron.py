@@ -37,7 +37,10 @@ format) are refused by megatron-core 0.16 itself when a ShardedTensor is made; o
 still carries a flattened range is refused here with a clear error.
 
 A load reads a tensor asked for in one box straight into the leaf's own tensor (its data,
-detached: the same memory), as Megatron's own strategies do.
+detached: the same memory), as Megatron's own strategies do. A leaf with
+``allow_shape_mismatch`` (Megatron-LM's padded vocabularies, whose padding depends on the
+tensor-parallel size) whose stored tensor has another shape gets the part of its box the
+stored tensor holds, and zeros elsewhere, as with Megatron's own strategies.
 
 Async saves: :meth:`DistckptSaveStrategy.async_save` starts distckpt's own background save
 (state copied to host memory before it returns; written and committed on a background
@@ -59,6 +62,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,7 @@ import torch
 
 import distckpt
 from distckpt.items import Branch
+from distckpt.naming import escape_key
 from distckpt.slices import Box
 
 try:
@@ -201,6 +206,66 @@ def _own_tensor(group: list[ShardedTensor]) -> torch.Tensor | None:
     ):
         return None
     return data.detach().view(shape)
+
+
+@dataclass
+class _Overlap:
+    """What a load reads for a leaf with ``allow_shape_mismatch`` whose stored tensor has
+    another shape (Megatron-LM pads vocabularies to a multiple that depends on the
+    tensor-parallel size): the part of the leaf's box inside the stored tensor (``part``,
+    in the leaf's coordinates; None where they do not meet); the rest is zeros, as
+    Megatron's own strategies leave it."""
+
+    shard: distckpt.Shard | None
+    part: Box | None
+
+    def filled(self, leaf: ShardedTensor) -> torch.Tensor:
+        device = leaf.data.device if isinstance(leaf.data, torch.Tensor) else "cpu"
+        out = torch.zeros(tuple(leaf.local_shape), dtype=leaf.dtype, device=device)
+        if self.shard is not None and self.part is not None:
+            out[self.part.slices()] = self.shard.tensor.to(device)
+        return out
+
+
+def _stored_name(sh: ShardedTensor) -> str:
+    parts = [_TENSORS, escape_key(sh.key)]
+    if sh.prepend_axis_num:
+        parts.append(_stack_index(sh))
+    return "/".join(parts)
+
+
+def _stored_shapes(
+    leaves: list[ShardedTensor], checkpoint_dir: str | Path
+) -> dict[str, tuple[int, ...] | None]:
+    """The stored shapes of the tensors, read only when a leaf allows a shape mismatch."""
+    if not any(leaf.allow_shape_mismatch for leaf in leaves):
+        return {}
+    return {v.name: v.shape for v in distckpt.list_variables(checkpoint_path(checkpoint_dir))}
+
+
+def _overlap(
+    group: list[ShardedTensor], stored: dict[str, tuple[int, ...] | None]
+) -> _Overlap | None:
+    """How to read a group whose leaf allows a shape mismatch and whose stored tensor has
+    another shape; None for every other group (read as asked)."""
+    first = group[0]
+    if not any(leaf.allow_shape_mismatch for leaf in group):
+        return None
+    shape = stored.get(_stored_name(first))
+    if shape is None or tuple(shape) == _inner_shape(first):
+        return None
+    if len(group) > 1 or len(shape) != len(first.local_shape):
+        raise CheckpointingException(
+            f"{first.key}: stored with shape {list(shape)}, asked as "
+            f"{list(_inner_shape(first))}; the {BACKEND!r} backend loads a tensor of another "
+            "shape (allow_shape_mismatch) for one box per rank of the same number of axes"
+        )
+    box = _box(first)
+    inside = box.intersect(Box.full(tuple(shape)))
+    if inside is None or inside.empty:
+        return _Overlap(None, None)
+    buffer = torch.empty(inside.lengths, dtype=first.dtype)
+    return _Overlap(distckpt.Shard(buffer, tuple(shape), inside.offsets), inside.relative_to(box))
 
 
 def _bounds(leaves: list[ShardedTensor]) -> Box:
@@ -359,9 +424,16 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                 objects[leaf.unique_key] = None
         # Each stored tensor is read once per rank, as the smallest box holding every box
         # this rank asks of it (several: tied weights, the distributed optimizer's buckets).
-        read: dict[int, tuple[distckpt.Shard, Box] | torch.Tensor] = {}
+        read: dict[int, tuple[distckpt.Shard, Box] | torch.Tensor | _Overlap] = {}
+        stored = _stored_shapes(wanted, checkpoint_dir)
         for group in _groups(wanted):
             where, name = _where(tensors, group[0])
+            overlap = _overlap(group, stored)
+            if overlap is not None:  # allow_shape_mismatch, and the shapes differ
+                if overlap.shard is not None:
+                    where[name] = overlap.shard
+                read[id(group[0])] = overlap
+                continue
             own = _own_tensor(group)
             if own is not None:  # read straight into the leaf's tensor, as Megatron's do
                 where[name] = distckpt.Shard(own, _inner_shape(group[0]), _inner_offset(group[0]))
@@ -395,6 +467,8 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                 got = read[id(leaf)]
                 if isinstance(got, torch.Tensor):
                     return got
+                if isinstance(got, _Overlap):
+                    return got.filled(leaf)
                 shard, bounds = got
                 box = _box(leaf).relative_to(bounds)
                 loaded = shard.tensor[box.slices()].clone().reshape(tuple(leaf.local_shape))

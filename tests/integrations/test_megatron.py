@@ -130,3 +130,43 @@ def test_save_state_maps_megatron_leaves() -> None:
     apart = [ShardedTensor.from_rank_offsets("gap", weight[:1], (0, i, 3)) for i in (0, 2)]
     with pytest.raises(CheckpointingException, match="do not join"):
         save_state({"gap": apart})
+
+
+def test_a_tensor_that_allows_a_shape_mismatch_loads_what_overlaps(tmp_path: Path) -> None:
+    """One process, the strategies alone: a (6, 4) embedding loaded as (8, 4) and as rows
+    4..7 of (8, 4) (a vocabulary padded for another tensor-parallel size) gets the stored
+    rows it shares and zeros elsewhere, as Megatron's own strategies give; as (4, 4) its
+    first rows; without ``allow_shape_mismatch`` the shapes must agree."""
+    import dataclasses
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import distckpt
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    weight = torch.arange(24.0).reshape(6, 4)
+    (tmp_path / "ckpt").mkdir()
+    DistckptSaveStrategy().save(
+        {"emb": ShardedTensor.from_rank_offsets("emb", weight)}, tmp_path / "ckpt"
+    )
+
+    def load(sh: ShardedTensor) -> torch.Tensor:
+        return DistckptLoadStrategy().load({"emb": sh}, tmp_path / "ckpt")["emb"]
+
+    def asked(data: torch.Tensor, *rank_offsets: tuple[int, int, int]) -> ShardedTensor:
+        sh = ShardedTensor.from_rank_offsets("emb", data, *rank_offsets)
+        return dataclasses.replace(sh, allow_shape_mismatch=True)
+
+    padded = load(asked(torch.full((8, 4), float("nan"))))
+    assert torch.equal(padded[:6], weight) and torch.equal(padded[6:], torch.zeros(2, 4))
+    second_half = load(asked(torch.full((4, 4), float("nan")), (0, 1, 2)))  # rows 4..7 of 8
+    assert torch.equal(second_half[:2], weight[4:]) and torch.equal(
+        second_half[2:], torch.zeros(2, 4)
+    )
+    beyond = load(asked(torch.full((6, 4), float("nan")), (0, 2, 3)))  # rows 12..17 of 18
+    assert torch.equal(beyond, torch.zeros(6, 4))
+    cut = load(asked(torch.full((4, 4), float("nan"))))
+    assert torch.equal(cut, weight[:4])
+    with pytest.raises(distckpt.ShapeMismatchError, match="tensors/emb.*does not match"):
+        load(ShardedTensor.from_rank_offsets("emb", torch.zeros(8, 4)))
