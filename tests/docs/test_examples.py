@@ -18,6 +18,11 @@ from tests.docs.blocks import ROOT, Block, pages, read
 #: A whole page's blocks get this long (multi-rank ones start their own processes).
 PAGE_TIMEOUT = 900
 
+#: Pages that need a package the test extra cannot hold: DeepSpeed builds against the
+#: installed torch, so .ci/run installs it apart (see docs/development.md). Without it
+#: the page is skipped (a failure under CI=true, where .ci/run has installed it).
+NEEDS = {"docs/integrations/deepspeed.md": "deepspeed"}
+
 
 def page_id(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
@@ -38,6 +43,8 @@ def runnable(path: Path) -> bool:
 @pytest.mark.timeout(PAGE_TIMEOUT + 60)
 @pytest.mark.parametrize("path", [p for p in pages() if runnable(p)], ids=page_id)
 def test_page_runs(path: Path, tmp_path: Path) -> None:
+    if page_id(path) in NEEDS:
+        pytest.importorskip(NEEDS[page_id(path)])
     blocks = read(path)
     work = tmp_path / "page"
     work.mkdir()
