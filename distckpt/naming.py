@@ -24,6 +24,11 @@ def escape_key(key: str) -> str:
     return key.replace("%", "%25").replace("/", "%2F")
 
 
+def unescape_key(name: str) -> str:
+    """A key as the state named it, from its escaped form (:func:`escape_key`'s inverse)."""
+    return name.replace("%2F", "/").replace("%25", "%")
+
+
 def join_keys(keys: Iterable[str]) -> str:
     return "/".join(escape_key(k) for k in keys)
 

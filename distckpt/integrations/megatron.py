@@ -70,7 +70,7 @@ import torch
 
 import distckpt
 from distckpt.items import Branch
-from distckpt.naming import escape_key
+from distckpt.naming import join_keys, unescape_key
 from distckpt.slices import Box
 
 try:
@@ -228,10 +228,8 @@ class _Overlap:
 
 
 def _stored_name(sh: ShardedTensor) -> str:
-    parts = [_TENSORS, escape_key(sh.key)]
-    if sh.prepend_axis_num:
-        parts.append(_stack_index(sh))
-    return "/".join(parts)
+    stack = [_stack_index(sh)] if sh.prepend_axis_num else []
+    return join_keys([_TENSORS, sh.key, *stack])
 
 
 def _stored_shapes(
@@ -296,13 +294,8 @@ def _object_value(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
 
 
-def _unescape(name: str) -> str:
-    """A key as the state named it, from its stored name (see :mod:`distckpt.naming`)."""
-    return name.replace("%2F", "/").replace("%25", "%")
-
-
 def _leaves(sharded_state_dict: Any) -> list[Any]:
-    return [v for v in nested_values(sharded_state_dict)]
+    return list(nested_values(sharded_state_dict))
 
 
 def save_state(sharded_state_dict: Any) -> dict[str, Any]:
@@ -491,7 +484,7 @@ class DistckptLoadStrategy(LoadShardedStrategy):
             parts = variable.name.split("/")
             if parts[0] != _TENSORS or variable.shape is None or len(parts) not in (2, 3):
                 continue
-            key = _unescape(parts[1])
+            key = unescape_key(parts[1])
             if len(parts) == 3:  # a layer of a stacked tensor
                 index = tuple(int(i) for i in parts[2].split("."))
                 stacked.setdefault(key, []).append((index, variable))
@@ -515,7 +508,7 @@ class DistckptLoadStrategy(LoadShardedStrategy):
         for variable in distckpt.list_variables(checkpoint_path(checkpoint_dir)):
             group, _, name = variable.name.partition("/")
             if group == _OBJECTS:
-                obj = ShardedObject.empty_from_unique_key(_unescape(name))
+                obj = ShardedObject.empty_from_unique_key(unescape_key(name))
                 metadata[obj.unique_key] = obj
         metadata.update(self.load_tensors_metadata(checkpoint_dir))
         return metadata

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from distckpt.naming import join_keys, zarr_path
+from distckpt.naming import escape_key, join_keys, unescape_key, zarr_path
 from distckpt.values import MAX_DEPTH, decode, encode
 
 
@@ -88,6 +88,12 @@ def test_names_and_paths():
     assert zarr_path("zarr.json/x") == "%7Aarr.json/x"
     assert zarr_path("__init__/.hidden/..") == "%5F_init__/%2Ehidden/%2E."
     assert zarr_path("a//b") == "a/%00/b"
+
+
+@pytest.mark.parametrize("key", ["plain", "a/b", "100%", "%2F", "a%/b/%25", ""])
+def test_an_escaped_key_unescapes_to_itself(key):
+    assert "/" not in escape_key(key)
+    assert unescape_key(escape_key(key)) == key
 
 
 def test_a_binary_value_makes_format_version_4(tmp_path):
