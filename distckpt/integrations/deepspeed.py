@@ -247,29 +247,49 @@ def _decode(obj: Any) -> Any:
     if isinstance(obj, dict):
         tag = obj.get(TYPE_TAG)
         if isinstance(tag, str):
-            if tag == "torch.Size":
-                return torch.Size(obj["value"])
-            if tag == "torch.dtype":
-                dtype = getattr(torch, str(obj["value"]), None)
-                if not isinstance(dtype, torch.dtype):
-                    raise distckpt.CorruptCheckpointError(f"not a torch dtype: {obj['value']!r}")
-                return dtype
-            if tag == "torch.device":
-                return torch.device(obj["value"])
-            cls = _class(tag)
-            if "enum" in obj:
-                return cls(_decode(obj["enum"]))
-            if "fields" in obj:
-                return cls(**{k: _decode(v) for k, v in obj["fields"].items()})
-            made = cls.__new__(cls)
-            made.__dict__.update({k: _decode(v) for k, v in obj["attributes"].items()})
-            return made
+            try:
+                return _typed(tag, obj)
+            except distckpt.CorruptCheckpointError:
+                raise
+            except (
+                LookupError,
+                TypeError,
+                ValueError,
+                AttributeError,
+                RuntimeError,
+                ImportError,
+            ) as exc:
+                raise distckpt.CorruptCheckpointError(
+                    f"{TYPE_TAG} {tag!r}: the stored value does not make one "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
         return {k: _decode(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_decode(v) for v in obj]
     if isinstance(obj, tuple):
         return tuple(_decode(v) for v in obj)
     return obj
+
+
+def _typed(tag: str, obj: dict[str, Any]) -> Any:
+    """The object a typed value (``tag`` and its dict, as read from storage) stands for."""
+    if tag == "torch.Size":
+        return torch.Size(obj["value"])
+    if tag == "torch.dtype":
+        dtype = getattr(torch, str(obj["value"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise distckpt.CorruptCheckpointError(f"not a torch dtype: {obj['value']!r}")
+        return dtype
+    if tag == "torch.device":
+        return torch.device(obj["value"])
+    cls = _class(tag)
+    if "enum" in obj:
+        return cls(_decode(obj["enum"]))
+    if "fields" in obj:
+        return cls(**{k: _decode(v) for k, v in obj["fields"].items()})
+    made = cls.__new__(cls)
+    made.__dict__.update({k: _decode(v) for k, v in obj["attributes"].items()})
+    return made
 
 
 __all__ = ["DistckptCheckpointEngine", "use_distckpt"]

@@ -82,6 +82,18 @@ def test_deepspeed_objects_are_typed_values_not_pickles():
     assert back["dtype"] is torch.bfloat16
     with pytest.raises(distckpt.CorruptCheckpointError):
         _decode({TYPE_TAG: "os:system", "attributes": {}})
+    # Typed values as storage may hold them: each a CorruptCheckpointError naming its tag
+    for bad in (
+        {TYPE_TAG: "torch.device", "value": "no-such-device"},
+        {TYPE_TAG: "torch.Size", "value": ["x"]},
+        {TYPE_TAG: "deepspeed.runtime.fp16.loss_scaler:LossScaler"},
+        {TYPE_TAG: "deepspeed.runtime.fp16.loss_scaler:NoSuchClass", "attributes": {}},
+        {TYPE_TAG: "deepspeed.runtime.zero.config:ZeroStageEnum", "enum": 99},
+        {TYPE_TAG: "deepspeed.utils.tensor_fragment:fragment_address", "fields": {"x": 1}},
+        {TYPE_TAG: "deepspeed.no_such_module:Thing", "attributes": {}},
+    ):
+        with pytest.raises(distckpt.CorruptCheckpointError, match=bad[TYPE_TAG]):
+            _decode({"nested": [bad]})
 
 
 def test_a_saved_tag_is_replaced_only_when_asked(tmp_path):
