@@ -486,8 +486,20 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                 continue
             key = unescape_key(parts[1])
             if len(parts) == 3:  # a layer of a stacked tensor
-                index = tuple(int(i) for i in parts[2].split("."))
-                stacked.setdefault(key, []).append((index, variable))
+                numbers = parts[2].split(".")
+                if not all(n.isascii() and n.isdigit() for n in numbers):
+                    raise distckpt.CorruptCheckpointError(
+                        f"{variable.name}: a stacked tensor's layer is named by its offsets "
+                        "along the stacked axes (like 0 or 1.2)"
+                    )
+                index = tuple(int(n) for n in numbers)
+                held = stacked.setdefault(key, [])
+                if held and len(held[0][0]) != len(index):
+                    raise distckpt.CorruptCheckpointError(
+                        f"{variable.name}: the layers of {key!r} name different numbers of "
+                        "stacked axes"
+                    )
+                held.append((index, variable))
                 continue
             empty = torch.empty(
                 variable.shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta"
