@@ -14,6 +14,7 @@ import pytest
 from torch.utils.cpp_extension import get_default_build_root
 
 from tests.docs.blocks import ROOT, Block, pages, read
+from tests.support.launch_util import whole_lines_path
 
 #: A whole page's blocks get this long (multi-rank ones start their own processes).
 PAGE_TIMEOUT = 900
@@ -54,16 +55,16 @@ def test_page_runs(path: Path, tmp_path: Path) -> None:
     listing = tmp_path / "blocks.json"
     listing.write_text(json.dumps([dict(vars(b), where=b.where) for b in blocks]))
     env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)  # whole lines instead (see launch_util.WHOLE_LINES)
     # DeepSpeed builds a torch extension at its first start on a machine (minutes): the
     # pages share one build cache rather than build it again in each run's fresh HOME.
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(get_default_build_root(), "docs-pages"))
     bin_dir = str(Path(sys.executable).parent)
     env.update(
         PATH=bin_dir + os.pathsep + env.get("PATH", ""),
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        PYTHONPATH=whole_lines_path(env.get("PYTHONPATH", "")),
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME="lo",
-        PYTHONUNBUFFERED="1",
         HOME=str(tmp_path / "home"),
     )
     (tmp_path / "home").mkdir()

@@ -11,6 +11,7 @@ the other two cases are warned about by DistckptAccelerator.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +47,11 @@ def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def said(stdout: str) -> list[str]:
-    """The script's own lines (``PROCESS R OF N``): libraries Accelerate imports may print
-    too (DeepSpeed, where installed, names the accelerator it picked)."""
-    return [line for line in stdout.splitlines() if line.startswith("PROCESS ")]
+    """What the script's processes said (``PROCESS R OF N``), wherever it stands in the
+    output: libraries Accelerate imports may print too (DeepSpeed, where installed, names
+    the accelerator it picked), and two processes writing into one pipe may run their
+    lines together."""
+    return re.findall(r"PROCESS \d+ OF \d+", stdout)
 
 
 @pytest.mark.timeout(TIMEOUT + 30)

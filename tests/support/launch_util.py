@@ -7,8 +7,10 @@ Every launcher here:
 * gives the job a clean environment: the inherited environment minus any launcher
   variables (``PMI_*``, ``PMIX_*``, ``OMPI_*``, ``HYDRA_*``, ``MPI_LOCAL*``, torchrun's
   ``RANK``/``WORLD_SIZE``/``MASTER_*``/``TORCHELASTIC_*`` ...), plus ``OMP_NUM_THREADS=1``,
-  ``GLOO_SOCKET_IFNAME=lo``, ``PYTHONUNBUFFERED=1`` and the repository root on
-  ``PYTHONPATH``; then ``env`` (yours) on top;
+  ``GLOO_SOCKET_IFNAME=lo``, the repository root on ``PYTHONPATH``, and
+  :data:`WHOLE_LINES` too, so that each line a process prints is one write and the ranks'
+  lines never run together (``PYTHONUNBUFFERED`` is dropped: it writes a ``print``'s
+  newline apart from its text); then ``env`` (yours) on top;
 * for ``mpiexec`` also ``HYDRA_LAUNCHER=fork`` (ranks are local processes, no ssh);
 * captures stdout and stderr as text and returns the ``CompletedProcess`` without
   looking at the return code (see :func:`check`); :func:`start` and :func:`finish` do
@@ -43,6 +45,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTS = REPO_ROOT / "tests"
 SCRIPTS = TESTS / "scripts"
+#: On every job's ``PYTHONPATH``: its ``sitecustomize`` makes stdout line buffered.
+WHOLE_LINES = TESTS / "support" / "whole_lines"
 
 
 def _find_mpiexec() -> str | None:
@@ -81,6 +85,12 @@ _SCRUB_NAMES = frozenset(
 )
 
 
+def whole_lines_path(pythonpath: str = "") -> str:
+    """``pythonpath`` with the repository root and :data:`WHOLE_LINES` in front."""
+    rest = [p for p in pythonpath.split(os.pathsep) if p]
+    return os.pathsep.join([str(REPO_ROOT), str(WHOLE_LINES), *rest])
+
+
 def job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment every launcher here gives its job (see the module docstring)."""
     clean = {
@@ -88,12 +98,11 @@ def job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB_NAMES
     }
-    pythonpath = [str(REPO_ROOT)] + [p for p in clean.get("PYTHONPATH", "").split(os.pathsep) if p]
+    clean.pop("PYTHONUNBUFFERED", None)
     clean.update(
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME="lo",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(pythonpath),
+        PYTHONPATH=whole_lines_path(clean.get("PYTHONPATH", "")),
     )
     clean.update(env or {})
     return clean
