@@ -11,6 +11,8 @@ for its buffers and is not run here."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,17 @@ def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> 
         distckpt.save(state, checkpoint_path(ckpt))
         with pytest.raises(distckpt.CorruptCheckpointError, match="tensors/stack/"):
             DistckptLoadStrategy().load_tensors_metadata(ckpt)
+
+
+def test_without_megatron_core_the_error_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['megatron'] = None  # any import of it fails\n"
+        "import distckpt.integrations.megatron\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 1
+    assert "ImportError: distckpt.integrations.megatron needs megatron-core" in done.stderr
+    assert "pip install 'distckpt[megatron]'" in done.stderr

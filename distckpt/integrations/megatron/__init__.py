@@ -91,21 +91,18 @@ from distckpt.items import Branch
 from distckpt.naming import unescape_key
 from distckpt.slices import Box
 
-try:
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-    from megatron.core.dist_checkpointing.strategies.base import (
-        AsyncSaveShardedStrategy,
-        LoadShardedStrategy,
-        StrategyAction,
-        register_default_strategy,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "distckpt.integrations.megatron needs megatron-core: pip install 'distckpt[megatron]'"
-    ) from exc
+# isort: split
+# leaves.py imports megatron-core first, and says which extra to install if it is missing.
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
 
 
 class DistckptSaveStrategy(AsyncSaveShardedStrategy):
