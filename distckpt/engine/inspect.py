@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from distckpt.format.index import read_index
@@ -26,11 +27,12 @@ def list_variables(path: str | os.PathLike[str]) -> list[Variable]:
     net/l1.weight (5, 1) float32
     step None value
     """
-    index = read_index(path)
-    out = []
-    for name, entry in sorted(index["variables"].items()):
-        out.append(_describe(name, entry))
-    return out
+    return index_variables(read_index(path))
+
+
+def index_variables(index: Mapping[str, Any]) -> list[Variable]:
+    """:func:`list_variables` of an index already read."""
+    return [_describe(name, entry) for name, entry in sorted(index["variables"].items())]
 
 
 def _describe(name: str, entry: dict[str, Any]) -> Variable:

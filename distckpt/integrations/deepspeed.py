@@ -62,7 +62,7 @@ import distckpt
 from distckpt.comm.single import SingleComm
 from distckpt.integrations import trees
 from distckpt.items import has_tensor
-from distckpt.naming import escape_key
+from distckpt.training.session import StoredCheckpoint
 
 STRUCTURE_SUFFIX = ".structure"
 TYPE_TAG = "__distckpt_type__"
@@ -163,20 +163,14 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         process for the files it needs). Tensors are on the CPU, as DeepSpeed's loads
         ask (``map_location`` is otherwise not applied)."""
         folder, name = os.path.split(os.path.abspath(os.fspath(path)))
-        head: dict[str, Any] = {name + STRUCTURE_SUFFIX: None}
-        distckpt.load(head, folder, SingleComm(), options=self.options, strict=False)
-        node = head[name + STRUCTURE_SUFFIX]
-        if node is None:
+        comm = SingleComm()
+        source = StoredCheckpoint(folder, comm)
+        tree = trees.read_tree(
+            source, comm, self.options, name, name + STRUCTURE_SUFFIX, strict=False
+        )
+        if tree is None:
             raise distckpt.CheckpointNotFoundError(f"{folder} holds no file {name!r}")
-        prefix = escape_key(name)
-        shapes = {
-            v.name: (v.shape, v.dtype)
-            for v in distckpt.list_variables(folder)
-            if v.shape is not None and v.name.startswith(prefix + "/")
-        }
-        state = {name: trees._target(node, prefix, shapes, None)}
-        distckpt.load(state, folder, SingleComm(), options=self.options, strict=False)
-        return _decode(trees._rebuild(state[name], node))
+        return _decode(tree)
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own array: views are not kept as views.

@@ -28,8 +28,12 @@ import torch
 import distckpt
 from distckpt import dtypes
 from distckpt.comm import Communicator
+from distckpt.engine.inspect import index_variables
+from distckpt.engine.options import LOAD, merge
+from distckpt.engine.pipeline.stage import communicator
 from distckpt.items import has_tensor, is_dtensor
 from distckpt.naming import escape_key
+from distckpt.training.session import StoredCheckpoint
 
 DATA = "data"
 STRUCTURE = "structure"
@@ -100,19 +104,49 @@ def load_tree(
     are what the returned dict holds there. ``keywords`` are :func:`distckpt.load`'s
     (``options``, ``allow_pickle``, ``io_workers``).
     """
-    head: dict[str, Any] = {STRUCTURE: None}
     keywords.pop("strict", None)
-    distckpt.load(head, path, comm, strict=False, **keywords)
-    if head[STRUCTURE] is None:
+    options = merge(keywords.pop("options", None), keywords, LOAD, "load_tree")
+    comm = communicator(comm)
+    source = StoredCheckpoint(path, comm)
+    tree = read_tree(source, comm, options, DATA, STRUCTURE, max_bytes=max_bytes, targets=targets)
+    if tree is None:
         raise distckpt.CheckpointError(
             f"{path} was not written by distckpt.integrations (it has no {STRUCTURE!r} value); "
             "load it with distckpt.load and a state of your own"
         )
+    return tree  # type: ignore[no-any-return]
+
+
+def read_tree(
+    source: StoredCheckpoint,
+    comm: Communicator,
+    options: distckpt.CheckpointOptions,
+    data: str,
+    structure_key: str,
+    *,
+    strict: bool = True,
+    max_bytes: int | None = None,
+    targets: Any = None,
+) -> Any:
+    """Collective: the tree stored under the key ``data`` of ``source``, with its
+    structure under ``structure_key``; None when the checkpoint has no such structure.
+    Two loads from the index ``source`` read once: the structure, then the tensors, into
+    tensors allocated from the shapes the index declares (their total checked first
+    against ``max_bytes``, default this machine's memory) or into ``targets``' own.
+    ``strict``: every stored name must be the tree's or its structure's."""
+    head: dict[str, Any] = {structure_key: None}
+    source.load(head, comm, options.replace(strict=False))
+    node = head[structure_key]
+    if node is None:
+        return None
+    prefix = escape_key(data)
     shapes = {
-        v.name: (v.shape, v.dtype) for v in distckpt.list_variables(path) if v.shape is not None
+        v.name: (v.shape, v.dtype)
+        for v in index_variables(source.index)
+        if v.shape is not None and v.name.startswith(prefix + "/")
     }
     limit = _memory() if max_bytes is None else max_bytes
-    given = _given_names(targets)
+    given = _given_names(targets, prefix)
     declared = sum(
         math.prod(shape) * _dtype(dtype, name).itemsize
         for name, (shape, dtype) in shapes.items()
@@ -120,13 +154,12 @@ def load_tree(
     )
     if declared > limit:
         raise distckpt.CheckpointError(
-            f"{path} declares {declared} bytes of tensors, more than the {limit} allowed "
-            "(max_bytes, default this machine's memory)"
+            f"{source.path} declares {declared} bytes of tensors under {data!r}, more than "
+            f"the {limit} allowed (max_bytes, default this machine's memory)"
         )
-    target = _target(head[STRUCTURE], DATA, shapes, targets)
-    state = {DATA: target, STRUCTURE: None}
-    distckpt.load(state, path, comm, strict=True, **keywords)
-    return _rebuild(state[DATA], head[STRUCTURE])  # type: ignore[no-any-return]
+    state = {data: _target(node, prefix, shapes, targets), structure_key: None}
+    source.load(state, comm, options.replace(strict=strict))
+    return _rebuild(state[data], node)
 
 
 def _memory() -> int:
@@ -150,7 +183,7 @@ def _malformed(name: str, what: str) -> distckpt.CorruptCheckpointError:
     return distckpt.CorruptCheckpointError(f"{STRUCTURE!r} at {name!r}: {what}")
 
 
-def _given_names(targets: Any, name: str = DATA) -> set[str]:
+def _given_names(targets: Any, name: str) -> set[str]:
     if isinstance(targets, torch.Tensor):
         return {name}
     items: Any = ()

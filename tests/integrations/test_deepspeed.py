@@ -128,3 +128,33 @@ def test_a_saved_tag_is_replaced_only_when_asked(tmp_path):
             ),
             5.0,
         )
+
+
+def test_a_file_declaring_more_than_memory_is_refused_before_allocating(tmp_path):
+    """A checkpoint whose index (checksums recomputed) declares a tensor larger than this
+    machine's memory: ``load`` refuses the file before allocating anything, naming it."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    import distckpt
+    from distckpt.integrations.deepspeed import DistckptCheckpointEngine
+    from distckpt.testing.hostile import Crafted
+
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False)
+    path = str(tmp_path / "t" / "mp_rank_00_model_states.pt")
+    engine = DistckptCheckpointEngine()
+    engine.create(info)
+    engine.save({"module": {"w": torch.ones(4)}}, path)
+    engine.commit(info)
+    assert torch.equal(engine.load(path)["module"]["w"], torch.ones(4))
+
+    def grow(variables):
+        entry = variables["mp_rank_00_model_states.pt/module/w"]
+        entry["shape"] = [1 << 50]
+        for piece in entry["pieces"]:
+            piece.update(block=[1 << 50], size=(4 << 50) + 4)
+            piece["box"][1] = [1 << 50]
+
+    Crafted(tmp_path / "t").edit_index(grow)
+    with pytest.raises(distckpt.CheckpointError, match="more than the .* allowed"):
+        engine.load(path)
