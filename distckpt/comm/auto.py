@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -28,30 +27,6 @@ def launched_by_mpi() -> bool:
     """Whether an MPI launcher's variables are set (a local check, no communication)."""
     env = os.environ
     return any(name in env for name in MPI_VARS) or any(k.startswith("HYDRA_") for k in env)
-
-
-#: How long, at exit, a rank waits for the others before tearing its process group down.
-_EXIT_BARRIER_SECONDS = 30.0
-
-
-def _destroy_own_group() -> None:
-    """At exit, tear down the process group that :func:`auto` started, unless the program
-    did: left to the interpreter's teardown while another rank already exited, gloo can
-    abort the process ("terminate called without an active exception") after its work is
-    done."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            # Every rank first reaches its exit (bounded: a rank that died is not waited
-            # for long), so no rank closes its connections under another's feet.
-            dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_BARRIER_SECONDS))
-        except Exception as exc:  # noqa: BLE001  (exiting anyway)
-            logger.debug("the barrier at exit failed: %r", exc)
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001  (exiting anyway)
-            logger.debug("destroying the process group at exit failed: %r", exc)
 
 
 def auto(timeout: float | None = None) -> Communicator:
@@ -83,11 +58,11 @@ def auto(timeout: float | None = None) -> Communicator:
     if launched_by_torchrun():
         import torch.distributed as dist
 
-        from distckpt.comm.torch_dist import TorchComm
+        from distckpt.comm.torch_dist import TorchComm, tear_down_at_exit
 
         logger.debug("auto: torchrun variables found; initializing torch.distributed (gloo)")
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=seconds))
-        atexit.register(_destroy_own_group)
+        tear_down_at_exit()
         return TorchComm(timeout=seconds)
     if launched_by_mpi():
         from distckpt.comm.mpi import MPIComm

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from distckpt.comm.base import raise_if_any_failed, resolve_timeout
 from distckpt.comm.mpi import MPIComm
+from distckpt.comm.torch_dist import tear_down_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def init_torch_from_mpi(backend: str = "gloo", timeout: float | None = None) -> 
        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (what
        torchrun would have set, for code such as ``DeviceMesh`` that reads them);
     4. every rank calls ``torch.distributed.init_process_group(backend, store=...,
-       rank=..., world_size=..., timeout=...)`` with the MPI rank and size.
+       rank=..., world_size=..., timeout=...)`` with the MPI rank and size;
+    5. at exit, unless the program destroyed it, every rank waits for the others (30 s
+       at most) and destroys the group (:func:`~distckpt.comm.torch_dist.tear_down_at_exit`).
 
     Args:
         backend: torch.distributed backend (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``).
@@ -127,3 +130,4 @@ def init_torch_from_mpi(backend: str = "gloo", timeout: float | None = None) -> 
         world_size=comm.size,
         timeout=timedelta(seconds=seconds),
     )
+    tear_down_at_exit()

@@ -134,6 +134,34 @@ def over_ranks(ranks: Sequence[int], timeout: float | None = None) -> TorchComm:
     return _MEMBERS[key]
 
 
+#: How long, at exit, a rank waits for the others before tearing its process group down.
+_EXIT_BARRIER_SECONDS = 30.0
+
+
+def tear_down_at_exit() -> None:
+    """At exit, tear down the default process group distckpt just started (:func:`auto`
+    under torchrun, :func:`~distckpt.comm.init_torch_from_mpi`), unless the program did:
+    every rank first waits for the others (30 s at most: a rank that died is not waited
+    for long), so that no rank closes its connections under another's feet, then
+    destroys it. Left to the interpreter's teardown, gloo can abort a process ("terminate
+    called without an active exception") after its work is done."""
+    atexit.register(_destroy_own_group)
+
+
+def _destroy_own_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_BARRIER_SECONDS))
+        except Exception as exc:  # noqa: BLE001  (exiting anyway)
+            logger.debug("the barrier at exit failed: %r", exc)
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001  (exiting anyway)
+            logger.debug("destroying the process group at exit failed: %r", exc)
+
+
 def _release_groups() -> None:
     """At exit, drop every reference distckpt holds to a process group.
 

@@ -147,29 +147,37 @@ class Runner:
 
 
 def start_job() -> tuple[int, int]:
-    """Start torch.distributed (gloo) from the launcher's variables: (rank, world size)."""
+    """Start torch.distributed (gloo) from the launcher's variables, torn down at exit
+    (see :func:`communicator`): (rank, world size)."""
     import torch.distributed as dist
 
     import distckpt
     from distckpt.comm.auto import launched_by_mpi
+    from distckpt.comm.torch_dist import tear_down_at_exit
 
     if launched_by_mpi():
-        distckpt.comm.init_torch_from_mpi()
+        distckpt.comm.init_torch_from_mpi()  # torn down at exit by distckpt
     else:
         dist.init_process_group("gloo")
+        tear_down_at_exit()
     return dist.get_rank(), dist.get_world_size()
 
 
 def communicator() -> Communicator:
     """The job's communicator, from ``auto()``: under torchrun over the default process
-    group (started here, over gloo), under mpiexec MPI's."""
+    group (started here, over gloo, and torn down at exit as ``auto()`` tears down its
+    own: a gloo group left to the interpreter's teardown can abort a rank after its
+    work), under mpiexec MPI's."""
     from distckpt.comm import auto
     from distckpt.comm.auto import launched_by_torchrun
 
     if launched_by_torchrun():
         import torch.distributed as dist
 
+        from distckpt.comm.torch_dist import tear_down_at_exit
+
         dist.init_process_group("gloo")
+        tear_down_at_exit()
     return auto()
 
 
