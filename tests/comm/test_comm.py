@@ -113,6 +113,7 @@ def test_the_peers_of_a_dead_rank_give_up_in_time(launcher: str, tmp_path: Path)
     nprocs = 3
     proc, _ = _run_dying(launcher, "exit" if launcher != "torchrun" else "kill", nprocs, tmp_path)
     assert_gave_up(proc, tmp_path, list(range(nprocs - 1)))
+    assert_aborted(launcher, proc)
 
 
 def assert_gave_up(
@@ -137,3 +138,13 @@ def test_hung_rank_times_out(launcher: str, tmp_path: Path) -> None:
     """The last rank sleeps in place of a collective: the other one gives up in time."""
     proc, _ = _run_dying(launcher, "hang", 2, tmp_path)
     assert_gave_up(proc, tmp_path, [0], hung=True)
+    assert_aborted(launcher, proc)
+
+
+def assert_aborted(launcher: str, proc: subprocess.CompletedProcess[str]) -> None:
+    """Under MPI the ranks that gave up exit normally, and MPIComm's abort at exit ends
+    the job (the hung or any other rank too), not the launcher's clean-up."""
+    if launcher.startswith("mpi"):
+        said = proc.stdout + proc.stderr
+        assert "aborting the MPI job" in said, output(proc)
+        assert "application called MPI_Abort(MPI_COMM_WORLD, 1)" in said, output(proc)

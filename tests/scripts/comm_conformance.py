@@ -252,7 +252,9 @@ def die(mode: str, markers: str | None) -> None:
     SIGUSR1 (hydra's notice of a dead rank) and carry on, so that what is seen is how the
     collective itself gives up: ``TIMEOUT <rank> after <s> s``, also left in
     ``markers/timeout-<rank>`` (a launcher that ends the job may lose output); each
-    waits for the others' markers before it exits (the first exit ends the job)."""
+    waits for the others' markers before it exits (the first exit ends the job). Under
+    MPI that exit is a normal one, so what ends the job is MPIComm's ``MPI_Abort`` at
+    exit, which the test sees in hydra's report."""
     comm = auto()
     say(f"READY {comm.rank} {type(comm).__name__} timeout={comm.timeout:g}")
     comm.barrier()
@@ -285,7 +287,11 @@ def die(mode: str, markers: str | None) -> None:
                 os.path.exists(os.path.join(markers, f"timeout-{r}")) for r in range(last)
             ):
                 time.sleep(0.02)
-        os._exit(3)  # as a job that lost a rank ends: no MPI_Finalize with a peer gone
+        if comm.size > 1 and type(comm).__name__ == "MPIComm":
+            # a normal exit: MPIComm's abort at exit (MPI_Abort) must end the whole job,
+            # the hung rank too, rather than leave that to the launcher's clean-up
+            sys.exit(3)
+        os._exit(3)  # as a job that lost a rank ends (torchrun then stops the others)
     raise AssertionError(f"rank {comm.rank}: allgather with a dead rank returned")
 
 
