@@ -287,7 +287,7 @@ def die(mode: str, markers: str | None) -> None:
                 os.path.exists(os.path.join(markers, f"timeout-{r}")) for r in range(last)
             ):
                 time.sleep(0.02)
-        if comm.size > 1 and type(comm).__name__ == "MPIComm":
+        if isinstance(comm, MPIComm):
             # a normal exit: MPIComm's abort at exit (MPI_Abort) must end the whole job,
             # the hung rank too, rather than leave that to the launcher's clean-up
             sys.exit(3)
