@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distckpt.errors import CorruptCheckpointError
 from distckpt.items import PerRank
 from distckpt.numbering import number
 
@@ -44,7 +45,25 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Set the generators from :meth:`state_dict`'s layout (entries may be missing)."""
+        """Set the generators from :meth:`state_dict`'s layout (entries may be missing).
+        A stored state the generators refuse is a
+        :class:`~distckpt.errors.CorruptCheckpointError` naming the generator."""
+        try:
+            self._load(state)
+        except (
+            TypeError,
+            ValueError,
+            OverflowError,
+            RuntimeError,
+            LookupError,
+            AttributeError,
+        ) as exc:
+            raise CorruptCheckpointError(
+                f"RNGState: a stored generator state is malformed ({type(exc).__name__}: "
+                f"{str(exc)[:200]})"
+            ) from None
+
+    def _load(self, state: dict[str, Any]) -> None:
         if "torch" in state:
             torch.set_rng_state(_unwrap(state["torch"]).to(torch.uint8))
         if "numpy" in state:

@@ -44,15 +44,14 @@ def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path, stage, others)
 
 def test_deepspeed_objects_are_typed_values_not_pickles():
     """What DeepSpeed puts in its dicts besides tensors and plain values is stored as
-    typed values and rebuilt; a class outside deepspeed is never imported."""
+    typed values of a closed table and rebuilt from it, each with its own type."""
     import torch
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    import distckpt
-    from distckpt.integrations.deepspeed import TYPE_TAG, _decode, _encode
-    from distckpt.values import encode
+    from distckpt.integrations.deepspeed.types import decode, encode
+    from distckpt.values import encode as encode_value
 
     tree = {
         "shapes": [{"w": torch.Size([8, 4])}],
@@ -68,32 +67,82 @@ def test_deepspeed_objects_are_typed_values_not_pickles():
         ),
         "betas": (0.9, 0.999),
         "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
     }
-    stored = _encode(tree)
-    encode(stored)  # plain typed values: distckpt stores them without pickling
-    back = _decode(stored)
+    stored = encode(tree)
+    encode_value(stored)  # plain typed values: distckpt stores them without pickling
+    back = decode(stored)
     assert back["shapes"][0]["w"] == torch.Size([8, 4])
     assert isinstance(back["shapes"][0]["w"], torch.Size)
     assert back["stage"] is ZeroStageEnum.gradients
     assert back["mapping"]["w"] == fragment_address(numel=30, start=2)
     assert type(back["scaler"]) is LossScaler and vars(back["scaler"]) == vars(tree["scaler"])
+    assert type(back["dynamic"]) is DynamicLossScaler
     assert vars(back["dynamic"]) == vars(tree["dynamic"])
     assert back["betas"] == (0.9, 0.999)
     assert back["dtype"] is torch.bfloat16
-    with pytest.raises(distckpt.CorruptCheckpointError):
-        _decode({TYPE_TAG: "os:system", "attributes": {}})
-    # Typed values as storage may hold them: each a CorruptCheckpointError naming its tag
-    for bad in (
-        {TYPE_TAG: "torch.device", "value": "no-such-device"},
-        {TYPE_TAG: "torch.Size", "value": ["x"]},
-        {TYPE_TAG: "deepspeed.runtime.fp16.loss_scaler:LossScaler"},
-        {TYPE_TAG: "deepspeed.runtime.fp16.loss_scaler:NoSuchClass", "attributes": {}},
-        {TYPE_TAG: "deepspeed.runtime.zero.config:ZeroStageEnum", "enum": 99},
-        {TYPE_TAG: "deepspeed.utils.tensor_fragment:fragment_address", "fields": {"x": 1}},
-        {TYPE_TAG: "deepspeed.no_such_module:Thing", "attributes": {}},
+    assert back["device"] == torch.device("cpu")
+
+
+def test_a_loss_scaler_with_an_unknown_attribute_is_refused_when_saved():
+    """A save stores only what a load rebuilds: an attribute outside the table's row is
+    refused at save time (stored pickled only with allow_pickle)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    import distckpt
+    from distckpt.integrations.deepspeed.types import TYPE_TAG, encode
+
+    scaler = LossScaler(2.0)
+    scaler.hook = print
+    with pytest.raises(distckpt.UnsupportedValueError, match="'hook'"):
+        encode({"loss_scaler": scaler}, "optim.pt")
+    with pytest.raises(distckpt.UnsupportedValueError, match="reserved"):
+        encode({"client": {TYPE_TAG: "mine"}}, "model.pt")
+
+
+def test_a_stored_typed_value_outside_the_table_is_corrupt_and_builds_nothing():
+    """Typed values as storage may hold them: every tag outside the table, every field a
+    row does not know and every value of the wrong type is a CorruptCheckpointError naming
+    where it lies; nothing is looked up by a stored name (the full walk through every
+    loader, with an audit hook, is tests/hostile/test_hostile_typed.py)."""
+    import distckpt
+    from distckpt.integrations.deepspeed.types import TYPE_TAG, decode
+
+    scaler = "deepspeed.runtime.fp16.loss_scaler:LossScaler"
+    for bad, message in (
+        ({TYPE_TAG: "os:system", "attributes": {}}, "'os:system' is not a type"),
+        ({TYPE_TAG: "subprocess:Popen", "fields": {"args": "id"}}, "is not a type"),
+        ({TYPE_TAG: "deepspeed.runtime.engine:subprocess.Popen", "attributes": {}}, "not a"),
+        ({TYPE_TAG: "torch.nn:Linear", "fields": {"in_features": 2}}, "not a type"),
+        ({TYPE_TAG: "torch.device", "value": "no-such-device"}, "not a torch device"),
+        ({TYPE_TAG: "torch.dtype", "value": "_dynamo"}, "not a torch dtype"),
+        ({TYPE_TAG: "torch.Size", "value": ["x"]}, "is not an integer"),
+        ({TYPE_TAG: "torch.Size", "value": [1] * 65}, "a torch.Size"),
+        ({TYPE_TAG: scaler}, "stored with"),
+        ({TYPE_TAG: scaler, "attributes": {"cur_scale": 1.0}}, "lacks its field 'dynamic'"),
+        (
+            {TYPE_TAG: scaler, "attributes": {"cur_scale": 1.0, "dynamic": False, "x": 1}},
+            "has no field 'x'",
+        ),
+        ({TYPE_TAG: scaler, "attributes": {"cur_scale": "1", "dynamic": False}}, "not a number"),
+        ({TYPE_TAG: "deepspeed.runtime.fp16.loss_scaler:NoSuchClass", "attributes": {}}, "not"),
+        ({TYPE_TAG: "deepspeed.runtime.zero.config:ZeroStageEnum", "enum": 99}, "no ZeroStage"),
+        ({TYPE_TAG: "deepspeed.runtime.zero.config:ZeroStageEnum", "enum": True}, "no ZeroStage"),
+        (
+            {TYPE_TAG: "deepspeed.utils.tensor_fragment:fragment_address", "fields": {"x": 1}},
+            "has no field 'x'",
+        ),
+        (
+            {
+                TYPE_TAG: "deepspeed.utils.tensor_fragment:fragment_address",
+                "fields": {"numel": -1, "start": 0},
+            },
+            "is negative",
+        ),
     ):
-        with pytest.raises(distckpt.CorruptCheckpointError, match=bad[TYPE_TAG]):
-            _decode({"nested": [bad]})
+        with pytest.raises(distckpt.CorruptCheckpointError, match=message) as caught:
+            decode({"nested": [bad]}, "optim.pt")
+        assert str(caught.value).startswith("optim.pt/nested/0")
 
 
 def test_a_saved_tag_is_replaced_only_when_asked(tmp_path):

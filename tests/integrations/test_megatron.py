@@ -113,7 +113,7 @@ def test_save_state_maps_megatron_leaves() -> None:
     assert out["tensors"]["stack"]["1"].global_shape == (3,)
     assert torch.equal(out["tensors"]["stack"]["1"].tensor, layers[1])
     assert list(out["objects"]) == ["obj/shard_1_2"]
-    assert _object_value(out["objects"]["obj/shard_1_2"].tensor) == {"a": 1}
+    assert _object_value(out["objects"]["obj/shard_1_2"].tensor, "obj") == {"a": 1}
 
     flat = ShardedTensor.from_rank_offsets("f", weight)
     object.__setattr__(flat, "flattened_range", slice(0, 4))  # megatron-core refuses it too

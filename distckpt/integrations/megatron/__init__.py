@@ -23,8 +23,11 @@ How Megatron's leaves are stored:
   named by its ``key`` (``prepend_axis_num`` leading axes of length one added), stored as
   ``tensors/<key>``; only the main replica (``replica_id`` 0 or all zeros) writes it;
 * a ``ShardedObject`` is serialised with ``torch.save`` and stored as a byte tensor
-  ``objects/<unique_key>``, written by its main replica; loading it unpickles it, as
-  Megatron's own backends do, so load only checkpoints you trust.
+  ``objects/<unique_key>``, written by its main replica; a load reads it with
+  ``torch.load(weights_only=True)``, as Megatron's own backends do: torch's restricted
+  unpickler, which builds tensors, plain containers and the classes torch and
+  megatron-core register (``add_safe_globals``), and nothing else. What it refuses is an
+  error naming the object, unless the load strategy is made with ``allow_pickle=True``.
 
 The distributed optimizer: megatron-core 0.16's reshardable formats give regular leaves.
 ``dp_reshardable`` cuts each bucket's data-parallel range into one
@@ -65,6 +68,7 @@ from typing import Any
 import torch
 
 import distckpt
+from distckpt.engine.options import LOAD, merge
 from distckpt.integrations.megatron.leaves import (
     _OBJECTS,
     _TENSORS,
@@ -163,7 +167,12 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
 
 class DistckptLoadStrategy(LoadShardedStrategy):
     """Loads a checkpoint written by :class:`DistckptSaveStrategy` onto the layout of the
-    given sharded state dict. Keywords are :func:`distckpt.load`'s (``io_workers``, ...)."""
+    given sharded state dict. Keywords are :func:`distckpt.load`'s (``io_workers``, ...).
+
+    ``ShardedObject`` leaves are read with ``torch.load(weights_only=True)``: tensors,
+    plain containers and the classes torch and megatron-core allow, nothing else.
+    ``allow_pickle=True`` (or ``options`` with it) reads them with the full unpickler,
+    which runs code from the checkpoint: only for checkpoints you trust."""
 
     def __init__(self, *, comm: Any = None, **load_keywords: Any) -> None:
         self.comm = comm
@@ -225,6 +234,12 @@ class DistckptLoadStrategy(LoadShardedStrategy):
         state = {_TENSORS: tensors, _OBJECTS: objects}
         keywords = dict(self.load_keywords)
         keywords.setdefault("strict", False)  # Megatron checks keys itself (its `strict`)
+        allow_pickle = merge(
+            keywords.get("options"),
+            {k: v for k, v in keywords.items() if k in LOAD},
+            LOAD,
+            "DistckptLoadStrategy",
+        ).allow_pickle
         result = distckpt.load(state, checkpoint_path(checkpoint_dir), self.comm, **keywords)
         missing = [
             name
@@ -250,7 +265,7 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                     loaded = loaded.to(leaf.data.device)
                 return loaded
             if isinstance(leaf, ShardedObject):
-                return _object_value(objects[leaf.unique_key])
+                return _object_value(objects[leaf.unique_key], leaf.unique_key, allow_pickle)
             return leaf
 
         dict_list_map_inplace(fill, sharded_state_dict)

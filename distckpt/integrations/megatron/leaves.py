@@ -4,9 +4,14 @@ what a load reads for a leaf (see :mod:`distckpt.integrations.megatron`)."""
 
 from __future__ import annotations
 
+# zipfile decodes a record name that is not flagged UTF-8 as cp437, importing the codec
+# the first time: imported here, so that no stored byte decides that an import happens.
+import encodings.cp437  # noqa: F401
 import io
 import math
 import os
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,9 +232,47 @@ def _object_bytes(value: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _object_value(data: torch.Tensor) -> Any:
+def _object_value(data: torch.Tensor, name: str, allow_pickle: bool = False) -> Any:
+    """The object a ``ShardedObject`` stored (:func:`_object_bytes`): read by torch's
+    ``weights_only`` unpickler (tensors, plain containers and the classes torch and
+    megatron-core allow, as Megatron's own backends read theirs), or by the full one with
+    ``allow_pickle=True``. Bytes it refuses are a CorruptCheckpointError naming ``name``."""
     raw = data.cpu().numpy().tobytes()
-    return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
+    _check_archive(raw, name)
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if allow_pickle:
+            raise distckpt.CorruptCheckpointError(f"ShardedObject {name!r}: {exc}") from None
+        raise distckpt.UnsupportedValueError(
+            f"ShardedObject {name!r} holds what torch.load(weights_only=True) refuses "
+            f"({str(exc).splitlines()[0]:.200}); load it with "
+            "DistckptLoadStrategy(allow_pickle=True) only if you trust the checkpoint "
+            "(unpickling runs code from it)"
+        ) from None
+    except Exception as exc:  # a damaged archive: zipfile's, torch's or the unpickler's
+        raise distckpt.CorruptCheckpointError(
+            f"ShardedObject {name!r}: not a readable torch.save archive ({type(exc).__name__})"
+        ) from None
+
+
+def _check_archive(raw: bytes, name: str) -> None:
+    """Refuse an archive whose records would take more memory than its bytes hold:
+    ``torch.save`` stores every record uncompressed, and a record declared compressed
+    (a zip bomb) would be inflated to the size it declares."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise distckpt.CorruptCheckpointError(
+            f"ShardedObject {name!r}: not a torch.save archive"
+        ) from None
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.file_size > len(raw):
+            raise distckpt.CorruptCheckpointError(
+                f"ShardedObject {name!r}: record {record.filename!r:.80} is compressed or "
+                f"declares {record.file_size} bytes in an archive of {len(raw)}"
+            )
 
 
 def _leaves(sharded_state_dict: Any) -> list[Any]:

@@ -22,11 +22,12 @@ the process that saved the file (``mp_rank_00_model_states.pt/module/0.weight``)
 beside it, as the value ``<file name>.structure``, the containers it was made of
 (:mod:`distckpt.integrations.trees`). Nothing is pickled: the objects DeepSpeed puts in
 these dicts that are not tensors or plain values -- ``torch.Size`` (``param_shapes``),
-``torch.dtype``, ``torch.device``, enums (``zero_stage``), dataclasses
-(``fragment_address``) and loss scalers -- are stored as typed values naming their class,
-and rebuilt only for these torch types and classes of the ``deepspeed`` package. Anything
-else is refused unless the engine is made with
-``options=CheckpointOptions(allow_pickle=True)``. ``OrderedDict`` comes back as ``dict``.
+``torch.dtype``, ``torch.device``, the ZeRO stage, ``fragment_address`` and loss scalers
+-- are typed values of a closed table (:mod:`distckpt.integrations.deepspeed.types`):
+a load rebuilds exactly these types, from plain checked fields, and no stored byte names
+a class, a module or a function. Other objects are refused unless the engine is made
+with ``options=CheckpointOptions(allow_pickle=True)`` (they are then pickled, and a load
+unpickles them only with that option too). ``OrderedDict`` comes back as ``dict``.
 
 DeepSpeed checks that the files it is about to load exist: a file's name is the folder
 of its arrays, and for a file that holds no tensor ``commit`` leaves, after the
@@ -47,25 +48,27 @@ goes for DeepSpeed's ``zero_to_fp32.py`` script and its universal-checkpoint con
 from __future__ import annotations
 
 import dataclasses
-import enum
-import importlib
 import os
 from typing import Any
 
 import torch
+
+import distckpt
+from distckpt.comm.single import SingleComm
+from distckpt.integrations import trees
+
+# types.py imports DeepSpeed first, and says which extra to install if it is missing.
+from distckpt.integrations.deepspeed.types import TYPE_TAG, decode, encode
+from distckpt.items import has_tensor
+from distckpt.training.session import StoredCheckpoint
+
+# isort: split
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointCommitInfo,
     CheckpointEngine,
 )
 
-import distckpt
-from distckpt.comm.single import SingleComm
-from distckpt.integrations import trees
-from distckpt.items import has_tensor
-from distckpt.training.session import StoredCheckpoint
-
 STRUCTURE_SUFFIX = ".structure"
-TYPE_TAG = "__distckpt_type__"
 ENGINE_NAME = "DistckptCheckpointEngine"
 STUB = "distckpt checkpoint: {checkpoint}\nfile: {name}\n"
 
@@ -130,7 +133,7 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         files = self._pending.setdefault(folder, {})
         if name in files:
             raise ValueError(f"{path} is saved twice in one checkpoint")
-        files[name] = _encode(state_dict)
+        files[name] = encode(state_dict, name)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Collective: every process writes the files it saved since ``create``, as one
@@ -170,7 +173,7 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         )
         if tree is None:
             raise distckpt.CheckpointNotFoundError(f"{folder} holds no file {name!r}")
-        return _decode(tree)
+        return decode(tree, name)
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own array: views are not kept as views.
@@ -192,98 +195,4 @@ def _shards(tree: Any) -> Any:
     return tree
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _encode(obj: Any) -> Any:
-    """``obj`` with DeepSpeed's objects (``torch.Size``, enums, dataclasses, loss scalers
-    of the ``deepspeed`` package) as typed dicts that :func:`_decode` turns back."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, torch.Size):
-        return {TYPE_TAG: "torch.Size", "value": list(obj)}
-    if isinstance(obj, torch.dtype):
-        return {TYPE_TAG: "torch.dtype", "value": str(obj).removeprefix("torch.")}
-    if isinstance(obj, torch.device):
-        return {TYPE_TAG: "torch.device", "value": str(obj)}
-    if isinstance(obj, dict):
-        return {k: _encode(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        items = [_encode(v) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    cls = type(obj)
-    if cls.__module__.split(".")[0] != "deepspeed":
-        return obj  # plain values, or what distckpt refuses unless allow_pickle
-    if isinstance(obj, enum.Enum):
-        return {TYPE_TAG: _qualname(cls), "enum": _encode(obj.value)}
-    if dataclasses.is_dataclass(obj):
-        fields = {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return {TYPE_TAG: _qualname(cls), "fields": fields}
-    if hasattr(obj, "__dict__"):
-        return {TYPE_TAG: _qualname(cls), "attributes": _encode(dict(vars(obj)))}
-    return obj
-
-
-def _class(name: str) -> Any:
-    module, _, qualname = name.partition(":")
-    if module.split(".")[0] != "deepspeed" or not qualname:
-        raise distckpt.CorruptCheckpointError(f"{TYPE_TAG} {name!r}: not a class of deepspeed")
-    found: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    if not isinstance(found, type):
-        raise distckpt.CorruptCheckpointError(f"{TYPE_TAG} {name!r}: not a class")
-    return found
-
-
-def _decode(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        tag = obj.get(TYPE_TAG)
-        if isinstance(tag, str):
-            try:
-                return _typed(tag, obj)
-            except distckpt.CorruptCheckpointError:
-                raise
-            except (
-                LookupError,
-                TypeError,
-                ValueError,
-                AttributeError,
-                RuntimeError,
-                ImportError,
-            ) as exc:
-                raise distckpt.CorruptCheckpointError(
-                    f"{TYPE_TAG} {tag!r}: the stored value does not make one "
-                    f"({type(exc).__name__}: {exc})"
-                ) from exc
-        return {k: _decode(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_decode(v) for v in obj)
-    return obj
-
-
-def _typed(tag: str, obj: dict[str, Any]) -> Any:
-    """The object a typed value (``tag`` and its dict, as read from storage) stands for."""
-    if tag == "torch.Size":
-        return torch.Size(obj["value"])
-    if tag == "torch.dtype":
-        dtype = getattr(torch, str(obj["value"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise distckpt.CorruptCheckpointError(f"not a torch dtype: {obj['value']!r}")
-        return dtype
-    if tag == "torch.device":
-        return torch.device(obj["value"])
-    cls = _class(tag)
-    if "enum" in obj:
-        return cls(_decode(obj["enum"]))
-    if "fields" in obj:
-        return cls(**{k: _decode(v) for k, v in obj["fields"].items()})
-    made = cls.__new__(cls)
-    made.__dict__.update({k: _decode(v) for k, v in obj["attributes"].items()})
-    return made
-
-
-__all__ = ["DistckptCheckpointEngine", "use_distckpt"]
+__all__ = ["TYPE_TAG", "DistckptCheckpointEngine", "use_distckpt"]
