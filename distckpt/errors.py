@@ -57,6 +57,12 @@ class UnsafePathError(CorruptCheckpointError):
     (a FIFO, a device, a directory): it is refused before anything is opened or deleted."""
 
 
+class UntrustedCheckpointError(CheckpointError):
+    """A load that requires a signature (trusted keys given) met a checkpoint that is not
+    signed, is signed by a key it does not trust, or whose signature or stored hashes do
+    not match its bytes (:mod:`distckpt.signing`). The message says which."""
+
+
 class LocationError(CheckpointError, ValueError):
     """A location names a storage scheme that no store opens (``mirorr://b/c``), or a URL
     that its store cannot parse (``s3://`` without a bucket, or any :class:`ValueError` a

@@ -192,6 +192,23 @@ PROGRESS: Setting[bool] = Setting(
     "`0`: no progress bar (otherwise shown on rank 0, on a terminal, for large transfers).",
 )
 
+SIGNING_KEY: Setting[str] = Setting(
+    "DISTCKPT_SIGNING_KEY",
+    _text,
+    None,
+    "A private key file (PEM or OpenSSH, Ed25519): saves that are given no `signing_key` "
+    "sign with it (see [signed checkpoints](../reference/signing.md)).",
+    "unset: saves are not signed",
+)
+TRUSTED_KEYS: Setting[str] = Setting(
+    "DISTCKPT_TRUSTED_KEYS",
+    _text,
+    None,
+    "A file of trusted public keys (PEM blocks or `ssh-ed25519` lines): loads that are "
+    "given no `trusted_keys` refuse any checkpoint not signed by one of them.",
+    "unset: no signature is required",
+)
+
 #: Every setting, in the order of the table.
 ALL: tuple[Setting[Any], ...] = (
     TIMEOUT,
@@ -207,6 +224,8 @@ ALL: tuple[Setting[Any], ...] = (
     NODE,
     PREEMPTED_FILE,
     PROGRESS,
+    SIGNING_KEY,
+    TRUSTED_KEYS,
 )
 
 

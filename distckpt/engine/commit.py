@@ -22,6 +22,7 @@ from distckpt.format.index import (
     ATTRIBUTE,
     FORMAT,
     FORMAT_VERSION,
+    FORMAT_VERSION_BINARY,
     FORMAT_VERSION_COMPRESSED,
     FORMAT_VERSION_REGULAR,
     FORMAT_VERSION_UNCOMPRESSED,
@@ -29,6 +30,9 @@ from distckpt.format.index import (
 from distckpt.format.shard_io import Stored
 from distckpt.format.stored import StoredPiece, regular_entry, reuse_column
 from distckpt.planning.pieces import SavePlan, VarSpec
+from distckpt.signing import hashes, signature
+from distckpt.signing.hashes import HASH_BYTES
+from distckpt.signing.keys import SigningKey
 from distckpt.values import has_binary
 from distckpt.version import VERSION
 
@@ -46,9 +50,12 @@ class Report:
     digests: np.ndarray | None = None
     reused: np.ndarray | None = None
     origins: list[str] = field(default_factory=list)
+    #: A signed save's hash of each piece (rows of 32 bytes) and the algorithm.
+    hashes: np.ndarray | None = None
+    hash_algorithm: str | None = None
 
     @classmethod
-    def of(cls, written: dict[int, Stored]) -> Report:
+    def of(cls, written: dict[int, Stored], hashing: str | None = None) -> Report:
         n = len(written)
         stored = list(written.values())
         ids = np.fromiter(written, dtype=np.int64, count=n)
@@ -65,7 +72,13 @@ class Report:
             reused = np.fromiter(
                 (-1 if s.reused is None else at[s.reused] for s in stored), np.int16, count=n
             )
-        return cls(ids, sizes, crcs, digests, reused, origins)
+        hashes = None
+        if hashing is not None:
+            if not all(s.hash is not None for s in stored):
+                raise CheckpointError("internal error: a piece of a signed save was not hashed")
+            raw = b"".join(s.hash for s in stored)  # type: ignore[misc]
+            hashes = np.frombuffer(raw, dtype=np.uint8).reshape(n, HASH_BYTES)
+        return cls(ids, sizes, crcs, digests, reused, origins, hashes, hashing)
 
     @property
     def nbytes(self) -> int:
@@ -97,12 +110,37 @@ def _stored_values(variables: dict[str, Any]) -> list[Any]:
     return [e["value"] for e in entries if e.get("kind") == "value"]
 
 
+def _hashing(reports: Sequence[Report], signed: bool) -> str | None:
+    """The algorithm every rank hashed its pieces with (None: none did). A signed save
+    needs every rank's hashes, of one algorithm."""
+    found = {r.hash_algorithm for r in reports}
+    if not signed:
+        return None
+    for rank, report in enumerate(reports):
+        if report.hash_algorithm is None:
+            raise CheckpointError(
+                f"the coordinator signs this save but rank {rank} did not hash its pieces: "
+                "give every rank the same signing_key (or $DISTCKPT_SIGNING_KEY)"
+            )
+    if len(found) != 1:
+        raise CheckpointError(
+            f"the ranks hashed their pieces with different algorithms ({sorted(map(str, found))}): "
+            "install the same packages on every node (the blake3 package: distckpt[sign])"
+        )
+    return found.pop()
+
+
 def build_index(
-    plan: SavePlan, reports: Sequence[Report], values: dict[str, Any]
+    plan: SavePlan,
+    reports: Sequence[Report],
+    values: dict[str, Any],
+    hashing: str | None = None,
 ) -> dict[str, Any]:
     """The index of a save from its plan, every rank's report and its values (by name; a
-    per-rank variable's by rank)."""
+    per-rank variable's by rank); with ``hashing`` (a signed save's algorithm), each
+    piece's hash and the hash of every metadata file, under ``files``."""
     sizes = np.full(plan.pieces, -1, dtype=np.int64)
+    piece_hashes = np.zeros((plan.pieces if hashing else 0, HASH_BYTES), np.uint8)
     crcs = np.zeros(plan.pieces, dtype=np.int64)
     # Digests only when every rank computed them (an incremental save's).
     digests: np.ndarray | None = np.zeros((plan.pieces, PIECE_BYTES), np.uint8)
@@ -111,6 +149,8 @@ def build_index(
     for report in reports:
         sizes[report.ids] = report.sizes
         crcs[report.ids] = report.crcs
+        if hashing is not None and report.hashes is not None:
+            piece_hashes[report.ids] = report.hashes
         if report.digests is None or digests is None:
             digests = None if len(report.ids) else digests
         else:
@@ -137,9 +177,14 @@ def build_index(
                 piece.codec,
                 None if digests is None else digests[piece.id].tobytes(),
                 origins[reused[piece.id]] if reused[piece.id] >= 0 else None,
+                piece_hashes[piece.id].tobytes() if hashing else None,
             )
             out.append(stored.to_json())
+            if hashing and piece.meta_file is not None and piece.meta is not None:
+                files[piece.meta_file] = _file_hash(hashing, zarr_meta.dumps(piece.meta))
         return out
+
+    files: dict[str, str] = {}
 
     variables: dict[str, Any] = {}
     newest = FORMAT_VERSION_UNCOMPRESSED
@@ -173,8 +218,13 @@ def build_index(
                 sizes[part],
                 None if digests is None else digests[part],
                 reuse_column(reused[part], origins),
+                piece_hashes[part] if hashing else None,
             )
             newest = max(newest, FORMAT_VERSION_REGULAR)
+            if hashing:
+                first = spec.piece(0, int(plan.writers[spec.first]))
+                assert first.meta_file is not None and first.meta is not None
+                files[first.meta_file] = _file_hash(hashing, zarr_meta.dumps(first.meta))
         else:
             assert spec.dtype is not None and spec.shape is not None and spec.layout is not None
             pieces = listed(spec)
@@ -184,6 +234,8 @@ def build_index(
                 spec.dtype, spec.shape, spec.path, spec.layout, pieces
             )
     if any(has_binary(v) for v in _stored_values(variables)):
+        newest = FORMAT_VERSION_BINARY
+    if hashing is not None:
         newest = FORMAT_VERSION
     index = {
         "format": FORMAT,
@@ -195,13 +247,33 @@ def build_index(
     }
     if digests is not None:
         index["digests"] = ALGORITHM
+    if hashing is not None:
+        for group, raw in group_files(plan).items():
+            files[group] = _file_hash(hashing, raw)
+        index["hash_algorithm"] = hashing
+        index["files"] = dict(sorted(files.items()))
     return index
 
 
-def index_bytes(index: dict[str, Any]) -> bytes:
+def _file_hash(algorithm: str, raw: bytes) -> str:
+    return hashes.digest(algorithm, raw).hex()
+
+
+def group_files(plan: SavePlan) -> dict[str, bytes]:
+    """The ``zarr.json`` of every group but the root, which the commit writes."""
+    raw = zarr_meta.dumps(zarr_meta.group_meta())
+    return {f"{group}/{zarr_meta.ZARR_JSON}": raw for group in plan.groups if group != ""}
+
+
+def index_bytes(index: dict[str, Any], signer: SigningKey | None = None) -> bytes:
     """The root group's ``zarr.json`` holding ``index``, sealed with its checksum
-    (:mod:`distckpt.format.seal`)."""
-    return seal.dumps(zarr_meta.group_meta({ATTRIBUTE: seal.sealed(index)}))
+    (:mod:`distckpt.format.seal`) and, with ``signer``, signed
+    (:mod:`distckpt.signing.signature`)."""
+    sealed = seal.sealed(index)
+    if signer is None:
+        return seal.dumps(zarr_meta.group_meta({ATTRIBUTE: sealed}))
+    doc = zarr_meta.group_meta({ATTRIBUTE: signature.with_member(sealed, signer.id)})
+    return signature.sign(seal.dumps(doc), signer)
 
 
 def commit(
@@ -210,19 +282,16 @@ def commit(
     values: dict[str, Any],
     txn: Transaction,
     save_id: str | None = None,
+    signer: SigningKey | None = None,
 ) -> bytes:
     """Coordinator, step 5 of the save protocol: with every rank's report in, write the
     group metadata and then the index through the save's transaction
     (:mod:`distckpt.commit.transaction`), which makes it the checkpoint; return the
-    index document's bytes. ``save_id`` (the save's token) is recorded in the index."""
-    index = build_index(plan, reports, values)
+    index document's bytes. ``save_id`` (the save's token) is recorded in the index;
+    with ``signer`` the index records every file's hash and is signed."""
+    index = build_index(plan, reports, values, _hashing(reports, signer is not None))
     if save_id is not None:
         index["save_id"] = save_id
-    files = {
-        f"{group}/{zarr_meta.ZARR_JSON}": zarr_meta.dumps(zarr_meta.group_meta())
-        for group in plan.groups
-        if group != ""
-    }
-    raw = index_bytes(index)
-    txn.commit(files, raw)
+    raw = index_bytes(index, signer)
+    txn.commit(group_files(plan), raw)
     return raw

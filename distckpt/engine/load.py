@@ -39,8 +39,11 @@ from distckpt.engine.options import (
 )
 from distckpt.engine.pipeline import RestoreKind, communicator, restore
 from distckpt.engine.results import LoadResult
+from distckpt.errors import UntrustedCheckpointError
 from distckpt.format.index import Index, parse_index, read_index_bytes
 from distckpt.progress import progress
+from distckpt.signing.keys import TrustedKeys, trusted_keys
+from distckpt.signing.trust import check_index
 from distckpt.slices import Box
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import location
@@ -100,12 +103,37 @@ def load_indexed(
     return restore(comm, _Indexed(run, index, refused), state)
 
 
-def read_shared_index(store: Store, comm: Communicator) -> Index:
+def read_shared_index(
+    store: Store, comm: Communicator, trusted: TrustedKeys | None = None
+) -> Index:
     """Collective: the index of the checkpoint at ``store``, read by rank 0 alone and
     broadcast, so that a job of thousands of ranks reads it once from shared storage. A
-    failure to read it is raised on every rank."""
-    payload = announce(comm, lambda: read_index_bytes(store))
-    return parse_index(payload, store)
+    failure to read it is raised on every rank. With ``trusted``, rank 0 first checks
+    that it is signed by one of those keys, and every file it lists
+    (:func:`distckpt.signing.trust.check_index`)."""
+
+    def read() -> tuple[bytes, str | None]:
+        raw = read_index_bytes(store)
+        return raw, None if trusted is None else check_index(raw, store, trusted)
+
+    payload, signer = announce(comm, read)
+    index = parse_index(payload, store)
+    index.signed_by = signer
+    return index
+
+
+def require_signed(index: Index, trusted: TrustedKeys | None, where: str) -> str | None:
+    """The hash algorithm a reader checks pieces with: None without ``trusted``; with it,
+    the signed index's (an index read without its signature checked is refused)."""
+    if trusted is None:
+        return None
+    algorithm = index.get("hash_algorithm")
+    if index.signed_by is None or not isinstance(algorithm, str):
+        raise UntrustedCheckpointError(
+            f"{where}: the index was read without checking its signature, which "
+            f"{trusted.source} requires"
+        )
+    return algorithm
 
 
 class _Indexed(RestoreKind[Prepared]):
@@ -124,11 +152,14 @@ class _Indexed(RestoreKind[Prepared]):
         self.path = location(run.store)
         self.stored: Collection[str] = {}
         self.kinds: list[list[ReadTarget]] = [[], []]  # this rank's reads, by exchange class
+        self.auth: str | None = None  # the hash algorithm pieces are checked with
 
     def read_metadata(self, comm: Communicator) -> None:
+        trusted = trusted_keys(self.options.trusted_keys)
         if self.index is None:
-            self.index = read_shared_index(self.run.store, comm)
+            self.index = read_shared_index(self.run.store, comm, trusted)
             reuse.remember_index(self.run.store, self.index)  # the base of a later save
+        self.auth = require_signed(self.index, trusted, self.run.store.url)  # type: ignore[arg-type]
         self.stored = self.index["variables"]
 
     def match(
@@ -150,7 +181,7 @@ class _Indexed(RestoreKind[Prepared]):
         self, comm: Communicator, matched: Prepared, offers: list[Any], result: LoadResult
     ) -> None:
         groups = self._groups(comm, offers)
-        _read(comm, self.run.store, matched, groups, result, self.run.io_workers)
+        _read(comm, self.run.store, matched, groups, result, self.run.io_workers, self.auth)
 
     def _groups(self, comm: Communicator, offers: list[Any]) -> list[exchange.Group]:
         """Collective: the exchange groups this rank belongs to, made from every rank's
@@ -175,9 +206,11 @@ def _read(
     groups: list[exchange.Group],
     result: LoadResult,
     workers: int,
+    auth: str | None = None,
 ) -> None:
     """Read every prepared target: each rank its own, and a share of those it restores
-    like the other members of its ``groups``, then exchanged with them."""
+    like the other members of its ``groups``, then exchanged with them; ``auth``: check
+    every byte read against the signed index's hashes of that algorithm."""
     shared = {id(t) for g in groups for t in g.targets}
     mine = [t for t in prepared.reads if id(t) not in shared]
     for g in groups:
@@ -189,7 +222,9 @@ def _read(
     total = sum(t.box.numel * dtypes.itemsize(t.entry["dtype"]) for t in mine)
     try:
         with progress(f"loading {store.name} (rank 0's share)", total, rank=comm.rank) as bar:
-            result.bytes_read = read_targets(store, mine, workers=workers, on_bytes=bar.update)
+            result.bytes_read = read_targets(
+                store, mine, workers=workers, on_bytes=bar.update, auth=auth
+            )
     except Exception as exc:
         error = exc
     for g in groups:  # every member learns whether every member read its share

@@ -28,6 +28,7 @@ from distckpt.format import codecs, wellformed
 from distckpt.format.codecs import Compression
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
 from distckpt.settings import whole_number
+from distckpt.signing.keys import KeySource, TrustSource
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import is_remote, open_store
 from distckpt.transfer import priority
@@ -69,6 +70,17 @@ class CheckpointOptions:
     Loading:
 
     * ``strict``: a name on one side only is an error (:func:`distckpt.load`).
+
+    Signing (:mod:`distckpt.signing`; the ``sign`` extra):
+
+    * ``signing_key``: a :class:`~distckpt.SigningKey` or its private key file: a save
+      hashes every byte it stores and signs the index (default: the file
+      ``$DISTCKPT_SIGNING_KEY`` names, else no signature). Every rank must be given it,
+      or the variable (only the coordinator reads the key).
+    * ``trusted_keys``: a :class:`~distckpt.TrustedKeys`, a signing key (its public
+      key) or a trusted-keys file: a load refuses any checkpoint not signed by one of
+      them, and checks every byte it reads against its signed hash (default: the file
+      ``$DISTCKPT_TRUSTED_KEYS`` names, else no signature is required).
     """
 
     compression: Compression = None
@@ -81,6 +93,8 @@ class CheckpointOptions:
     allow_pickle: bool = False
     io_workers: int | None = None
     strict: bool = True
+    signing_key: KeySource = None
+    trusted_keys: TrustSource = None
 
     def __post_init__(self) -> None:
         codecs.check(self.compression)
@@ -123,6 +137,7 @@ class RestoreKeywords(TypedDict, total=False):
 
     allow_pickle: bool
     io_workers: int | None
+    trusted_keys: TrustSource
 
 
 class LoadKeywords(RestoreKeywords, total=False):
@@ -141,6 +156,7 @@ class WriteKeywords(RestoreKeywords, total=False):
     incremental: bool
     background_nice: int
     background_cpus: tuple[int, ...] | None
+    signing_key: KeySource
 
 
 class SaveKeywords(WriteKeywords, total=False):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,8 @@ from distckpt.format.index import Index, parse_index, pieces_of, read_index_byte
 from distckpt.format.shard_io import Stored
 from distckpt.format.stored import Pieces
 from distckpt.planning.pieces import Piece
+from distckpt.signing.keys import TrustedKeys
+from distckpt.signing.trust import verified_signer
 from distckpt.storage.backend import Store
 from distckpt.transfer.writer import Reuse
 
@@ -66,16 +69,26 @@ class Known:
     version: str | None  # its index's bytes, as read or written (the coordinator's)
     stored: dict[str, tuple[tuple[Any, ...], Stored]] = field(default_factory=dict)
     index: Index | None = None  # the whole index, after a load or restore
+    hashing: str | None = None  # what this process's save hashed its pieces with
 
-    def lookup(self, piece: Piece) -> Stored | None:
+    def lookup(self, piece: Piece, hashing: str | None = None) -> Stored | None:
         """What the checkpoint stores for ``piece`` if it is the same piece (file, dtype,
-        box, block, inner chunks, codec) with a digest, else None."""
+        box, block, inner chunks, codec) with a digest, else None. A signed save
+        (``hashing``) takes only pieces whose hash of that algorithm it knows from a save
+        of its own or from an index whose signature was checked."""
         layout = _layout(piece.dtype, piece)
         found = self.stored.get(piece.file)
         if found is not None:
-            return found[1] if found[0] == layout and found[1].digest is not None else None
+            same = found[0] == layout and found[1].digest is not None
+            if hashing is not None and (found[1].hash is None or self.hashing != hashing):
+                return None
+            return found[1] if same else None
         if self.index is None or self.index.get("digests") != digests.ALGORITHM:
             return None  # no digests, or made by another algorithm
+        if hashing is not None and (
+            self.index.signed_by is None or self.index.get("hash_algorithm") != hashing
+        ):
+            return None  # hashes not known to be the signer's
         entry = self.index["variables"].get(piece.var)
         if isinstance(entry, dict) and entry.get("kind") == "per_rank":
             entry = entry.get("ranks", {}).get(str(piece.rank))
@@ -93,7 +106,9 @@ class Known:
         stored, digest, origin = hit
         if digest is None or _layout(piece.dtype, stored) != layout:
             return None
-        return Stored(stored.size, stored.crc, digest, reused=origin)
+        if hashing is not None and stored.hash is None:
+            return None
+        return Stored(stored.size, stored.crc, digest, reused=origin, hash=stored.hash)
 
 
 def _matching(pieces: Pieces, piece: Piece) -> tuple[Any, bytes | None, str | None] | None:
@@ -122,12 +137,15 @@ def known(url: str) -> Known | None:
 
 
 def remember_saved(
-    store: Store, version: str | None, stored: dict[str, tuple[Piece, Stored]]
+    store: Store,
+    version: str | None,
+    stored: dict[str, tuple[Piece, Stored]],
+    hashing: str | None = None,
 ) -> None:
     """After a committed save: what this rank stored in it (by file key), and (the
-    coordinator) the version of its index."""
+    coordinator) the version of its index; ``hashing``: what its pieces were hashed with."""
     pieces = {key: (_layout(p.dtype, p), s) for key, (p, s) in stored.items()}
-    _remember(store.url, Known(version, pieces))
+    _remember(store.url, Known(version, pieces, hashing=hashing))
 
 
 def remember_index(store: Store, index: Index) -> None:
@@ -146,26 +164,30 @@ def origin_name(base: Store, final: Store) -> str:
     return base.name if base.parent.url == final.parent.url else base.url
 
 
-def check_base(comm: Any, base: Store) -> Known | None:
+def check_base(
+    comm: Any, base: Store, trust: Callable[[], TrustedKeys] | None = None
+) -> Known | None:
     """Collective: what every rank may take from ``base`` for this save, or None when
     nothing (the coordinator found it gone, damaged or replaced). The coordinator reads
     the base's index; when it knows the base, it compares the bytes with those it
-    remembered, else every rank receives the index and remembers it."""
+    remembered, else every rank receives the index and remembers it, with whether its
+    signature is by ``trust()`` (a signed save's own public key, asked for on the
+    coordinator only): only then may a signed save take pieces by their stored hashes."""
 
-    def read() -> tuple[str, bytes | None]:
+    def read() -> tuple[str, bytes | None, str | None]:
         try:
             raw = read_index_bytes(base)
         except (OSError, CheckpointError) as exc:
-            return f"its index cannot be read ({exc})", None
+            return f"its index cannot be read ({exc})", None, None
         mine = known(base.url)
         version = version_of(raw)
         if mine is not None and mine.version is not None:
             if mine.version == version:
-                return "", None
-            return "its index is not the one this job wrote or read", None
-        return "", raw
+                return "", None, None
+            return "its index is not the one this job wrote or read", None, None
+        return "", raw, None if trust is None else verified_signer(raw, base, trust())
 
-    reason, raw = announce(comm, read)  # a failure of the job (a dead rank) is raised
+    reason, raw, signer = announce(comm, read)  # a failure of the job (a dead rank) is raised
     if reason:
         forget(base.url)
         if comm.rank == 0:
@@ -173,20 +195,24 @@ def check_base(comm: Any, base: Store) -> Known | None:
         return None
     if raw is not None:
         try:
-            remember_index(base, parse_index(raw, base))
+            index = parse_index(raw, base)
         except CheckpointError as exc:
             if comm.rank == 0:
                 log.warning("saving in full: the base %s is not usable: %s", base.url, exc)
             return None
+        index.signed_by = signer
+        remember_index(base, index)
     return known(base.url)
 
 
-def reuse_for(base: Store, known_base: Known | None, final: Store, piece: Piece) -> Reuse | None:
+def reuse_for(
+    base: Store, known_base: Known | None, final: Store, piece: Piece, hashing: str | None = None
+) -> Reuse | None:
     """The :class:`~distckpt.transfer.writer.Reuse` of ``piece`` from ``base``, if the base
-    has the same piece with a digest."""
+    has the same piece with a digest (and, for a signed save, a hash it can vouch for)."""
     if known_base is None:
         return None
-    stored = known_base.lookup(piece)
+    stored = known_base.lookup(piece, hashing)
     if stored is None:
         return None
     return Reuse(base, piece.file, stored, stored.chunks, origin_name(base, final))

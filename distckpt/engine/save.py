@@ -62,6 +62,8 @@ from distckpt.items import gather_leaves
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
+from distckpt.signing import hashes
+from distckpt.signing.keys import signing_key, wants_signature
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import location, open_store
 from distckpt.transfer.sources import HostData, Source, source_for
@@ -115,6 +117,8 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         self.known_base: reuse.Known | None = None
         self.stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
         self.stored_bytes = 0  # by every rank: known to the coordinator
+        # A signed save: every rank hashes what it stores; the coordinator signs.
+        self.hashing = hashes.default_algorithm() if wants_signature(merged.signing_key) else None
 
     def check(self) -> None:
         if self.error is not None:
@@ -188,7 +192,10 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
             nonlocal index_version
             assert self.staging is not None and plan.plan is not None
             self.stored_bytes = sum(report.nbytes for report in reports)
-            raw = commit(plan.plan, reports, plan.values or {}, self.staging, plan.work.token)
+            signer = signing_key(self.options.signing_key) if self.hashing else None
+            raw = commit(
+                plan.plan, reports, plan.values or {}, self.staging, plan.work.token, signer
+            )
             index_version = version_of(raw)
             self.staging = None  # committed: nothing left to abort
             if self.after_commit is not None:
@@ -250,7 +257,7 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
             taken = (
                 None
                 if self.base is None
-                else reuse.reuse_for(self.base, self.known_base, self.final, piece)
+                else reuse.reuse_for(self.base, self.known_base, self.final, piece, self.hashing)
             )
             jobs.append(
                 PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec, taken)
@@ -269,6 +276,7 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
                 workers=self.run.io_workers,
                 on_bytes=bar.update,
                 digests=self.options.incremental,
+                hashing=self.hashing,
             )
         result = self.result
         reused = [s for s in written.values() if s.reused is not None]
@@ -279,7 +287,7 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
             1 for s in written.values() if s.size and s.reused is None
         )
         self.stored.update((piece.file, (piece, written[piece.id])) for piece in work.writes)
-        return Report.of(written)
+        return Report.of(written, self.hashing)
 
 
 @overload

@@ -61,7 +61,8 @@ The member changes no format version: a distckpt that predates it skips it and r
 sealed checkpoint as it reads any other of its version.
 
 Format versions: 1 lists every piece, uncompressed; 2 adds compressed pieces; 3 adds the
-compact regular entries. A checkpoint records the lowest version that reads it, so a
+compact regular entries; 4 binary values; 5 signed checkpoints (a ``signature`` member,
+``hash_algorithm``, ``files``, and a ``hash`` of every piece: :mod:`distckpt.signing`). A checkpoint records the lowest version that reads it, so a
 distckpt that predates a feature it uses refuses it clearly instead of misreading it.
 """
 
@@ -84,13 +85,19 @@ from distckpt.errors import (
 from distckpt.format import schema, seal, wellformed, zarr_meta
 from distckpt.format.stored import Pieces, stored_dtype
 from distckpt.numbering import number
+from distckpt.signing.keys import TrustedKeys
+from distckpt.signing.trust import check_index
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
 
 FORMAT = "distckpt"
-#: The newest version this distckpt reads and writes: a checkpoint holding a binary value
-#: (``bytes`` or ``io.BytesIO``, see :mod:`distckpt.values`).
-FORMAT_VERSION = 4
+#: The newest version this distckpt reads and writes: a signed checkpoint, whose shards
+#: hold a hash table (:mod:`distckpt.format.shard_io`; older readers would refuse their
+#: sizes, so they are told to upgrade instead).
+FORMAT_VERSION = 5
+#: The version of a checkpoint holding a binary value (``bytes`` or ``io.BytesIO``, see
+#: :mod:`distckpt.values`), unsigned.
+FORMAT_VERSION_BINARY = 4
 #: The version of a checkpoint with no regular entry and no compressed piece.
 FORMAT_VERSION_UNCOMPRESSED = 1
 #: The version of a checkpoint with compressed pieces but no regular entry.
@@ -103,12 +110,20 @@ SAVE_ID = re.compile(r"[0-9a-f]{1,64}")
 
 
 def read_index(
-    checkpoint: str | os.PathLike[str] | Store, *, tiling: bool = True
-) -> dict[str, Any]:
+    checkpoint: str | os.PathLike[str] | Store,
+    *,
+    tiling: bool = True,
+    trusted: TrustedKeys | None = None,
+) -> Index:
     """The index of a committed checkpoint, checked for format and version (``tiling``:
-    see :func:`check_entry`)."""
+    see :func:`check_entry`); with ``trusted``, checked to be signed by one of those keys
+    with every file it lists as signed (:func:`distckpt.signing.trust.check_index`)."""
     store = open_store(checkpoint)
-    return parse_index(read_index_bytes(store), store, tiling=tiling)
+    raw = read_index_bytes(store)
+    signer = None if trusted is None else check_index(raw, store, trusted)
+    index = parse_index(raw, store, tiling=tiling)
+    index.signed_by = signer
+    return index
 
 
 def read_index_bytes(store: Store) -> bytes:
@@ -186,6 +201,9 @@ class Index(dict[str, Any]):
         self.pieces: dict[int, Pieces] = {}
         self.version = version
         self.sealed = sealed
+        #: The key id whose signature over these bytes a reader checked, else None
+        #: (:mod:`distckpt.signing`).
+        self.signed_by: str | None = None
 
 
 def version_of(raw: bytes) -> str:

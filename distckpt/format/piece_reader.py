@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import crc32c as _crc
 import numpy as np
 
-from distckpt.errors import CorruptCheckpointError, UnsafePathError
+from distckpt.errors import CorruptCheckpointError, UnsafePathError, UntrustedCheckpointError
 from distckpt.format.codecs import Codec
+from distckpt.format.read_parts import ChunkRead, ShardHeader, scratch
 from distckpt.format.shard_io import EMPTY, STEP, as_bytes, crc32c, inner_grid
 from distckpt.format.wellformed import MAX_RATIO
+from distckpt.signing import hashes
+from distckpt.signing.hashes import HASH_BYTES
 from distckpt.slices import Box
 from distckpt.storage.backend import ReadHandle, Store
 
@@ -31,7 +32,12 @@ class PieceReader:
     """Reads regions of stored pieces into destination arrays, verifying every checksum.
 
     ``variable`` names the variable in error messages; ``codec`` is the piece's codec, as
-    the index records it (None: stored raw).
+    the index records it (None: stored raw). ``auth`` (a reader that requires a signed
+    checkpoint): the hash algorithm and the piece's hash, from the signed index; every
+    byte read is then also checked against it (a shard's tables and index against the
+    piece's hash, each inner chunk against its row of the hash table; see
+    :mod:`distckpt.format.shard_io`), and a mismatch is an
+    :class:`~distckpt.errors.UntrustedCheckpointError`.
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class PieceReader:
         expected_crc: int,
         codec: Codec | None = None,
         size: int | None = None,
+        auth: tuple[str, bytes] | None = None,
     ) -> None:
         self.variable = variable
         self.store = store
@@ -52,9 +59,27 @@ class PieceReader:
         self.expected_crc = expected_crc
         self.codec = codec
         self.size = size
+        self.auth = auth
+        self._hasher = None if auth is None else hashes.hasher(auth[0])
 
     def _corrupt(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"variable {self.variable!r}: {what} ({self.path})")
+
+    def _untrusted(self, what: str) -> UntrustedCheckpointError:
+        return UntrustedCheckpointError(
+            f"variable {self.variable!r}: {what} does not match its signed hash (edited since "
+            f"it was signed) ({self.path})"
+        )
+
+    def _check_hash(self, want: bytes | None, what: str, *parts: Any) -> None:
+        """Check the hash of ``parts`` against ``want`` (nothing to check: None)."""
+        if want is None or self._hasher is None:
+            return
+        h = self._hasher()
+        for part in parts:
+            h.update(part)
+        if h.digest() != want:
+            raise self._untrusted(what)
 
     def open(self) -> ReadHandle:
         """The piece's file, open for reading (``size``: the index's, saving a request).
@@ -86,16 +111,24 @@ class PieceReader:
         stored = int.from_bytes(buf[nbytes:].tobytes(), "little")
         if stored != self.expected_crc or crc32c(buf[:nbytes]) != stored:
             raise self._corrupt("chunk fails its crc32c checksum")
+        self._check_hash(None if self.auth is None else self.auth[1], "the chunk", buf)
         chunk = buf[:nbytes].view(self.dtype).reshape(tuple(block))
         out[...] = chunk[src.slices()]
         return got
 
     def _read_verified(
-        self, fd: ReadHandle, offset: int, segments: list[np.ndarray], expected: int, coord: object
+        self,
+        fd: ReadHandle,
+        offset: int,
+        segments: list[np.ndarray],
+        expected: int,
+        coord: object,
+        want: bytes | None = None,
     ) -> None:
         """Read one inner chunk (its bytes scattered over ``segments``, then its crc32c) and
-        verify it. Reads in steps of at most :data:`STEP` bytes and checksums each step
-        while it is still in the CPU cache; the crc32c comes with the last step."""
+        verify it (and its hash against ``want``, when given). Reads in steps of at most
+        :data:`STEP` bytes and checksums each step while it is still in the CPU cache;
+        the crc32c comes with the last step."""
         steps = [
             segment[start : start + STEP]
             for segment in segments
@@ -103,19 +136,26 @@ class PieceReader:
         ]
         tail = bytearray(4)
         crc = 0
+        h = None if want is None or self._hasher is None else self._hasher()
         for k, step in enumerate(steps):
             last = k == len(steps) - 1
             buffers: list[Any] = [step, tail] if last else [step]
-            want = step.nbytes + (4 if last else 0)
-            if fd.readinto(buffers, offset) != want:
+            need = step.nbytes + (4 if last else 0)
+            if fd.readinto(buffers, offset) != need:
                 raise self._corrupt(f"inner chunk {coord} is truncated")
             crc = _crc.crc32c(step.data, crc)
+            if h is not None:
+                h.update(step.data)
             offset += step.nbytes
         if not steps and fd.readinto([tail], offset) != 4:
             raise self._corrupt(f"inner chunk {coord} is truncated")
         stored = int.from_bytes(tail, "little")
         if stored != expected or crc != stored:
             raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+        if h is not None:
+            h.update(tail)
+            if h.digest() != want:
+                raise self._untrusted(f"inner chunk {coord}")
 
     def _read_compressed(
         self,
@@ -125,9 +165,11 @@ class PieceReader:
         expected: int,
         coord: object,
         out: np.ndarray,
+        want: bytes | None = None,
     ) -> None:
         """Read one compressed inner chunk (``length`` bytes with its crc32c), verify the
-        crc32c of its stored bytes, and decompress it into ``out`` (flat uint8)."""
+        crc32c of its stored bytes (and their hash against ``want``, when given), and
+        decompress it into ``out`` (flat uint8)."""
         assert self.codec is not None
         stored = scratch(length, 1)
         if fd.readinto([stored], offset) != length:
@@ -135,6 +177,7 @@ class PieceReader:
         crc = int.from_bytes(stored[-4:].tobytes(), "little")
         if crc != expected or crc32c(stored[:-4]) != crc:
             raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+        self._check_hash(want, f"inner chunk {coord}", stored)
         try:
             self.codec.decode(stored[:-4], out)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -182,7 +225,7 @@ class PieceReader:
             total = header.nbytes
             if on_bytes is not None:
                 on_bytes(total)
-            end = nchunks * 4
+            end = header.head
             for linear, coord in enumerate(itertools.product(*(range(g) for g in grid))):
                 chunk_box = Box(
                     tuple(c * i for c, i in zip(coord, inner, strict=True)), tuple(inner)
@@ -195,10 +238,11 @@ class PieceReader:
                 if not self._chunk_fits(offset, length, chunk_bytes, size - index_len):
                     raise self._corrupt(f"inner chunk {coord} has the wrong size")
                 buf = scratch(chunk_bytes, 0)  # bounded by the chunk as stored (_chunk_fits)
+                want = header.hash_of(linear)
                 if self.codec is None:
-                    self._read_verified(fd, offset, [buf], table[linear], coord)
+                    self._read_verified(fd, offset, [buf], table[linear], coord, want)
                 else:
-                    self._read_compressed(fd, offset, length, table[linear], coord, buf)
+                    self._read_compressed(fd, offset, length, table[linear], coord, buf, want)
                 if on_chunk is not None:
                     on_chunk(linear, buf)
                 end = max(end, offset + length)
@@ -241,10 +285,12 @@ class PieceReader:
         nchunks = math.prod(inner_grid(block, inner))
         size = fd.size
         index_len = nchunks * 16 + 4
-        if size < index_len:
+        head = nchunks * (4 + (HASH_BYTES if self.auth is not None else 0))
+        if size < index_len + head:
             raise self._corrupt(f"shard is truncated ({size} bytes)")
-        raw_table = fd.read(0, nchunks * 4)
-        if len(raw_table) != nchunks * 4 or crc32c(raw_table) != self.expected_crc:
+        raw_head = fd.read(0, head)
+        raw_table = raw_head[: nchunks * 4]
+        if len(raw_head) != head or crc32c(raw_table) != self.expected_crc:
             raise self._corrupt("shard checksum table does not match the checkpoint index")
         table = np.frombuffer(raw_table, dtype="<u4")
         raw_index = fd.read(size - index_len, index_len)
@@ -253,7 +299,13 @@ class PieceReader:
         ):
             raise self._corrupt("shard index fails its crc32c checksum")
         index = np.frombuffer(raw_index[:-4], dtype="<u8").reshape(nchunks, 2)
-        return ShardHeader(size, table, index, index_len + nchunks * 4)
+        chunk_hashes = None
+        if self.auth is not None:
+            self._check_hash(self.auth[1], "the shard's tables and index", raw_head, raw_index)
+            chunk_hashes = np.frombuffer(raw_head[nchunks * 4 :], np.uint8).reshape(
+                nchunks, HASH_BYTES
+            )
+        return ShardHeader(size, table, index, index_len + head, chunk_hashes, head)
 
     def read_chunk(
         self,
@@ -276,12 +328,13 @@ class PieceReader:
         within = _index(chunk.part, chunk.offsets, chunk.lengths)
         whole = tuple(chunk.lengths) == tuple(inner)
         expected = header.table[linear]
+        want = header.hash_of(linear)
         if self.codec is not None:
             # A compressed chunk is decompressed whole: straight into the destination
             # when it needs all of it, else into scratch.
             direct = whole and dst.flags.c_contiguous
             target = as_bytes(dst) if direct else scratch(chunk_bytes, 0)
-            self._read_compressed(fd, offset, length, expected, coord, target)
+            self._read_compressed(fd, offset, length, expected, coord, target, want)
             if not direct:
                 dst[...] = target.view(self.dtype).reshape(tuple(inner))[within]
         elif dst.flags.c_contiguous and (not inner or chunk.lengths[1:] == tuple(inner[1:])):
@@ -293,10 +346,10 @@ class PieceReader:
             after = chunk_bytes - before - dst.nbytes
             spare = scratch(before + after, 0)
             segments = [spare[:before], as_bytes(dst), spare[before : before + after]]
-            self._read_verified(fd, offset, segments, expected, coord)
+            self._read_verified(fd, offset, segments, expected, coord, want)
         else:
             target = scratch(chunk_bytes, 0)
-            self._read_verified(fd, offset, [target], expected, coord)
+            self._read_verified(fd, offset, [target], expected, coord, want)
             dst[...] = target.view(self.dtype).reshape(tuple(inner))[within]
         return length
 
@@ -332,7 +385,7 @@ class PieceReader:
             ):
                 return None
         index_start = header.size - (len(header.index) * 16 + 4)
-        if first < header.table.nbytes or first + n * (chunk_bytes + 4) > index_start:
+        if first < header.head or first + n * (chunk_bytes + 4) > index_start:
             return None  # (not where chunks can be: read one by one, and refused there)
         flat = as_bytes(out)
         start = row * (chunk_bytes // inner[0])
@@ -348,6 +401,9 @@ class PieceReader:
             expected = int(header.table[chunk.linear])
             if stored != expected or _crc.crc32c(places[k].data) != stored:
                 raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+            self._check_hash(
+                header.hash_of(chunk.linear), f"inner chunk {coord}", places[k], tails[k]
+            )
         return n * (chunk_bytes + 4)
 
     def read_sharded(
@@ -370,30 +426,6 @@ def _index(at: Sequence[int], origin: Sequence[int], lengths: Sequence[int]) -> 
     """The index of the box at ``at`` of ``lengths`` in an array whose origin is at
     ``origin``; it ends with ``...`` so a 0-d array gives a view, not a scalar."""
     return (*(slice(a - o, a - o + n) for a, o, n in zip(at, origin, lengths, strict=True)), ...)
-
-
-class ChunkRead(NamedTuple):
-    """One inner chunk a read needs: its position in the shard index, its offsets, and
-    the part of it needed (offsets and lengths), all in block coordinates."""
-
-    linear: int
-    offsets: tuple[int, ...]
-    part: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ShardHeader:
-    """A shard's size, checksum table and index (offset, length per inner chunk), verified;
-    ``nbytes``: the bytes read for them."""
-
-    size: int
-    table: np.ndarray
-    index: np.ndarray
-    nbytes: int
-
-
-_local = threading.local()
 
 
 class _Named:
@@ -438,17 +470,3 @@ class _Named:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def scratch(nbytes: int, slot: int) -> np.ndarray:
-    """A flat uint8 buffer of ``nbytes`` owned by this thread (``slot`` 0 or 1: two may be
-    in use at once). Reused by the next call; buffers over 64 MiB are not kept."""
-    buffers = getattr(_local, "buffers", None)
-    if buffers is None:
-        buffers = _local.buffers = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
-    if buffers[slot].nbytes >= nbytes:
-        return buffers[slot][:nbytes]
-    fresh = np.empty(nbytes, dtype=np.uint8)
-    if nbytes <= 64 << 20:
-        buffers[slot] = fresh
-    return fresh

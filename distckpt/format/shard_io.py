@@ -28,6 +28,16 @@ The checkpoint index records one crc32c per piece: of the checksum table for a s
 the data for a plain chunk. Both depend on the data, so a file swapped for another of the
 same shape, truncated, or damaged is caught before its bytes are used, and a reader that
 needs one inner chunk still verifies it against the index without reading the others.
+
+**Hashed pieces** (a signed save's, :mod:`distckpt.signing`): a shard then also holds a
+*hash table* right after the checksum table, where zarr readers never look either: the
+32-byte hash (:mod:`distckpt.signing.hashes`) of every inner chunk's stored bytes and
+the crc32c after them, in C order, zeros for an absent one; chunks start after it. The
+piece's hash, which the index records, is the hash of the checksum table, the hash table
+and the shard index with its crc32c, one after the other: every byte of the file is
+covered, and a reader that needs one inner chunk verifies it against the signed index by
+reading the tables, the shard index and that chunk. A plain chunk's hash is the hash of
+the whole file.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import numpy as np
 
 from distckpt.format import digests
 from distckpt.format.codecs import Codec
+from distckpt.signing import hashes
 from distckpt.storage.backend import Store, WriteHandle, write_whole
 
 EMPTY = 2**64 - 1
@@ -81,6 +92,8 @@ class Stored(NamedTuple):
     #: What the store says of the file once written (:meth:`CopyingStore.stamp`): a later
     #: copy of it checks that it was not rewritten since (kept in memory).
     stamp: str | None = None
+    #: The piece's cryptographic hash (a signed save's; see the module docstring).
+    hash: bytes | None = None
 
 
 def inner_grid(block: Sequence[int], inner: Sequence[int]) -> tuple[int, ...]:
@@ -208,6 +221,7 @@ class ShardFile:
         codec: Codec | None = None,
         *,
         digests: bool = False,
+        hashing: str | None = None,
     ) -> None:
         self.handle = handle
         self.codec = codec
@@ -218,8 +232,13 @@ class ShardFile:
         nchunks = math.prod(inner_grid(block, inner))
         self.index = np.full((nchunks, 2), EMPTY, dtype="<u8")
         self.table = np.zeros(nchunks, dtype="<u4")
+        # A signed save's hash table (see the module docstring), after the checksum table.
+        self.hashing = hashing
+        self._hasher = None if hashing is None else hashes.hasher(hashing)
+        self.hashes = np.zeros((nchunks if hashing else 0, hashes.HASH_BYTES), dtype=np.uint8)
+        self.head = self.table.nbytes + self.hashes.nbytes
         self._slot = {p.linear: k for k, p in enumerate(parts)}
-        self._end = self.table.nbytes + (0 if codec else len(parts) * (self.chunk_bytes + 4))
+        self._end = self.head + (0 if codec else len(parts) * (self.chunk_bytes + 4))
         self._lock = threading.Lock()
         self._finished = False
 
@@ -233,7 +252,9 @@ class ShardFile:
             offset, self._end = self._end, self._end + len(stored) + 4
         if self.digests is not None:
             self.digests[linear] = digests.chunk_digest(raw)
-        length = self.handle.write([stored, struct.pack("<I", crc)], offset)
+        tail = struct.pack("<I", crc)
+        self._hash(linear, stored, tail)
+        length = self.handle.write([stored, tail], offset)
         self.table[linear] = crc
         self.index[linear] = (offset, length)
         return length
@@ -250,30 +271,50 @@ class ShardFile:
             crc = crc32c(raw)  # first: the digest and the write then find it in the cache
             if self.digests is not None:
                 self.digests[linear] = digests.chunk_digest(raw)
-            buffers += [raw, struct.pack("<I", crc)]
+            tail = struct.pack("<I", crc)
+            self._hash(linear, raw, tail)
+            buffers += [raw, tail]
             self.table[linear] = crc
-        offset = self.table.nbytes + slots[0] * (self.chunk_bytes + 4)
+        offset = self.head + slots[0] * (self.chunk_bytes + 4)
         length = self.handle.write(buffers, offset)
         for k, (linear, _) in enumerate(chunks):
             self.index[linear] = (offset + k * (self.chunk_bytes + 4), self.chunk_bytes + 4)
         return length
 
+    def _hash(self, linear: int, stored: Any, tail: bytes) -> None:
+        """Record the hash of one inner chunk's stored bytes and crc32c (a signed save's)."""
+        if self._hasher is not None:
+            h = self._hasher()
+            h.update(stored)
+            h.update(tail)
+            self.hashes[linear] = np.frombuffer(h.digest(), dtype=np.uint8)
+
     def finish(self, durable: bool = True) -> Stored:
-        """Write the shard index and the checksum table and finish the file (durably);
-        return its size, the table's crc and (when asked) the piece's digest."""
+        """Write the shard index and the checksum (and hash) tables and finish the file
+        (durably); return its size, the table's crc and (when asked) the piece's digest
+        and hash."""
         try:
             index_bytes = self.index.tobytes()
             tail = [index_bytes, struct.pack("<I", crc32c(index_bytes))]
             size = self._end + self.handle.write(tail, self._end)
-            self.handle.write([self.table], 0)
+            self.handle.write([self.table, self.hashes] if self.hashing else [self.table], 0)
             self.handle.finish(durable)
             self._finished = True
         finally:
             self.close()
+        piece_hash = None
+        if self.hashing is not None:
+            piece_hash = hashes.digest(self.hashing, self.table.view(np.uint8), self.hashes, *tail)
         if self.digests is None:
-            return Stored(size, crc32c(self.table))
+            return Stored(size, crc32c(self.table), hash=piece_hash)
         chunks = tuple(self.digests[k] for k in sorted(self.digests))
-        return Stored(size, crc32c(self.table), digests.piece_digest(chunks), chunks=chunks)
+        return Stored(
+            size,
+            crc32c(self.table),
+            digests.piece_digest(chunks),
+            chunks=chunks,
+            hash=piece_hash,
+        )
 
     def close(self) -> None:
         """Give up the file unless it was finished (after a failure elsewhere)."""
@@ -290,6 +331,7 @@ def write_sharded(
     *,
     codec: Codec | None = None,
     fsync: bool = True,
+    hashing: str | None = None,
 ) -> Stored:
     """Write ``data`` (the piece's box, origin at the block's origin) as one shard file,
     each inner chunk compressed by ``codec`` if given, on the calling thread (a save
@@ -301,7 +343,8 @@ def write_sharded(
     """
     parts = chunk_parts(data.shape, block, inner, data.dtype.itemsize)
     size_hint = math.prod(block) * data.dtype.itemsize
-    shard = ShardFile(store.create(key, size_hint), block, inner, parts, data.dtype.itemsize, codec)
+    handle = store.create(key, size_hint)
+    shard = ShardFile(handle, block, inner, parts, data.dtype.itemsize, codec, hashing=hashing)
     try:
         scratch = np.empty(shard.chunk_bytes, dtype=np.uint8)
         for chunk in parts:
@@ -312,11 +355,19 @@ def write_sharded(
 
 
 def write_plain(
-    store: Store, key: str, data: np.ndarray, *, fsync: bool = True, digest: bool = False
+    store: Store,
+    key: str,
+    data: np.ndarray,
+    *,
+    fsync: bool = True,
+    digest: bool = False,
+    hashing: str | None = None,
 ) -> Stored:
     """Write ``data`` as one plain chunk (bytes, then crc32c). Returns its size, crc and
-    (with ``digest``) content digest."""
+    (with ``digest``) content digest, and (with ``hashing``) the file's hash."""
     raw = as_bytes(np.ascontiguousarray(data))
     crc = crc32c(raw)
-    size = write_whole(store, key, [raw, struct.pack("<I", crc)], durable=fsync)
-    return Stored(size, crc, digests.plain_digest(raw) if digest else None)
+    tail = struct.pack("<I", crc)
+    size = write_whole(store, key, [raw, tail], durable=fsync)
+    piece_hash = None if hashing is None else hashes.digest(hashing, raw, tail)
+    return Stored(size, crc, digests.plain_digest(raw) if digest else None, hash=piece_hash)

@@ -21,6 +21,7 @@ from distckpt.errors import (
     UnsupportedValueError,
 )
 from distckpt.format import codecs, digests, wellformed, zarr_meta
+from distckpt.signing import hashes
 from distckpt.slices import Box
 from distckpt.tiling import TilingProblem, tiling_problem
 
@@ -40,6 +41,8 @@ class StoredPiece:
     codec: codecs.Codec | None = None
     digest: bytes | None = None
     reused: str | None = None
+    #: A signed save's hash of the piece's stored bytes (:mod:`distckpt.signing`).
+    hash: bytes | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -56,6 +59,8 @@ class StoredPiece:
             doc["digest"] = self.digest.hex()
         if self.reused is not None:
             doc["reused"] = self.reused
+        if self.hash is not None:
+            doc["hash"] = self.hash.hex()
         return doc
 
     @classmethod
@@ -81,8 +86,9 @@ class StoredPiece:
             crc=crc,
             size=size,
             codec=None if codec is None else codecs.from_json(codec, variable),
-            digest=_digest(data.get("digest"), variable),
+            digest=_hex(data.get("digest"), digests.PIECE_BYTES, variable, "digest"),
             reused=_origin(data.get("reused"), variable),
+            hash=_hex(data.get("hash"), hashes.HASH_BYTES, variable, "hash"),
         )
 
     def check(self, variable: str, shape: tuple[int, ...], itemsize: int) -> StoredPiece:
@@ -98,20 +104,23 @@ class StoredPiece:
             self.size,
             itemsize,
             self.codec is not None,
+            self.hash is not None,
         )
         return self
 
 
-def _digest(value: Any, variable: str) -> bytes | None:
-    """A listed piece's ``digest``: absent, or 32 hex digits."""
+def _hex(value: Any, width: int, variable: str, what: str) -> bytes | None:
+    """A listed piece's ``digest`` or ``hash``: absent, or ``width`` bytes in hex."""
     if value is None:
         return None
-    if isinstance(value, str) and len(value) == 2 * digests.PIECE_BYTES:
+    if isinstance(value, str) and len(value) == 2 * width:
         try:
             return bytes.fromhex(value)
         except ValueError:
             pass
-    raise wellformed.corrupt(variable, f"a piece digest that is not 32 hex digits: {value!r:.60}")
+    raise wellformed.corrupt(
+        variable, f"a piece {what} that is not {2 * width} hex digits: {value!r:.60}"
+    )
 
 
 def _origin(value: Any, variable: str) -> str | None:
@@ -243,9 +252,10 @@ def regular_entry(
     size: np.ndarray,
     digest: np.ndarray | None = None,
     reused: dict[str, Any] | None = None,
+    hash: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """The index entry of a regular array (``crc``, ``size``, ``digest``: by shard, C
-    order; ``reused``: from :func:`reuse_column`)."""
+    """The index entry of a regular array (``crc``, ``size``, ``digest``, ``hash``: by
+    shard, C order; ``reused``: from :func:`reuse_column`)."""
     entry: dict[str, Any] = {
         "kind": "tensor",
         "dtype": dtype,
@@ -263,6 +273,8 @@ def regular_entry(
         entry["digest"] = column(digest)
     if reused is not None:
         entry["reused"] = reused
+    if hash is not None:
+        entry["hash"] = column(hash)
     return entry
 
 
@@ -317,20 +329,26 @@ class Pieces:
         self.crc = Column(entry.get("crc"), "<u4", count, variable, "crc")
         self.size = Column(entry.get("size"), "<u8", count, variable, "size")
         self._digest = entry.get("digest")
-        self._digest_cache: np.ndarray | None = None
         self._reused = entry.get("reused")
-        if self._digest is not None:
-            self._digest_rows(count)  # malformed: corrupt now, not when first asked
+        self._hash = entry.get("hash")
+        self._rows_cache: dict[str, np.ndarray] = {}
+        if self._digest is not None:  # malformed: corrupt now, not when first asked
+            self._rows("digest", digests.PIECE_BYTES)
+        if self._hash is not None:
+            self._rows("hash", hashes.HASH_BYTES)
         if self._reused is not None:
             self._reuse_rows(count)
 
     def __len__(self) -> int:
         return len(self._listed) if self._listed is not None else self.crc.count
 
-    def _digest_rows(self, count: int) -> np.ndarray:
-        if self._digest_cache is not None:
-            return self._digest_cache
-        data, width = self._digest, digests.PIECE_BYTES
+    def _rows(self, name: str, width: int) -> np.ndarray:
+        """A column of ``width``-byte rows (``digest``, ``hash``), decoded once."""
+        cached = self._rows_cache.get(name)
+        if cached is not None:
+            return cached
+        count = len(self)
+        data = self._digest if name == "digest" else self._hash
         try:
             if isinstance(data, list) and len(data) == count:
                 raw = b"".join(bytes.fromhex(d) for d in data if isinstance(d, str))
@@ -341,9 +359,9 @@ class Pieces:
         except ValueError:
             raw = b""
         if len(raw) != count * width:
-            raise wellformed.corrupt(self.variable, "the index's digest column is malformed")
-        self._digest_cache = np.frombuffer(raw, np.uint8).reshape(count, width)
-        return self._digest_cache
+            raise wellformed.corrupt(self.variable, f"the index's {name} column is malformed")
+        rows = self._rows_cache[name] = np.frombuffer(raw, np.uint8).reshape(count, width)
+        return rows
 
     def _reuse_rows(self, count: int) -> tuple[list[str | None], np.ndarray]:
         doc = self._reused
@@ -371,7 +389,9 @@ class Pieces:
         index records neither)."""
         if self._listed is not None:
             return self._listed[k].digest, self._listed[k].reused
-        digest = None if self._digest is None else self._digest_rows(len(self))[k].tobytes()
+        digest = None
+        if self._digest is not None:
+            digest = self._rows("digest", digests.PIECE_BYTES)[k].tobytes()
         origin = None
         if self._reused is not None:
             names, which = self._reuse_rows(len(self))
@@ -384,7 +404,7 @@ class Pieces:
             return [p.digest for p in self._listed]
         if self._digest is None:
             return [None] * len(self)
-        return [row.tobytes() for row in self._digest_rows(len(self))]
+        return [row.tobytes() for row in self._rows("digest", digests.PIECE_BYTES)]
 
     def origins(self) -> list[str | None]:
         """Where each piece was reused from, in iteration order (None: written)."""
@@ -459,6 +479,9 @@ class Pieces:
             crc, size = self.crc[k], self.size[k]
         offsets = tuple([i * c for i, c in zip(coord, self.chunks)])
         lengths = tuple([min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape)])
+        piece_hash = None
+        if self._hash is not None:
+            piece_hash = self._rows("hash", hashes.HASH_BYTES)[self._linear(coord)].tobytes()
         piece = StoredPiece(
             f"{self.path}/{zarr_meta.chunk_key(coord)}",
             Box.known(offsets, lengths),
@@ -467,5 +490,6 @@ class Pieces:
             crc,
             size,
             self.codec,
+            hash=piece_hash,
         )
         return piece.check(self.variable, self.shape, self.itemsize)

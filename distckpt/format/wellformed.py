@@ -42,6 +42,8 @@ MAX_CODEC_CHUNK = 64 << 20
 #: Bytes of a shard's bookkeeping per inner chunk: its checksum table entry (4) and its
 #: index entry (16); the index's own crc32c adds 4 per shard.
 SHARD_BYTES_PER_CHUNK = 20
+#: What a signed save's shard adds per inner chunk (its row of the hash table).
+HASH_BYTES = 32
 
 
 def corrupt(variable: str, what: str) -> CorruptCheckpointError:
@@ -107,9 +109,11 @@ def check_piece(
     size: int,
     itemsize: int,
     compressed: bool,
+    hashed: bool = False,
 ) -> None:
     """Check one stored piece against its variable's ``shape`` and its own stored ``size``
-    (see the module); raises :class:`CorruptCheckpointError` naming the file."""
+    (see the module; ``hashed``: a shard with a hash table, a signed save's); raises
+    :class:`CorruptCheckpointError` naming the file."""
     ndim = len(shape)
 
     def bad(what: str) -> CorruptCheckpointError:
@@ -137,7 +141,7 @@ def check_piece(
     if len(inner) != ndim or any(i <= 0 or b % i for b, i in zip(block, inner)):
         raise bad(f"inner chunks {list(inner)} do not divide the block {list(block)}")
     chunks = math.prod(b // i for b, i in zip(block, inner))
-    least = SHARD_BYTES_PER_CHUNK * chunks + 4
+    least = (SHARD_BYTES_PER_CHUNK + (HASH_BYTES if hashed else 0)) * chunks + 4
     most = least + chunks * (math.prod(inner) * itemsize + 4)
     if size < least or (not compressed and size > most):
         raise bad(f"{chunks} inner chunks cannot be stored in {size} bytes")

@@ -107,7 +107,7 @@ def load_tree(
     keywords.pop("strict", None)
     options = merge(keywords.pop("options", None), keywords, LOAD, "load_tree")
     comm = communicator(comm)
-    source = StoredCheckpoint(path, comm)
+    source = StoredCheckpoint(path, comm, options.trusted_keys)
     tree = read_tree(source, comm, options, DATA, STRUCTURE, max_bytes=max_bytes, targets=targets)
     if tree is None:
         raise distckpt.CheckpointError(

@@ -313,7 +313,9 @@ class Checkpoint(Node):
         :class:`~distckpt.errors.ShapeMismatchError` naming the variable and both shapes.
         A value saved pickled is refused unless ``allow_pickle=True`` (unpickling runs code
         from the checkpoint: only for checkpoints you trust). ``io_workers`` is each rank's
-        number of I/O threads (see :func:`distckpt.load`); both may come in ``options``.
+        number of I/O threads (see :func:`distckpt.load`); ``trusted_keys`` refuses a
+        checkpoint not signed by one of them (:mod:`distckpt.signing`); each may come in
+        ``options``.
         """
         opts = merge(options, keywords, RESTORE, "restore")
         if path is None:
@@ -322,7 +324,7 @@ class Checkpoint(Node):
             return InitializationOnlyStatus()
         comm = comm or auto()
         background.finish_pending()
-        source = StoredCheckpoint(path, comm)
+        source = StoredCheckpoint(path, comm, opts.trusted_keys)
         status = self._restore_from(source, comm, opts)
         self._base = os.fspath(path)
         return status

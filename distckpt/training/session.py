@@ -40,6 +40,7 @@ from distckpt.engine.options import CheckpointOptions, resolve_run
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.format.stored import Pieces
 from distckpt.items import PerRank, Shard, is_dtensor
+from distckpt.signing.keys import TrustSource, trusted_keys
 from distckpt.storage.registry import location, open_store
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
@@ -68,12 +69,16 @@ class Source(Protocol):
 
 class StoredCheckpoint:
     """A checkpoint in a directory or object store: its index is read once, by rank 0,
-    for every round of loads of a restore. Collective to construct."""
+    for every round of loads of a restore. Collective to construct. ``trusted``: the
+    keys it must be signed by (see :mod:`distckpt.signing`; also, when None, those
+    ``$DISTCKPT_TRUSTED_KEYS`` names)."""
 
-    def __init__(self, path: str | os.PathLike[str], comm: Communicator) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], comm: Communicator, trusted: TrustSource = None
+    ) -> None:
         self.store = open_store(path)
         self.path = location(self.store)
-        self.index = read_shared_index(self.store, comm)
+        self.index = read_shared_index(self.store, comm, trusted_keys(trusted))
         reuse.remember_index(self.store, self.index)  # the base of the next save
 
     def load(self, state: dict[str, Any], comm: Communicator, options: CheckpointOptions) -> Any:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from distckpt import dtypes
-from distckpt.errors import CorruptCheckpointError
+from distckpt.errors import CorruptCheckpointError, UntrustedCheckpointError
 from distckpt.format.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.format.shard_io import EMPTY
 from distckpt.format.stored import Pieces, StoredPiece
@@ -54,6 +54,7 @@ class ReadTarget:
     tensor: torch.Tensor | None = None
     out: np.ndarray | None = None
     stored: Pieces | None = None  # the entry's pieces, if already read
+    auth: str | None = None  # the hash algorithm every byte read is checked with
 
 
 class _Tally:
@@ -74,11 +75,14 @@ def read_targets(
     *,
     workers: int,
     on_bytes: Callable[[int], None] | None = None,
+    auth: str | None = None,
 ) -> int:
     """Fill every target, verifying every checksum read; returns the bytes read from
-    storage (as stored). ``on_bytes(n)`` counts the target bytes filled."""
+    storage (as stored). ``on_bytes(n)`` counts the target bytes filled. ``auth``: check
+    every byte read against the hash (of that algorithm) its signed index records."""
     jobs: list[tuple[ReadTarget, list[Copy[StoredPiece]], np.ndarray | None]] = []
     for t in targets:
+        t.auth = auth
         if t.box.empty:
             continue
         if t.stored is None:
@@ -130,7 +134,14 @@ def _tensor(t: ReadTarget) -> torch.Tensor:
 
 def _reader(root: Store, t: ReadTarget, piece: StoredPiece) -> PieceReader:
     dtype = dtypes.numpy_dtype(t.entry["dtype"])
-    return PieceReader(t.name, root, piece.file, dtype, piece.crc, piece.codec, piece.size)
+    auth = None
+    if t.auth is not None:
+        if piece.hash is None:
+            raise UntrustedCheckpointError(
+                f"variable {t.name!r}: the signed index records no hash of {piece.file}"
+            )
+        auth = (t.auth, piece.hash)
+    return PieceReader(t.name, root, piece.file, dtype, piece.crc, piece.codec, piece.size, auth)
 
 
 def _read_headers(

@@ -43,6 +43,7 @@ from distckpt.format.codecs import Codec
 from distckpt.format.digests import chunk_digest, piece_digest, plain_digest
 from distckpt.format.piece_reader import PieceReader, scratch
 from distckpt.format.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
+from distckpt.signing import hashes
 from distckpt.storage.backend import Store, copying, syncing, write_whole
 from distckpt.transfer import slabs
 from distckpt.transfer.sources import HostData, Source
@@ -90,6 +91,7 @@ def write_pieces(
     workers: int,
     on_bytes: Callable[[int], None] | None = None,
     digests: bool = False,
+    hashing: str | None = None,
 ) -> dict[int, Stored]:
     """Write every piece of ``jobs`` and the small ``files`` (key, bytes) into ``store``,
     or take a job's piece from its :class:`Reuse` when its bytes are the same; then make
@@ -100,7 +102,9 @@ def write_pieces(
     same bytes (taken instead of written when it does).
 
     Returns {piece id: :class:`~distckpt.format.shard_io.Stored`}, with each piece's
-    content digest when ``digests`` (or a job may be reused); ``on_bytes(n)`` counts the
+    content digest when ``digests`` (or a job may be reused), and its hash when
+    ``hashing`` names an algorithm (a signed save: the workers hash what they write;
+    a job reused keeps the hash its :class:`Reuse` knows); ``on_bytes(n)`` counts the
     pieces' data bytes as they are written (from the workers, one call at a time).
     """
     # One worker with nothing to stage writes on this thread (see TaskGroup).
@@ -123,8 +127,9 @@ def write_pieces(
         for job in jobs:
             if job.id in decided:
                 results[job.id] = decided[job.id]
-            elif any(n == 0 for n in job.data.shape):
-                results[job.id] = Stored(0, 0, plain_digest(b"") if digests else None)
+            elif any(n == 0 for n in job.data.shape):  # nothing stored: no file
+                empty = None if hashing is None else hashes.digest(hashing)
+                results[job.id] = Stored(0, 0, plain_digest(b"") if digests else None, hash=empty)
             elif job.inner is None:  # small: a device tensor comes over whole, from here
                 small.append(job.key)
                 group.submit(
@@ -136,12 +141,13 @@ def write_pieces(
                     results,
                     digests,
                     barrier is None,
+                    hashing,
                 )
             else:
                 sharded.append(job)
         # Everything read in place first: it never waits for a slab.
         sharded.sort(key=lambda j: j.data.staged)
-        plans = (_plan(store, job, results, shards, digests) for job in sharded)
+        plans = (_plan(store, job, results, shards, digests, hashing) for job in sharded)
         runs = ([(plan, run) for run in plan.runs] for plan in plans)
         for plan, run in interleaved(runs, workers):
             group.check()
@@ -353,8 +359,9 @@ def _write_plain(
     results: dict[int, Stored],
     digests: bool,
     durable: bool = True,
+    hashing: str | None = None,
 ) -> int:
-    stored = shard_io.write_plain(store, key, data, fsync=durable, digest=digests)
+    stored = shard_io.write_plain(store, key, data, fsync=durable, digest=digests, hashing=hashing)
     results[piece] = stored._replace(stamp=_stamp(store, key)) if digests else stored
     return int(data.nbytes)
 
@@ -389,13 +396,16 @@ def _plan(
     results: dict[int, Stored],
     shards: list[ShardFile],
     digests: bool,
+    hashing: str | None,
 ) -> _Plan:
     assert job.inner is not None
     data = job.data
     itemsize = data.dtype.itemsize
     parts = shard_io.chunk_parts(data.shape, job.block, job.inner, itemsize)
     handle = store.create(job.key, math.prod(job.block) * itemsize)
-    shard = ShardFile(handle, job.block, job.inner, parts, itemsize, job.codec, digests=digests)
+    shard = ShardFile(
+        handle, job.block, job.inner, parts, itemsize, job.codec, digests=digests, hashing=hashing
+    )
     shards.append(shard)
 
     def finish() -> None:

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"settings", "dtypes", "slices", "naming", "numbering", "values", "terminal"},
     {"tiling", "items", "progress"},
     {"storage", "comm"},  # the stores; the communicators
-    {"format"},  # what is on disk, over the store protocol
+    {"format", "signing"},  # what is on disk, over the store protocol; its signature
     {"commit", "planning"},  # how a save commits; what each rank writes and reads
     {"transfer"},  # a rank's data path
     {"engine"},

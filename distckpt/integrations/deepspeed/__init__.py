@@ -167,7 +167,7 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         ask (``map_location`` is otherwise not applied)."""
         folder, name = os.path.split(os.path.abspath(os.fspath(path)))
         comm = SingleComm()
-        source = StoredCheckpoint(folder, comm)
+        source = StoredCheckpoint(folder, comm, self.options.trusted_keys)
         tree = trees.read_tree(
             source, comm, self.options, name, name + STRUCTURE_SUFFIX, strict=False
         )
