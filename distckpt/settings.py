@@ -200,6 +200,13 @@ SIGNING_KEY: Setting[str] = Setting(
     "sign with it (see [signed checkpoints](../reference/signing.md)).",
     "unset: saves are not signed",
 )
+SIGNING_HASH: Setting[str] = Setting(
+    "DISTCKPT_SIGNING_HASH",
+    _text,
+    None,
+    "`blake3` or `sha256`: the hash a signed save records of every stored byte.",
+    "`blake3` where the blake3 package is installed (the `sign` extra), else `sha256`",
+)
 TRUSTED_KEYS: Setting[str] = Setting(
     "DISTCKPT_TRUSTED_KEYS",
     _text,
@@ -225,6 +232,7 @@ ALL: tuple[Setting[Any], ...] = (
     PREEMPTED_FILE,
     PROGRESS,
     SIGNING_KEY,
+    SIGNING_HASH,
     TRUSTED_KEYS,
 )
 

@@ -118,7 +118,12 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         self.stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
         self.stored_bytes = 0  # by every rank: known to the coordinator
         # A signed save: every rank hashes what it stores; the coordinator signs.
-        self.hashing = hashes.default_algorithm() if wants_signature(merged.signing_key) else None
+        self.hashing: str | None = None
+        try:
+            if wants_signature(merged.signing_key):
+                self.hashing = hashes.default_algorithm()
+        except ValueError as exc:
+            self.error = self.error or exc
 
     def check(self) -> None:
         if self.error is not None:

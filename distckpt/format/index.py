@@ -62,8 +62,9 @@ sealed checkpoint as it reads any other of its version.
 
 Format versions: 1 lists every piece, uncompressed; 2 adds compressed pieces; 3 adds the
 compact regular entries; 4 binary values; 5 signed checkpoints (a ``signature`` member,
-``hash_algorithm``, ``files``, and a ``hash`` of every piece: :mod:`distckpt.signing`). A checkpoint records the lowest version that reads it, so a
-distckpt that predates a feature it uses refuses it clearly instead of misreading it.
+``hash_algorithm``, ``files``, a ``hash`` of every piece, and a hash table in every
+shard: :mod:`distckpt.signing`). A checkpoint records the lowest version that reads it,
+so a distckpt that predates a feature it uses refuses it clearly instead of misreading it.
 """
 
 from __future__ import annotations

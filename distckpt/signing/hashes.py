@@ -23,6 +23,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from distckpt import settings
 from distckpt.errors import CorruptCheckpointError
 
 #: Bytes of every hash, whichever the algorithm.
@@ -61,8 +62,19 @@ def available() -> dict[str, Callable[[], Hasher]]:
 
 
 def default_algorithm() -> str:
-    """What a signed save hashes with here: ``blake3`` where installed, else ``sha256``."""
+    """What a signed save hashes with here: ``$DISTCKPT_SIGNING_HASH`` if set (a
+    :class:`ValueError` when this process cannot compute it), else ``blake3`` where
+    installed, else ``sha256``."""
     made = available()
+    chosen = settings.SIGNING_HASH.get()
+    if chosen is not None:
+        if chosen not in made:
+            known = ", ".join(ALGORITHMS)
+            raise ValueError(
+                f"DISTCKPT_SIGNING_HASH={chosen!r}: this process computes {', '.join(made)} "
+                f"(of {known}; blake3 needs pip install 'distckpt[sign]')"
+            )
+        return chosen
     return next(name for name in ALGORITHMS if name in made)
 
 
