@@ -2,7 +2,10 @@
 
     distckpt ls DIR [--json]            the checkpoints of a run directory
     distckpt inspect CKPT [--json]      the variables of a checkpoint
-    distckpt verify CKPT                re-read every byte and check every checksum
+    distckpt verify CKPT [--key PUB]    re-read every byte and check every checksum (and
+                                        with --key, that it is signed by a trusted key)
+    distckpt sign CKPT --key KEY        sign a checkpoint with a private key
+    distckpt keygen KEY                 a new Ed25519 signing key (KEY, and KEY.pub)
     distckpt export CKPT OUT            one .safetensors or .pt file (streamed)
     distckpt export CKPT DIR --hf       Hugging Face weights: safetensors files and an index
     distckpt import SRC OUT             a DCP or Hugging Face directory, .pt/.pth/.bin or
@@ -85,12 +88,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from distckpt.signing.keys import trusted_keys
     from distckpt.tools.catalog import open_catalog
     from distckpt.tools.verify import stored_bytes, verify
 
+    trusted = trusted_keys(args.key)
     total = stored_bytes(open_catalog(args.checkpoint, tiling=False))
     with progress(f"verifying {args.checkpoint}", total, threshold=0) as bar:
-        report = verify(args.checkpoint, on_bytes=bar.update)
+        report = verify(args.checkpoint, on_bytes=bar.update, trusted=trusted)
     for problem in report.problems:
         _say(f"distckpt verify: {problem}", sys.stderr)
     notes = "".join(f"; {note}" for note in report.notes)
@@ -101,6 +106,33 @@ def _verify(args: argparse.Namespace) -> int:
         f"{args.checkpoint}: ok, {report.variables} variables, {report.pieces} pieces, "
         f"{report.bytes_read} bytes read and verified{notes}"
     )
+    return OK
+
+
+def _sign(args: argparse.Namespace) -> int:
+    from distckpt.signing.keys import SigningKey
+    from distckpt.tools.catalog import open_catalog
+    from distckpt.tools.sign import sign
+    from distckpt.tools.verify import stored_bytes
+
+    key = SigningKey.from_file(args.key)
+    total = stored_bytes(open_catalog(args.checkpoint, tiling=False))
+    with progress(f"signing {args.checkpoint}", total, threshold=0) as bar:
+        report = sign(args.checkpoint, key, on_bytes=bar.update)
+    _say(
+        f"{args.checkpoint}: signed by key {report.signer} ({report.pieces} pieces, "
+        f"{report.bytes_read} bytes checked and hashed with {report.algorithm})"
+    )
+    return OK
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from distckpt.signing.keys import SigningKey
+
+    public = args.public or f"{args.key}.pub"
+    key = SigningKey.generate()
+    key.write(args.key, public=public)
+    _say(f"wrote {args.key} (private: keep it secret) and {public} (key {key.id})")
     return OK
 
 
@@ -218,7 +250,21 @@ def _parser() -> argparse.ArgumentParser:
         "verify", help="re-read every stored byte; check checksums, sizes and coverage"
     )
     p.add_argument("checkpoint")
+    p.add_argument(
+        "--key",
+        default=None,
+        help="trusted public keys (PEM or ssh-ed25519 lines; default $DISTCKPT_TRUSTED_KEYS): "
+        "the checkpoint must be signed by one of them",
+    )
     p.set_defaults(func=_verify)
+    p = sub.add_parser("sign", help="sign a committed checkpoint (replaces it, atomically)")
+    p.add_argument("checkpoint")
+    p.add_argument("--key", required=True, help="the private key file (PEM or OpenSSH)")
+    p.set_defaults(func=_sign)
+    p = sub.add_parser("keygen", help="write a new Ed25519 signing key and its public key")
+    p.add_argument("key", help="the private key file to create (PEM)")
+    p.add_argument("--public", default=None, help="the public key file (default KEY.pub)")
+    p.set_defaults(func=_keygen)
     p = sub.add_parser(
         "export",
         help="write one consolidated file, streamed with bounded memory: .safetensors or "
@@ -298,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         # from here, so the flush at exit raises nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, ImportError) as exc:  # (an extra not installed)
         _say(f"distckpt {args.command}: error: {_one_line(exc)}", sys.stderr)
         return ERROR
 

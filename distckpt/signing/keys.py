@@ -215,6 +215,11 @@ def wants_signature(given: KeySource) -> bool:
     return given is not None or settings.SIGNING_KEY.is_set()
 
 
+def requires_signature(given: TrustSource) -> bool:
+    """Whether a load is to require a signature, without reading the keys."""
+    return given is not None or settings.TRUSTED_KEYS.is_set()
+
+
 def trusted_keys(given: TrustSource) -> TrustedKeys | None:
     """The keys a load requires a signature by: ``given`` (keys, a signing key's public
     key, or a trusted-keys file), else the file ``$DISTCKPT_TRUSTED_KEYS`` names, else

@@ -58,9 +58,26 @@ def check_index(raw: bytes, store: Store, trusted: TrustedKeys) -> str:
         raise UntrustedCheckpointError(
             f"{store.url}: the signed index records no hashes of its files"
         )
-    for name, expected in files.items():
-        _check_file(store, name, expected, algorithm)
+    problems = file_problems(store, index)
+    if problems:
+        raise UntrustedCheckpointError(problems[0])
     return kid
+
+
+def file_problems(store: Store, index: dict[str, Any]) -> list[str]:
+    """Why each file a signed index lists (``files``) is not as hashed there: missing,
+    too large for a metadata file, or of another hash (empty: all as hashed)."""
+    algorithm = index.get(ALGORITHM)
+    files = index.get(FILES)
+    if not isinstance(algorithm, str) or not isinstance(files, dict):
+        return []
+    problems = []
+    for name, expected in files.items():
+        try:
+            _check_file(store, name, expected, algorithm)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _check_file(store: Store, name: str, expected: Any, algorithm: str) -> None:

@@ -19,6 +19,7 @@ from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.format.index import pieces_of, read_index
 from distckpt.format.stored import StoredPiece
+from distckpt.signing.keys import TrustedKeys
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
 
@@ -66,11 +67,17 @@ def per_rank_name(name: str, rank: str | int) -> str:
     return f"{name}/rank{rank}"
 
 
-def open_catalog(path: str | os.PathLike[str] | Store, *, tiling: bool = True) -> Catalog:
+def open_catalog(
+    path: str | os.PathLike[str] | Store,
+    *,
+    tiling: bool = True,
+    trusted: TrustedKeys | None = None,
+) -> Catalog:
     """Read and check the index of the committed checkpoint at ``path`` (``tiling=False``:
-    all but whether each tensor's pieces tile it, which ``verify`` reports itself)."""
+    all but whether each tensor's pieces tile it, which ``verify`` reports itself;
+    ``trusted``: it must be signed by one of these keys, see :mod:`distckpt.signing`)."""
     root = open_store(path)
-    index = read_index(root, tiling=tiling)
+    index = read_index(root, tiling=tiling, trusted=trusted)
     tensors: dict[str, TensorVar] = {}
     values: dict[str, ValueVar] = {}
     for name, entry in sorted(index["variables"].items()):

@@ -11,6 +11,7 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.format import seal
 from distckpt.format.index import read_index
 from distckpt.format.stored import Pieces
+from distckpt.signing.signature import MEMBER
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -33,6 +34,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         "world_size": index.get("world_size"),
         "created": index.get("created"),
         "metadata_checksum": getattr(index, "sealed", False),
+        "signed_by": signer_of(index),
         "bytes": sum(row.get("bytes", 0) for row in rows),
         "reused_bytes": sum(sum(row.get("reused", {}).values()) for row in rows),
         "variables": rows,
@@ -85,6 +87,8 @@ def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> lis
     ]
     if summary.get("metadata_checksum") is False:
         lines.append(f"  ({seal.UNSEALED})")
+    if summary.get("signed_by"):
+        lines.append(f"  (signed by key {summary['signed_by']}: `distckpt verify --key` checks it)")
     for row in rows:
         if row["kind"] == "tensor":
             stored = (
@@ -102,3 +106,11 @@ def format_summary(path: str | os.PathLike[str], summary: dict[str, Any]) -> lis
         else:
             lines.append(f"  {row['name']}  ({row['kind']})")
     return lines
+
+
+def signer_of(index: dict[str, Any]) -> str | None:
+    """The key id the index names as its signer (not checked), or None."""
+    member = index.get(MEMBER)
+    if isinstance(member, str) and member.count(":") == 2:
+        return member.split(":")[1][:16]
+    return None

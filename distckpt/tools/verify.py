@@ -32,12 +32,16 @@ from distckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     UnsupportedValueError,
+    UntrustedCheckpointError,
 )
 from distckpt.format import seal
 from distckpt.format.piece_reader import PieceReader
+from distckpt.signing.keys import TrustedKeys
+from distckpt.signing.trust import file_problems
 from distckpt.slices import Box
 from distckpt.tiling import tiling_problem
 from distckpt.tools.catalog import Catalog, TensorVar, open_catalog
+from distckpt.tools.summary import signer_of
 from distckpt.values import decode
 
 
@@ -52,11 +56,20 @@ class VerifyReport:
     #: Whether the index carries its checksum (checked before anything else was read);
     #: False for an index written by a distckpt that did not seal it.
     sealed: bool = True
+    #: The key id that signed the checkpoint, as the index names it (None: unsigned);
+    #: ``trusted``: whether that signature was checked against trusted keys and holds.
+    signer: str | None = None
+    trusted: bool = False
 
     @property
     def notes(self) -> list[str]:
         """What is worth saying that is not a problem."""
-        return [] if self.sealed else [seal.UNSEALED]
+        notes = [] if self.sealed else [seal.UNSEALED]
+        if self.trusted:
+            notes.append(f"signed by trusted key {self.signer}, every byte as signed")
+        elif self.signer is not None:
+            notes.append(f"signed by key {self.signer} (not checked: no trusted keys given)")
+        return notes
 
     @property
     def ok(self) -> bool:
@@ -106,7 +119,10 @@ def stored_bytes(catalog: Catalog) -> int:
 
 
 def verify(
-    path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+    path: str | os.PathLike[str],
+    on_bytes: Callable[[int], None] | None = None,
+    *,
+    trusted: TrustedKeys | None = None,
 ) -> VerifyReport:
     """Check every byte of the checkpoint at ``path``; ``on_bytes(n)`` reports progress
     (the bytes read so far add up to the pieces' file sizes, :func:`stored_bytes`).
@@ -117,12 +133,28 @@ def verify(
         report = verify("run/ckpt-10")
         for problem in report.problems:
             print(problem)
+
+    A signed checkpoint's hashes are checked too (every piece, every file it lists);
+    with ``trusted`` (keys, see :mod:`distckpt.signing`) a checkpoint that is not signed
+    by one of them is a problem, named first.
     """
-    catalog = open_catalog(path, tiling=False)  # coverage is checked (and reported) here
+    problems: list[str] = []
+    try:
+        catalog = open_catalog(path, tiling=False, trusted=trusted)  # coverage: below
+    except UntrustedCheckpointError as exc:
+        problems.append(str(exc))
+        catalog = open_catalog(path, tiling=False)  # the data is still checked
+    index = catalog.index
+    signed_by = getattr(index, "signed_by", None)
     report = VerifyReport(
         variables=len(catalog.tensors) + len(catalog.values),
-        sealed=getattr(catalog.index, "sealed", False),
+        problems=problems,
+        sealed=getattr(index, "sealed", False),
+        signer=signed_by or signer_of(index),
+        trusted=signed_by is not None,
     )
+    if signed_by is None:  # (checked with the signature otherwise)
+        report.problems.extend(file_problems(catalog.root, index))
     for var in catalog.tensors.values():
         _verify_tensor(catalog, var, report, on_bytes)
     for value in catalog.values.values():
@@ -177,8 +209,17 @@ def _verify_tensor(
                 f"variable {var.name!r}: file is {size} bytes, the index says {piece.size} ({file})"
             )
             continue
+        algorithm = catalog.index.get("hash_algorithm")
+        auth = None
+        if isinstance(algorithm, str):
+            if piece.hash is None:
+                report.problems.append(
+                    f"variable {var.name!r}: the signed index records no hash of its piece ({file})"
+                )
+                continue
+            auth = (algorithm, piece.hash)
         reader = PieceReader(
-            var.name, catalog.root, piece.file, var.numpy_dtype, piece.crc, piece.codec, size
+            var.name, catalog.root, piece.file, var.numpy_dtype, piece.crc, piece.codec, size, auth
         )
         try:
             if piece.inner is None:

@@ -27,6 +27,7 @@ from distckpt.local.choose import choose
 from distckpt.local.nodes import topology
 from distckpt.local.restore import LocalStep
 from distckpt.local.save import Step, save_local
+from distckpt.signing.keys import requires_signature
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
 from distckpt.training.checkpoint import Checkpoint
@@ -115,6 +116,11 @@ class LocalSaves:
         the persistent schedule it recorded), or restore nothing (the reason in
         :attr:`reason`) and return the error of a local restore that failed, if one did."""
         comm = self.comm
+        if requires_signature(options.trusted_keys):
+            # Local steps carry no signature: a job that requires one restores from the
+            # shared directory, whose checkpoints are checked against the trusted keys.
+            self.reason = "local steps are not signed, and trusted keys are required"
+            return None, None
         survey = choose(comm, self.store, self.run, newer_than)
         self.reason = survey.reason
         choice = survey.choice

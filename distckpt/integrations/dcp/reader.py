@@ -47,6 +47,7 @@ import distckpt
 from distckpt import dtypes
 from distckpt.comm import SingleComm
 from distckpt.integrations.dcp.common import Location, done, location, rank_location
+from distckpt.signing.keys import TrustSource, trusted_keys
 from distckpt.tools.catalog import open_catalog
 from distckpt.training.names import nest, parts
 from distckpt.values import decode
@@ -67,7 +68,9 @@ class DistckptReader(StorageReader):
     """A DCP ``StorageReader`` of the distckpt checkpoint at ``path`` (a directory or any
     store's URL), whatever world size wrote it. ``allow_pickle=True`` lets values that
     were stored pickled be read (unpickling runs code from the checkpoint). ``io_workers``
-    as for :func:`distckpt.load`. ``_extension_registry`` (``FileSystemReader``'s) is
+    as for :func:`distckpt.load`. ``trusted_keys`` (or ``$DISTCKPT_TRUSTED_KEYS``):
+    refuse a checkpoint not signed by one of them, and check every byte read
+    (:mod:`distckpt.signing`). ``_extension_registry`` (``FileSystemReader``'s) is
     accepted and unused: the checkpoint's index names its codecs."""
 
     def __init__(
@@ -76,12 +79,14 @@ class DistckptReader(StorageReader):
         *,
         allow_pickle: bool = False,
         io_workers: int | None = None,
+        trusted_keys: TrustSource = None,
         _extension_registry: Any = None,
     ) -> None:
         super().__init__()
         self.path = path
         self.allow_pickle = allow_pickle
         self.io_workers = io_workers
+        self.trusted_keys = trusted_keys
         self.load_id = uuid.uuid4().hex
         self.source: Location | None = None  # what read_metadata read: path or a rank's
         self.tensors: dict[str, str] = {}  # DCP key: distckpt name
@@ -104,7 +109,7 @@ class DistckptReader(StorageReader):
         source = location(self.path)
         if rank is not None:
             source = rank_location(source, rank)
-        catalog = open_catalog(source)
+        catalog = open_catalog(source, trusted=trusted_keys(self.trusted_keys))
         entries: dict[str, Any] = {}
         paths: dict[str, tuple[str | int, ...]] = {}
         tensors: dict[str, str] = {}
@@ -178,7 +183,12 @@ class DistckptReader(StorageReader):
                 flat[self.tensors[key]] = distckpt.Shard(into, entry.size, offsets)
                 targets.append((item, target, into))
             distckpt.load(
-                nest(flat), source, SingleComm(), strict=False, io_workers=self.io_workers
+                nest(flat),
+                source,
+                SingleComm(),
+                strict=False,
+                io_workers=self.io_workers,
+                trusted_keys=self.trusted_keys,
             )
             for item, target, into in targets:
                 if into is not target:
