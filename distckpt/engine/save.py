@@ -213,7 +213,7 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
 
         coordinate(comm, report, commit_all, error=error, settle=abort_unless_committed)
         if self.options.incremental:
-            reuse.remember_saved(self.final, index_version, self.stored)
+            reuse.remember_saved(self.final, index_version, self.stored, self.hashing)
 
     def abort(self, exc: BaseException) -> BaseException:
         # A collective that failed (a dead rank, a time-out) skips the normal abort: never
