@@ -253,3 +253,28 @@ def test_plans_a_peer_shares_are_checked_alike_on_every_rank(plan: list[Any]) ->
     with pytest.raises(CorruptCheckpointError, match="rank 1"):
         checked_plans([[(0, 64), (64, 8)], *plan])
     assert checked_plans([[(0, 64), (64, 8)], []]) == [[(0, 64), (64, 8)], []]
+
+
+def test_links_in_the_tier_are_removed_never_followed(tmp_path: Path) -> None:
+    """Held: steps that are links out, and links in a step the tier removes, are
+    unlinked when the tier drops or retires them; what they lead to is left alone."""
+    saved(tmp_path)
+    outside = tmp_path / "outside"
+    shutil.copytree(tmp_path / "local" / "step-2", outside / "step-9")
+    (outside / "file").write_bytes(b"precious")
+    local = tmp_path / "local"
+    (local / "step-9").symlink_to(outside / "step-9")  # newer: dropped by the restore
+    (local / "step-0").symlink_to(outside)  # older: retired by the saves
+    (local / "step-2" / "out").symlink_to(outside / "file")
+    (local / "step-2" / "dir").symlink_to(outside)
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in outside.rglob("*") if p.is_file()}
+    ckpt = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8, 4))
+    with bounded(BOUND), local_manager(tmp_path, ckpt) as m:
+        m.restore_or_initialize()
+        assert m.restored is not None and m.restored.tier == "local", m.restored
+        for step in (3, 4, 5, 6):
+            ckpt.step.fill_(step)
+            m.save()
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in outside.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in local.iterdir()) == ["step-4", "step-5", "step-6"]
