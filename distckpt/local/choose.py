@@ -27,7 +27,7 @@ class Choice:
     token: str
     world: int
     holders: dict[int, list[int]]
-    run: str = ""
+    run: str
 
 
 @dataclass
