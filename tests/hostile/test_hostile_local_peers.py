@@ -117,7 +117,8 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
         "persistent",
         "saved by 2 rank(s), not of run",
     ),
-    # Files of a rank the save did not have: ignored, not read into the step.
+    # Files of a rank the save did not have: ignored, not read into the step (their box,
+    # overlapping rank 0's, failed the whole step).
     "owner-beyond-the-world": (stray_owner, "local", "held whole"),
     # A piece beyond the end of its data file: refused before a buffer is made for it.
     "piece-beyond-its-file": (
