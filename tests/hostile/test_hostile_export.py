@@ -347,3 +347,36 @@ def test_a_differing_value_of_any_size_is_one_short_line(tmp_path: Path) -> None
     distckpt.save({"v": "y" * 10_000_000}, b)
     (found,) = diff(a, b)
     assert found.what == "value" and len(str(found)) < 500, str(found)[:1000]
+
+
+def test_targets_that_are_links_are_replaced_never_written_through(tmp_path: Path) -> None:
+    """Held: an export is written beside its target and renamed onto it, so a link there
+    is replaced (with --overwrite), a dangling one too, and what they lead to is left
+    alone; an import refuses a target that is a link (to a directory or to nothing)."""
+    ck, outside = tmp_path / "ck", tmp_path / "outside"
+    distckpt.save({"w": torch.arange(4.0), "v": 1}, ck)
+    outside.mkdir()
+    for name in ("victim.safetensors", "victim.pt", "model.safetensors"):
+        (outside / name).write_bytes(b"precious")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").symlink_to(outside / "model.safetensors")
+    links = {
+        "st": (tmp_path / "o.safetensors", outside / "victim.safetensors"),
+        "pt": (tmp_path / "o.pt", outside / "victim.pt"),
+        "dangling": (tmp_path / "d.safetensors", outside / "nothing.safetensors"),
+        "dir": (tmp_path / "into", outside),
+        "none": (tmp_path / "nowhere", outside / "nothing"),
+    }
+    for link, to in links.values():
+        link.symlink_to(to)
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    for key in ("st", "pt", "dangling"):
+        run = cli("export", ck, links[key][0], "--overwrite")
+        assert run.returncode == 0, run.stderr
+        assert not links[key][0].is_symlink()  # the link replaced by the export
+    assert cli("export", ck, hf, "--hf", "--overwrite").returncode == 0
+    for key in ("dir", "none"):
+        run = cli("import", tmp_path / "o.safetensors", links[key][0], "--overwrite")
+        assert run.returncode == 2 and "not a distckpt checkpoint" in run.stderr, run.stderr
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
