@@ -107,6 +107,35 @@ def is_dtensor(obj: object) -> bool:
     return module is not None and isinstance(obj, module.DTensor)
 
 
+def dense(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor``, once it is seen to be one distckpt stores: dense and strided (a sparse,
+    nested or quantized tensor has no one block of elements to store)."""
+    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:
+        kind = "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else "sparse"
+        kind = f"a {kind} ({tensor.layout}, {tensor.dtype})"
+        raise UnsupportedValueError(
+            f"variable {name!r}: cannot store {kind} tensor; distckpt stores dense tensors "
+            "(save tensor.to_dense(), or the parts it is made of)"
+        )
+    return tensor
+
+
+def _key_name(k: Any, name: str) -> str:
+    """The name part of a state's key ``k``: a str or an int, in text a path can hold."""
+    if not isinstance(k, (str, int)) or isinstance(k, bool):
+        raise UnsupportedValueError(
+            f"{name or 'state'}: key {k!r} must be a str or an int to name a variable"
+        )
+    text = str(k)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedValueError(
+            f"{name or 'state'}: key {k!r} is not text (a lone surrogate), so names no variable"
+        ) from None
+    return text
+
+
 def has_tensor(obj: object) -> bool:
     if isinstance(obj, (torch.Tensor, Shard, PerRank, Branch, BranchList)):
         return True
@@ -175,11 +204,7 @@ def _walk(
     name = "/".join(escape_key(p) for p in path)
     if isinstance(obj, dict) and (has_tensor(obj) or not path):
         for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise UnsupportedValueError(
-                    f"{name or 'state'}: key {k!r} must be a str or an int to name a variable"
-                )
-            yield from _walk(v, (*path, str(k)), obj, k, allow_pickle)
+            yield from _walk(v, (*path, _key_name(k, name)), obj, k, allow_pickle)
         return
     if isinstance(obj, (list, tuple)) and has_tensor(obj):
         for i, v in enumerate(obj):
@@ -189,9 +214,11 @@ def _walk(
         raise UnsupportedValueError("a state to save or load is a dict of named things")
     if is_dtensor(obj):
         local, shape, box = dtensor_box(obj, name)
-        yield Leaf(name, "tensor", tensor=local, shape=shape, box=box, parent=parent, key=key)
+        yield Leaf(
+            name, "tensor", tensor=dense(local, name), shape=shape, box=box, parent=parent, key=key
+        )
     elif isinstance(obj, torch.Tensor):
-        shape = tuple(obj.shape)
+        shape = tuple(dense(obj, name).shape)
         yield Leaf(
             name,
             "tensor",
@@ -204,16 +231,24 @@ def _walk(
         )
     elif isinstance(obj, Shard):
         shape = tuple(obj.global_shape)
-        box = Box(tuple(obj.offsets), tuple(obj.tensor.shape))
+        box = Box(tuple(obj.offsets), tuple(dense(obj.tensor, name).shape))
         if not Box.full(shape).contains(box):
             raise UnsupportedValueError(
                 f"variable {name!r}: Shard box {box} lies outside the global shape {list(shape)}"
             )
-        yield Leaf(name, "tensor", tensor=obj.tensor, shape=shape, box=box, parent=parent, key=key)
+        yield Leaf(
+            name,
+            "tensor",
+            tensor=obj.tensor,
+            shape=shape,
+            box=box,
+            parent=parent,
+            key=key,
+        )
     elif isinstance(obj, PerRank):
         inner = obj.value
         if isinstance(inner, torch.Tensor) and not is_dtensor(inner):
-            shape = tuple(inner.shape)
+            shape = tuple(dense(inner, name).shape)
             yield Leaf(
                 name,
                 "per_rank",

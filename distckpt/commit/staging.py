@@ -289,22 +289,32 @@ def collect(directory: Store, stale_seconds: float = STALE_SECONDS) -> list[str]
     parent = renaming(directory)
     removed: list[str] = []
     for entry in leftover_names(directory):
-        match = parse_leftover(entry)
-        assert match is not None
-        staging = directory.child(entry)
-        if match["what"] == "staging" and owner_alive(staging, stale_seconds):
-            continue
-        name = match["name"]
-        if not directory.exists(name) and _complete(staging):
-            # A crash inside a replacing commit: put the complete checkpoint back.
-            log.warning("restoring %s from interrupted commit %s", directory.where(name), entry)
-            parent.rename(entry, name)
-            parent.persist([name])
-            continue
-        log.info("removing abandoned %s directory %s", match["what"], directory.where(entry))
-        directory.delete_tree(entry)
-        removed.append(entry)
+        try:
+            if _collect_one(directory, parent, entry, stale_seconds):
+                removed.append(entry)
+        except UnsafePathError as exc:  # swapped for a link since it was listed: not one
+            log.warning("leaving %s alone: %s", directory.where(entry), exc)
     return removed
+
+
+def _collect_one(directory: Store, parent: RenamingStore, entry: str, stale_seconds: float) -> bool:
+    """Remove the leftover ``entry`` of ``directory`` if it is abandoned (or put back the
+    complete checkpoint it holds); whether it was removed."""
+    match = parse_leftover(entry)
+    assert match is not None
+    staging = directory.child(entry)
+    if match["what"] == "staging" and owner_alive(staging, stale_seconds):
+        return False
+    name = match["name"]
+    if not directory.exists(name) and _complete(staging):
+        # A crash inside a replacing commit: put the complete checkpoint back.
+        log.warning("restoring %s from interrupted commit %s", directory.where(name), entry)
+        parent.rename(entry, name)
+        parent.persist([name])
+        return False
+    log.info("removing abandoned %s directory %s", match["what"], directory.where(entry))
+    directory.delete_tree(entry)
+    return True
 
 
 def collect_garbage(

@@ -177,6 +177,7 @@ def parse_index(raw: bytes, store: Store, *, tiling: bool = True) -> Index:
     checked = Index(seal.strip(index), version_of(raw), sealed=sealed)
     for name, entry in index["variables"].items():
         try:
+            wellformed.check_variable_name(name)
             check_entry(entry, name, made=checked.pieces, tiling=tiling)
         except CheckpointError as exc:
             raise type(exc)(f"{store.url}: {exc}") from None

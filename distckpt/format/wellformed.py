@@ -50,6 +50,15 @@ def corrupt(variable: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"variable {variable!r}: {what}")
 
 
+def check_variable_name(variable: str) -> None:
+    """A stored variable name is text: a lone surrogate (which JSON's ``\\ud800`` escape
+    reads as) names nothing a save could have named, and no file or header encodes it."""
+    try:
+        variable.encode("utf-8")
+    except UnicodeEncodeError:
+        raise corrupt(variable, "its name is not text (it holds a lone surrogate)") from None
+
+
 def count(value: Any) -> bool:
     """Whether ``value`` is a non-negative int (a bool is not)."""
     return type(value) is int and 0 <= value < MAX_BYTES

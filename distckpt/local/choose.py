@@ -9,6 +9,7 @@ persistent checkpoint, or none (:class:`Survey` says why, in words).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from distckpt.comm import Communicator
@@ -19,12 +20,14 @@ from distckpt.storage.backend import Store
 @dataclass
 class Choice:
     """A whole save of the local tier: its step and token, the world that saved it, and
-    which ranks of this job hold each saved rank's partitions."""
+    which ranks of this job hold each saved rank's partitions; ``run``, the run it is
+    of."""
 
     step: int
     token: str
     world: int
     holders: dict[int, list[int]]
+    run: str
 
 
 @dataclass
@@ -52,7 +55,7 @@ def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -
     for (step, token), (world, holders) in sorted(saves.items(), reverse=True):
         if newer_than is not None and step <= newer_than:
             break
-        lost = [o for o in range(world) if o not in holders]
+        lost = _missing(world, holders)
         if lost:
             missing.setdefault(step, lost)
             continue
@@ -62,7 +65,7 @@ def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -
                 f"step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
                 for s, lost in sorted(missing.items(), reverse=True)
             )
-        return Survey(Choice(step, token, world, holders), reason)
+        return Survey(Choice(step, token, world, holders, run), reason)
     if missing:
         reason = "; ".join(
             f"local step {s} lacks the partitions of saved rank(s) {_ranks(lost)}"
@@ -71,6 +74,12 @@ def choose(comm: Communicator, store: Store, run: str, newer_than: int | None) -
     else:
         reason = f"no local step is newer than persistent checkpoint number {newer_than}"
     return Survey(None, reason)
+
+
+def _missing(world: int, holders: dict[int, list[int]]) -> list[int]:
+    """The first saved ranks (nine at most) that no rank holds: a count of the ranks held
+    and a few more, never one of ``world`` (a mark may name any world size)."""
+    return list(itertools.islice((o for o in range(world) if o not in holders), 9))
 
 
 def _ranks(ranks: list[int]) -> str:

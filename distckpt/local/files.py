@@ -42,6 +42,10 @@ log = logging.getLogger("distckpt")
 FORMAT = "distckpt-local"
 VERSION = 1
 
+#: The most ranks a local step may have been saved by (a mark's world size): far beyond
+#: any job, and small enough that a count of ranks is never a hang.
+MAX_WORLD = 1 << 24
+
 _MARK = re.compile(r"^done\.([0-9a-f]+)\.r([0-9]+)$")
 _MANIFEST = re.compile(r"^o([0-9]+)\.([0-9a-f]+)\.json$")
 
@@ -95,8 +99,8 @@ def _read_mark(store: Store, key: str, step: int) -> tuple[int, str] | None:
         if mark.get("step") != step:
             raise ValueError(f"a mark of step {mark.get('step')}, not {step}")
         world, run = mark["world"], mark["run"]
-        if not isinstance(world, int) or world < 1 or not isinstance(run, str):
-            raise ValueError("no world size or run")
+        if type(world) is not int or not 1 <= world <= MAX_WORLD or not isinstance(run, str):
+            raise ValueError(f"a world size of {world!r:.40} or a run of {run!r:.40}")
         return world, run
     except Exception as exc:
         log.warning("local tier: ignoring %s: %s", store.where(key), exc)
@@ -135,32 +139,58 @@ def survey(store: Store, run: str) -> list[Held]:
                 if m is None or m.group(2) != token:
                     continue
                 owner = number(m.group(1))
-                if owner is not None and data_name(owner, token) in present:
-                    owners.append(owner)
+                if owner is None or data_name(owner, token) not in present:
+                    continue
+                if owner >= mark[0]:  # not a rank of the job that saved it
+                    log.warning(
+                        "local tier: ignoring %s: saved rank %d of a save by %d rank(s)",
+                        store.where(f"{name}/{entry}"),
+                        owner,
+                        mark[0],
+                    )
+                    continue
+                owners.append(owner)
             found.append(Held(step, token, mark[0], run, sorted(owners)))
     found.sort(key=lambda h: (h.step, h.token), reverse=True)
     return found
 
 
-def read_manifest(store: Store, step: int, owner: int, token: str) -> dict[str, Any]:
-    """The manifest of ``owner``'s partitions of ``step``, checked to be one."""
+def read_manifest(
+    store: Store, step: int, owner: int, token: str, run: str, world: int
+) -> dict[str, Any]:
+    """The manifest of ``owner``'s partitions of ``step``, checked to be one, and one of
+    the save of ``token`` by ``world`` ranks of run ``run`` (as its mark says)."""
     key = manifest_key(step, owner, token)
     raw = store.read(key)
+    where = store.where(key)
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{store.where(key)}: not a readable manifest: {exc}") from exc
-    if isinstance(doc, dict) and seal.check(raw, store.where(key), doc):
+        raise CorruptCheckpointError(f"{where}: not a readable manifest: {exc}") from exc
+    if isinstance(doc, dict) and seal.check(raw, where, doc):
         doc = seal.strip(doc)
+    return manifest_of(doc, where, Held(step, token, world, run), owner)
+
+
+def manifest_of(doc: Any, where: str, held: Held, owner: int) -> dict[str, Any]:
+    """``doc``, checked to be the manifest of ``owner``'s partitions in the save ``held``
+    (its step, token, run and world): read from a node directory, or received from the
+    peer that saved it (``where`` names it in errors)."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{store.where(key)}: not a distckpt local-tier manifest")
+        raise CorruptCheckpointError(f"{where}: not a distckpt local-tier manifest")
     if doc.get("version") != VERSION:
         raise CorruptCheckpointError(
-            f"{store.where(key)}: local-tier format version {doc.get('version')} is not "
+            f"{where}: local-tier format version {doc.get('version')!r:.20} is not "
             f"{VERSION}; upgrade distckpt"
         )
-    if doc.get("step") != step or doc.get("owner") != owner or doc.get("token") != token:
-        raise CorruptCheckpointError(f"{store.where(key)}: manifest of another save")
+    if doc.get("step") != held.step or doc.get("owner") != owner or doc.get("token") != held.token:
+        raise CorruptCheckpointError(f"{where}: manifest of another save")
+    if doc.get("run") != held.run or doc.get("world") != held.world:
+        raise CorruptCheckpointError(
+            f"{where}: manifest of run {doc.get('run')!r:.40} saved by "
+            f"{doc.get('world')!r:.20} rank(s), not of run {held.run!r} saved by "
+            f"{held.world} rank(s)"
+        )
     return doc
 
 

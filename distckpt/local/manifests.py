@@ -47,6 +47,7 @@ def checked(
         if not isinstance(name, str) or t.get("kind") not in ("tensor", "per_rank"):
             raise CorruptCheckpointError(f"{where}: malformed manifest entry {t!r:.60}")
         try:
+            wellformed.check_variable_name(name)
             itemsize = stored_dtype(t, name).itemsize
             shape = wellformed.shape_of(t, name, itemsize)
             _, lengths = wellformed.box_of(t.get("box"), name, shape)

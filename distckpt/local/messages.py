@@ -10,10 +10,15 @@ from typing import Any
 
 import numpy as np
 
+from distckpt.errors import CorruptCheckpointError
+from distckpt.format.wellformed import MAX_BYTES
 from distckpt.transfer.exchange import aligned
 
 #: The largest message of a replica transfer (bytes).
 MESSAGE_BYTES = 64 << 20
+#: The largest manifest a peer may send with its replica (bytes; some four million
+#: tensors): a receiver allocates for the length the peer announces, so it is bounded.
+MANIFEST_BYTES = 1 << 30
 
 #: Pieces smaller than this travel several to a message (copied into one buffer);
 #: larger ones in messages of their own bytes, sent without a copy.
@@ -42,6 +47,43 @@ def split(pieces: list[tuple[int, np.ndarray]]) -> list[tuple[int, int]]:
     if run is not None:
         out.append(run)
     return [(lo, n) for lo, n in out if n]
+
+
+def checked_plans(plans: list[Any]) -> list[list[tuple[int, int]]]:
+    """Every rank's messages (:func:`split`) as the ranks shared them, each checked to be
+    a part of a data file that a receiver can take: an offset, and a length of at most
+    :data:`MESSAGE_BYTES`. Every rank checks the same plans alike, so a rank that sent
+    lying ones fails the save on every rank, before any byte travels."""
+    out = []
+    for rank, plan in enumerate(plans):
+        if not isinstance(plan, (list, tuple)):
+            raise CorruptCheckpointError(f"local tier: rank {rank} sent no plan: {plan!r:.60}")
+        parts = []
+        for part in plan:
+            lo, n = part if isinstance(part, (list, tuple)) and len(part) == 2 else (None, None)
+            if not (type(lo) is int and type(n) is int and lo >= 0 and 0 < n <= MESSAGE_BYTES):
+                raise CorruptCheckpointError(
+                    f"local tier: rank {rank} plans a message {part!r:.60}, not an offset and "
+                    f"a length of at most {MESSAGE_BYTES} bytes"
+                )
+            if lo + n > MAX_BYTES:
+                raise CorruptCheckpointError(
+                    f"local tier: rank {rank} plans a message at byte {lo}, past any file"
+                )
+            parts.append((lo, n))
+        out.append(parts)
+    return out
+
+
+def manifest_length(announced: np.ndarray, rank: int) -> int:
+    """The length of the manifest rank ``rank`` announced, checked before a buffer is
+    allocated for it."""
+    n = int(announced[0])
+    if not 0 < n <= MANIFEST_BYTES:
+        raise CorruptCheckpointError(
+            f"local tier: rank {rank} announced a manifest of {n} bytes (at most {MANIFEST_BYTES})"
+        )
+    return n
 
 
 def message(pieces: list[tuple[int, np.ndarray]], lo: int, n: int) -> np.ndarray:

@@ -119,7 +119,9 @@ class LocalStep(RestoreKind[_Matched]):
         try:
             for owner, holders in choice.holders.items():
                 if holders[0] == comm.rank:
-                    mine[owner] = files.read_manifest(store, choice.step, owner, choice.token)
+                    mine[owner] = files.read_manifest(
+                        store, choice.step, owner, choice.token, choice.run, choice.world
+                    )
         except Exception as exc:
             error = exc
         raise_if_any_failed(comm, error)
@@ -258,10 +260,23 @@ class LocalStep(RestoreKind[_Matched]):
                 ) from exc
         return handle
 
+    def _stored(self, p: Piece) -> ReadHandle:
+        """The data file that holds piece ``p``, once its size is seen to hold it: no
+        buffer is allocated for bytes a manifest declares but no file stores."""
+        handle = self._open(p.owner)
+        if p.offset + p.nbytes > handle.size:
+            self._bad.add(p.owner)
+            raise CorruptCheckpointError(
+                f"{self.path}: the data of saved rank {p.owner} is truncated: its piece "
+                f"{p.index} lies at bytes {p.offset}..{p.offset + p.nbytes} of "
+                f"{handle.size}"
+            )
+        return handle
+
     def _read(self, p: Piece, into: np.ndarray) -> None:
         """Read piece ``p`` into ``into`` (``p.nbytes`` bytes) and check the crc32c of the
         bytes read, a step at a time while they are in the CPU cache."""
-        handle = self._open(p.owner)
+        handle = self._stored(p)
         crc = 0
         for start in range(0, p.nbytes, READ_STEP):
             step = into[start : start + READ_STEP]
@@ -290,6 +305,7 @@ class LocalStep(RestoreKind[_Matched]):
         key = (p.owner, p.index)
         copy = self._copies.get(key)
         if copy is None:
+            self._stored(p)
             if self._uses[key] > 1:
                 copy = self._copies[key] = np.empty((*p.box.lengths, p.itemsize), np.uint8)
             else:  # its only copy: into scratch memory, reused (every caller copies at once)

@@ -45,11 +45,12 @@ from distckpt.engine.background import Snapped
 from distckpt.engine.options import CheckpointOptions, resolve_run
 from distckpt.engine.pipeline import SaveKind, Stage
 from distckpt.engine.results import SaveResult
+from distckpt.errors import CorruptCheckpointError
 from distckpt.format import seal
 from distckpt.format.shard_io import as_bytes, crc32c
 from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
-from distckpt.local.messages import Buffers, message, split
+from distckpt.local.messages import Buffers, checked_plans, manifest_length, message, split
 from distckpt.local.nodes import Topology, topology
 from distckpt.storage.backend import Store
 from distckpt.transfer.exchange import aligned
@@ -246,7 +247,7 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
         # still removes. (A snapshot that failed on the background thread is a Failure
         # without ``error``.)
         mine = described if held is None else (layout and layout.messages)
-        plans = share(comm, mine, error)
+        plans = checked_plans(share(comm, mine, error))
         assert layout is not None
         return _Plan(layout, plans, peers, sources, leader)
 
@@ -355,6 +356,8 @@ def _replicate(
             f"{type(comm).__name__} has no sendrecv(), which saving to the local tier needs"
         )
     rounds = max(len(plan) for plan in plans)
+    mine = layout.manifest
+    held = files.Held(mine["step"], mine["token"], mine["world"], mine["run"])
     buffers = Buffers()
     try:
         for k in range(rounds):
@@ -375,11 +378,22 @@ def _replicate(
         manifest = np.frombuffer(bytearray(json.dumps(layout.manifest).encode()), np.uint8)
         lengths = {s: np.zeros(1, np.int64) for s in sources}
         exchange([(p, np.array([manifest.size], np.int64)) for p in peers], list(lengths.items()))
-        inbox = {s: np.empty(int(lengths[s][0]), np.uint8) for s in sources}
+        inbox = {s: np.empty(manifest_length(lengths[s], s), np.uint8) for s in sources}
         exchange([(p, manifest) for p in peers], list(inbox.items()))
-        return {s: json.loads(inbox[s].tobytes()) for s in sources}
+        return {s: _received(inbox[s], s, held) for s in sources}
     finally:
         buffers.release()
+
+
+def _received(raw: np.ndarray, source: int, held: files.Held) -> dict[str, Any]:
+    """The manifest rank ``source`` sent with its replica, checked to be its manifest of
+    the save ``held`` before a replica of it is written under its name."""
+    where = f"the manifest rank {source} sent"
+    try:
+        doc = json.loads(raw.tobytes())
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"local tier: {where} is not readable: {exc}") from None
+    return files.manifest_of(doc, f"local tier: {where}", held, source)
 
 
 def save_local(

@@ -54,7 +54,8 @@ def byte_view(data: Buffer) -> memoryview:
 
 def check_key(key: Any, what: str = "a key", within: str = "its checkpoint") -> str:
     """``key`` when it names an entry inside its store (``""``: the store itself): a
-    relative, ``/``-separated string with no empty, ``.`` or ``..`` component and no NUL.
+    relative, ``/``-separated string with no empty, ``.`` or ``..`` component, no NUL and
+    no lone surrogate (which no file name encodes).
     Anything else, as read from an index, a manifest or a pointer, would lead out of the
     checkpoint: :class:`~distckpt.errors.UnsafePathError` naming ``what`` and the key."""
     if not isinstance(key, str):
@@ -62,7 +63,18 @@ def check_key(key: Any, what: str = "a key", within: str = "its checkpoint") -> 
     inside = key[:-1] if key.endswith("/") else key  # "dir/": the directory itself
     if key and ("\0" in key or any(part in ("", ".", "..") for part in inside.split("/"))):
         raise UnsafePathError(f"{what} {key!r} leads outside {within}")
+    if not _is_text(key):
+        raise UnsafePathError(f"{what} {key!r} is not text (a lone surrogate), so names no file")
     return key
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (as every path distckpt opens must)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_name(name: Any, what: str = "a name") -> str:

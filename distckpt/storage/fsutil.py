@@ -88,9 +88,13 @@ def regular(fd: int, path: str | os.PathLike[str]) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-        raise UnsafePathError(f"{os.fspath(path)} is {kind}, not a regular file")
+        raise UnsafePathError(f"{os.fspath(path)} is {file_kind(mode)}, not a regular file")
     return fd
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, in words: "a FIFO", "a socket", ..."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def read_fd(fd: int) -> bytes:

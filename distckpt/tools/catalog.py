@@ -87,6 +87,11 @@ def open_catalog(
         else:
             items = [(name, entry)]
         for shown, item in items:
+            if shown in tensors or shown in values:  # "w/rank0": of per-rank w, or its own
+                raise CorruptCheckpointError(
+                    f"{root.url}: variable {shown!r}: the index names it twice (a variable, "
+                    "and an entry of a per-rank variable): one of them would be hidden"
+                )
             _add(shown, item, tensors, values, index)
     return Catalog(root, index, tensors, values)
 

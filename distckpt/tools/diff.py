@@ -21,6 +21,8 @@ from distckpt.tools.slabs import DEFAULT_SLAB_BYTES, slabs
 from distckpt.tools.verify import check_slabs
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: Characters of a differing Python value shown (its repr, cut).
+SHOWN = 200
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def _compare(name: str, left: Catalog, right: Catalog, max_slab_bytes: int) -> D
     ta, tb = left.tensors.get(name), right.tensors.get(name)
     if ta is None and tb is None:
         va, vb = left.values[name].value, right.values[name].value
-        return None if va == vb else Difference(name, "value", f"{va!r} vs {vb!r}")
+        return None if va == vb else Difference(name, "value", f"{_short(va)} vs {_short(vb)}")
     if ta is None or tb is None:
         kinds = ["tensor" if t is not None else "value" for t in (ta, tb)]
         return Difference(name, "kind", f"{kinds[0]} vs {kinds[1]}")
@@ -115,6 +117,13 @@ def _compare_values(
     if nonfinite:
         detail += f" ({nonfinite} with NaN or infinity)"
     return Difference(ta.name, "value", detail)
+
+
+def _short(value: object) -> str:
+    """A stored value as its repr, cut to :data:`SHOWN` characters: a value of any size
+    is one line of the report."""
+    text = repr(value)  # values nest at most 100 deep (checked when the index was read)
+    return text if len(text) <= SHOWN else f"{text[: SHOWN - 3]}..."
 
 
 def _bits(x: np.ndarray) -> np.ndarray:

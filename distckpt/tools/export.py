@@ -127,9 +127,7 @@ def _export_safetensors(
     on_bytes: Callable[[int], None] | None,
 ) -> None:
     tensors = [catalog.tensors[n] for n in sorted(catalog.tensors)]
-    metadata = {
-        name: json.dumps(v.value, ensure_ascii=False) for name, v in sorted(catalog.values.items())
-    }
+    metadata = {name: _json_text(v.value) for name, v in sorted(catalog.values.items())}
     head = header([TensorHeader(v.name, v.dtype, v.shape, v.nbytes) for v in tensors], metadata)
     with _replacing(target) as f:
         f.write(head)
@@ -142,6 +140,17 @@ def _export_safetensors(
                 report.largest_buffer = max(report.largest_buffer, raw.nbytes)
             report.tensors += 1
     report.values = len(metadata)
+
+
+def _json_text(value: Any) -> str:
+    """``value`` (typed JSON) as JSON text in UTF-8, escaped only where it must be: a
+    string may hold a lone surrogate, which no UTF-8 encodes but JSON's escapes do."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def tensor_slabs(

@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ from distckpt.engine.results import SaveResult
 from distckpt.engine.save import save_from
 from distckpt.errors import CheckpointError, ConversionError
 from distckpt.hf.directory import is_stored, open_weights
+from distckpt.storage.beneath import open_resolved
+from distckpt.storage.fsutil import file_kind
+from distckpt.tools.loaded import checked_tensors
 from distckpt.transfer.sources import FileData, Source, source_for
 from distckpt.values import decode
 
@@ -166,13 +170,16 @@ def _set_path(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
 
 
 def _read_torch(source: Path, allow_pickle: bool) -> dict[str, Any]:
+    # The file you named, through your links, once it is seen to be a regular file: a
+    # FIFO would block torch.load forever, a device feed it without end.
+    mode = os.stat(source).st_mode
+    if not stat.S_ISREG(mode):
+        raise ConversionError(f"{source} is {file_kind(mode)}, not a regular file")
+    os.close(open_resolved(os.path.realpath(source)))  # (and not one swapped in since)
     try:
-        try:  # memory-mapped: the tensors stay in the page cache
-            state = torch.load(source, map_location="cpu", weights_only=not allow_pickle, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            state = torch.load(source, map_location="cpu", weights_only=not allow_pickle)
+        with warnings.catch_warnings():  # one line of output: what went wrong, or nothing
+            warnings.simplefilter("ignore")
+            state = _torch_load(source, allow_pickle)
     except pickle.UnpicklingError as exc:
         if allow_pickle:
             raise ConversionError(f"{source}: cannot unpickle: {_first_line(exc)}") from None
@@ -180,11 +187,20 @@ def _read_torch(source: Path, allow_pickle: bool) -> dict[str, Any]:
             f"{source}: torch.load(weights_only=True) refused it ({_first_line(exc)}); if you "
             "trust the file, pass --allow-pickle (unpickling runs code from the file)"
         ) from None
-    except (RuntimeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - torch's parser of a damaged file raises anything
         raise ConversionError(
-            f"{source}: not a readable torch.save file: {_first_line(exc)}"
+            f"{source}: not a readable torch.save file: {type(exc).__name__}: {_first_line(exc)}"
         ) from None
-    return _as_state(state, source)
+    return checked_tensors(_as_state(state, source), source)
+
+
+def _torch_load(source: Path, allow_pickle: bool) -> Any:
+    try:  # memory-mapped: the tensors stay in the page cache
+        return torch.load(source, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(source, map_location="cpu", weights_only=not allow_pickle)
 
 
 def _read_safetensors(

@@ -75,8 +75,14 @@ def list_run(directory: str | os.PathLike[str] | Store) -> Listing:
     latest = pointer.latest if pointer is not None else None
     entries: list[Entry] = []
     for name in root.list():
+        # A link, a FIFO or a file is no checkpoint of this run: never followed, skipped.
+        if name.startswith(".") or not root.is_dir(name):
+            continue
         child = root.child(name)
-        if name.startswith(".") or not child.exists(ZARR_JSON):
+        try:
+            if not child.exists(ZARR_JSON):
+                continue
+        except OSError:  # swapped for a link since: the same
             continue
         entry = _committed(child, latest)
         if entry is not None:

@@ -32,6 +32,7 @@ from distckpt.testing.hostile import reseal
 from distckpt.tools import torch_file
 from distckpt.tools.diff import diff
 from distckpt.tools.export import export
+from tests.support.hostile_util import cli
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -284,3 +285,98 @@ def test_a_pt_export_of_a_pickled_value_holding_a_tensor(tmp_path: Path) -> None
     loaded = torch.load(tmp_path / "o.pt", weights_only=False)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["z"], state["z"])
     assert torch.equal(loaded["obj"].tensor, torch.ones(3))
+
+
+# --------------------------------------------------- names and values an index crafts
+
+
+def crafted(ck: Path, old: str, new: str) -> Path:
+    """A checkpoint of w, v = "x" and per-rank x whose index text has ``old`` replaced by
+    ``new`` (JSON escapes: ``\\ud800`` reads as a lone surrogate), resealed."""
+    distckpt.save({"w": torch.arange(4.0), "v": "x", "x": distckpt.PerRank(torch.zeros(3))}, ck)
+    text = (ck / "zarr.json").read_text()
+    assert old in text, text
+    (ck / "zarr.json").write_bytes(reseal(text.replace(old, new, 1).encode()))
+    return ck
+
+
+#: attack -> (the craft, the one error line's words, None: the commands succeed)
+INDEXES: dict[str, tuple[Any, str | None]] = {
+    "name-lone-surrogate": (lambda ck: crafted(ck, '"w":', '"w\\ud800":'), "lone surrogate"),
+    "file-lone-surrogate": (lambda ck: crafted(ck, '"file":"w/', '"file":"w\\ud800/'), "surrogate"),
+    # x (per-rank: rank 0 shown as x/rank0) and a value x/rank0: one hid the other from
+    # export, diff and verify (which then never read the per-rank x's piece)
+    "name-twice": (lambda ck: crafted(ck, '"v":', '"x/rank0":'), "names it twice"),
+    "value-lone-surrogate": (lambda ck: crafted(ck, '"value":"x"', '"value":"\\udcff"'), None),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(INDEXES))
+def test_crafted_names_are_one_line_and_values_export_as_stored(
+    tmp_path: Path, attack: str
+) -> None:
+    """A lone surrogate in a name or a value made the safetensors export a traceback."""
+    craft, words = INDEXES[attack]
+    ck = craft(tmp_path / "ck")
+    other = tmp_path / "other"
+    distckpt.save({"w": torch.arange(4.0)}, other)
+    commands = [
+        ["export", ck, tmp_path / "o.safetensors"],
+        ["export", ck, tmp_path / "o.pt"],
+        ["export", ck, tmp_path / "hf", "--hf"],
+        ["diff", ck, other],
+        ["verify", ck],
+    ]
+    for command in commands:
+        run = cli(*command)
+        lines = run.stderr.strip().splitlines()
+        if words is None:
+            assert run.returncode in (0, 1) and not lines, (command, run.stderr)
+            continue
+        assert run.returncode == 2, (command, run.returncode, run.stdout, run.stderr)
+        assert len(lines) == 1 and words in lines[0], (command, lines)
+    if words is None:  # the stored value, escaped where UTF-8 cannot hold it
+        metadata = safetensors.safe_open(tmp_path / "o.safetensors", "pt").metadata()
+        assert json.loads(metadata["v"]) == "\udcff"
+
+
+def test_a_differing_value_of_any_size_is_one_short_line(tmp_path: Path) -> None:
+    """Two values of 10 MB each that differ: the report printed both whole (20 MB)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    distckpt.save({"v": "x" * 10_000_000}, a)
+    distckpt.save({"v": "y" * 10_000_000}, b)
+    (found,) = diff(a, b)
+    assert found.what == "value" and len(str(found)) < 500, str(found)[:1000]
+
+
+def test_targets_that_are_links_are_replaced_never_written_through(tmp_path: Path) -> None:
+    """Held: an export is written beside its target and renamed onto it, so a link there
+    is replaced (with --overwrite), a dangling one too, and what they lead to is left
+    alone; an import refuses a target that is a link (to a directory or to nothing)."""
+    ck, outside = tmp_path / "ck", tmp_path / "outside"
+    distckpt.save({"w": torch.arange(4.0), "v": 1}, ck)
+    outside.mkdir()
+    for name in ("victim.safetensors", "victim.pt", "model.safetensors"):
+        (outside / name).write_bytes(b"precious")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").symlink_to(outside / "model.safetensors")
+    links = {
+        "st": (tmp_path / "o.safetensors", outside / "victim.safetensors"),
+        "pt": (tmp_path / "o.pt", outside / "victim.pt"),
+        "dangling": (tmp_path / "d.safetensors", outside / "nothing.safetensors"),
+        "dir": (tmp_path / "into", outside),
+        "none": (tmp_path / "nowhere", outside / "nothing"),
+    }
+    for link, to in links.values():
+        link.symlink_to(to)
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    for key in ("st", "pt", "dangling"):
+        run = cli("export", ck, links[key][0], "--overwrite")
+        assert run.returncode == 0, run.stderr
+        assert not links[key][0].is_symlink()  # the link replaced by the export
+    assert cli("export", ck, hf, "--hf", "--overwrite").returncode == 0
+    for key in ("dir", "none"):
+        run = cli("import", tmp_path / "o.safetensors", links[key][0], "--overwrite")
+        assert run.returncode == 2 and "not a distckpt checkpoint" in run.stderr, run.stderr
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
