@@ -39,11 +39,13 @@ from distckpt.errors import (  # noqa: E402
     UnsafePathError,
     UnsupportedFormatError,
     UnsupportedValueError,
+    UntrustedCheckpointError,
     ValidationError,
 )
 from distckpt.hf import load_hf, save_hf  # noqa: E402
 from distckpt.items import PerRank, Shard  # noqa: E402
 from distckpt.local import LocalTier  # noqa: E402
+from distckpt.signing import SigningKey, TrustedKeys  # noqa: E402
 from distckpt.slices import Box, SliceSpec  # noqa: E402
 from distckpt.tools.export_hf import export_hf  # noqa: E402
 from distckpt.training import (  # noqa: E402
@@ -106,11 +108,14 @@ __all__ = [
     "SaveResult",
     "Shard",
     "ShapeMismatchError",
+    "SigningKey",
     "SliceSpec",
     "StorageError",
+    "TrustedKeys",
     "UnsafePathError",
     "UnsupportedFormatError",
     "UnsupportedValueError",
+    "UntrustedCheckpointError",
     "ValidationError",
     "Variable",
     "comm",
