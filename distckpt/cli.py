@@ -4,7 +4,7 @@
     distckpt inspect CKPT [--json]      the variables of a checkpoint
     distckpt verify CKPT [--key PUB]    re-read every byte and check every checksum (and
                                         with --key, that it is signed by a trusted key)
-    distckpt sign CKPT --key KEY        sign a checkpoint with a private key
+    distckpt sign CKPT --key KEY [--out NEW]  sign a checkpoint with a private key
     distckpt keygen KEY                 a new Ed25519 signing key (KEY, and KEY.pub)
     distckpt export CKPT OUT            one .safetensors or .pt file (streamed)
     distckpt export CKPT DIR --hf       Hugging Face weights: safetensors files and an index
@@ -118,9 +118,9 @@ def _sign(args: argparse.Namespace) -> int:
     key = SigningKey.from_file(args.key)
     total = stored_bytes(open_catalog(args.checkpoint, tiling=False))
     with progress(f"signing {args.checkpoint}", total, threshold=0) as bar:
-        report = sign(args.checkpoint, key, on_bytes=bar.update)
+        report = sign(args.checkpoint, key, out=args.out, on_bytes=bar.update)
     _say(
-        f"{args.checkpoint}: signed by key {report.signer} ({report.pieces} pieces, "
+        f"{args.out or args.checkpoint}: signed by key {report.signer} ({report.pieces} pieces, "
         f"{report.bytes_read} bytes checked and hashed with {report.algorithm})"
     )
     return OK
@@ -260,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sign", help="sign a committed checkpoint (replaces it, atomically)")
     p.add_argument("checkpoint")
     p.add_argument("--key", required=True, help="the private key file (PEM or OpenSSH)")
+    p.add_argument(
+        "--out", default=None, help="write the signed checkpoint there instead (object stores)"
+    )
     p.set_defaults(func=_sign)
     p = sub.add_parser("keygen", help="write a new Ed25519 signing key and its public key")
     p.add_argument("key", help="the private key file to create (PEM)")

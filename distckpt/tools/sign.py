@@ -4,7 +4,9 @@ A checkpoint saved without a key has no hash tables in its shards
 (:mod:`distckpt.format.shard_io`). Signing it writes a signed copy and puts it in the
 checkpoint's place as an overwriting save does (:mod:`distckpt.commit.transaction`: a
 staging directory exchanged with the checkpoint on a file system), so the checkpoint is
-never half signed and a failure leaves it as it was:
+never half signed and a failure leaves it as it was; on an object store, where no whole
+checkpoint can take another's place at once, the signed copy goes to a new location
+(``out``):
 
 * each shard is rewritten with its hash table (the chunks' stored bytes are copied, each
   checked against its crc32c first; nothing is decompressed or re-encoded); a shard that
@@ -34,6 +36,7 @@ import numpy as np
 
 from distckpt.commit.transaction import begin
 from distckpt.engine.commit import index_bytes
+from distckpt.errors import CheckpointError
 from distckpt.format import zarr_meta
 from distckpt.format.index import FORMAT_VERSION, Index, parse_index, pieces_of, read_index_bytes
 from distckpt.format.piece_reader import PieceReader
@@ -63,17 +66,27 @@ def sign(
     path: str | os.PathLike[str] | Store,
     key: SigningKey,
     *,
+    out: str | os.PathLike[str] | Store | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> SignReport:
-    """Sign the committed checkpoint at ``path`` with ``key`` (see the module docstring);
+    """Sign the committed checkpoint at ``path`` with ``key`` (see the module docstring),
+    in its place, or as a new checkpoint at ``out`` (which must not hold one). In place
+    needs a store that renames (a file system): an object store cannot put a whole
+    checkpoint in another's place at once, so there a signed copy goes to ``out``.
     ``on_bytes(n)`` reports the bytes read (they add up to the pieces' sizes)."""
     store = open_store(path)
+    target = store if out is None else open_store(out)
+    if out is None and not store.capabilities.renames:
+        raise CheckpointError(
+            f"{store.url}: signing in place needs a store that renames (a file system); "
+            "write a signed copy to another location (distckpt sign CKPT --out NEW)"
+        )
     index = parse_index(read_index_bytes(store), store)
     stated = index.get(trust.ALGORITHM)
     algorithm = stated if isinstance(stated, str) else hashes.default_algorithm()
     hashes.hasher(algorithm)  # (a checkpoint hashed with one this process lacks: refused)
     report = SignReport(key.id, algorithm)
-    txn = begin(store, secrets.token_hex(8), 1, overwrite=True)
+    txn = begin(target, secrets.token_hex(8), 1, overwrite=out is None)
     try:
         root = txn.root
         root.prepare([key for key, _size, _age in store.walk("")])  # its directories

@@ -428,3 +428,64 @@ def test_bytes_forged_past_their_crc32c_are_refused_by_their_hash(signed: Path, 
         distckpt.load(unchecked, signed)  # no key: the crc32c cannot tell
         assert not all(torch.equal(unchecked[k], make_state(0)[k]) for k in ("w", "b"))
         path.write_bytes(raw)
+
+
+def test_signed_checkpoints_on_an_object_store(s3, keys) -> None:
+    """On S3 (a local S3-compatible server): a signed save, a checked load, a piece
+    replaced by its signed twin's refused, and ``distckpt sign`` of an unsigned one."""
+    trusted = TrustedKeys.from_file(keys[1])
+    distckpt.save(make_state(0), f"{s3.url}/signed", signing_key=keys[0], **LAYOUT)  # type: ignore[arg-type]
+    distckpt.save(make_state(1), f"{s3.url}/twin", signing_key=keys[0], **LAYOUT)  # type: ignore[arg-type]
+    assert_loaded(load(f"{s3.url}/signed", trusted), make_state(0))  # type: ignore[arg-type]
+    assert verify(f"{s3.url}/signed", trusted=trusted).ok
+    client, bucket = s3.client(), "distckpt"
+    prefix = s3.url.removeprefix("s3://distckpt/")
+    client.copy_object(
+        Bucket=bucket,
+        Key=f"{prefix}/signed/w/c.0.0",
+        CopySource={"Bucket": bucket, "Key": f"{prefix}/twin/w/c.0.0"},
+    )
+    with pytest.raises(distckpt.CheckpointError):
+        load(f"{s3.url}/signed", trusted)  # type: ignore[arg-type]
+    distckpt.save(make_state(0), f"{s3.url}/plain", **LAYOUT)  # type: ignore[arg-type]
+    run = cli("sign", f"{s3.url}/plain", "--key", keys[0])
+    assert run.returncode == 2 and "--out" in run.stderr  # never in place on an object store
+    signed = cli("sign", f"{s3.url}/plain", "--key", keys[0], "--out", f"{s3.url}/copy")
+    assert signed.returncode == 0, signed.stderr
+    assert_loaded(load(f"{s3.url}/copy", trusted), make_state(0))  # type: ignore[arg-type]
+    with pytest.raises(UntrustedCheckpointError):
+        load(f"{s3.url}/plain", trusted)  # type: ignore[arg-type]
+
+
+def test_background_and_managed_saves_sign(tmp_path: Path, keys) -> None:
+    """A background save signs as a blocking one does; a manager that requires
+    signatures restores the newest signed persistent checkpoint, never a local step
+    (local steps are not signed), and says why."""
+    handle = distckpt.save(
+        make_state(0),
+        tmp_path / "bg",
+        signing_key=keys[0],
+        async_save=True,
+        **LAYOUT,  # type: ignore[arg-type]
+    )
+    handle.wait()
+    assert_loaded(load(tmp_path / "bg", keys[1]), make_state(0))
+
+    options = distckpt.CheckpointOptions(signing_key=str(keys[0]), trusted_keys=str(keys[1]))
+    step, w = torch.tensor(0), torch.zeros(4)
+    ckpt = distckpt.Checkpoint(step=step, w=w)
+    local = distckpt.LocalTier(str(tmp_path / "local"), interval=1)
+    kw = {"step_counter": step, "checkpoint_interval": 10, "local": local, "options": options}
+    with distckpt.CheckpointManager(ckpt, tmp_path / "run", **kw) as manager:  # type: ignore[arg-type]
+        for _ in range(12):
+            step.add_(1)
+            w.add_(1)
+            manager.save()
+    again = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(4))
+    with distckpt.CheckpointManager(again, tmp_path / "run", **kw) as manager:  # type: ignore[arg-type]
+        manager.restore_or_initialize()
+        restored = manager.restored
+        assert restored is not None and restored.tier == "persistent"
+        assert "not signed" in restored.reason
+    assert int(again.step) == restored.number < 12  # the local step 12 was not taken
+    assert torch.equal(again.w, torch.full((4,), float(restored.number)))
