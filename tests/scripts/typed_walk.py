@@ -273,9 +273,9 @@ PLAIN = (type(None), bool, int, float, str, bytes, io.BytesIO, torch.Tensor)
 def table_types() -> tuple[type, ...]:
     if not DEEPSPEED:
         return (torch.Size, torch.dtype, torch.device)
-    from distckpt.integrations.deepspeed.types import TABLE
+    from distckpt.integrations.deepspeed.types import table
 
-    return tuple(row.cls for row in TABLE.values())
+    return tuple(row.cls for row in table().values())
 
 
 def foreign(obj: Any, allowed: tuple[type, ...]) -> str | None:

@@ -56,17 +56,27 @@ import torch
 import distckpt
 from distckpt.comm.single import SingleComm
 from distckpt.integrations import trees
-
-# types.py imports DeepSpeed first, and says which extra to install if it is missing.
-from distckpt.integrations.deepspeed.types import TYPE_TAG, decode, encode
+from distckpt.integrations.deepspeed.types import NEEDS_DEEPSPEED, TYPE_TAG, decode, encode
 from distckpt.items import has_tensor
 from distckpt.training.session import StoredCheckpoint
 
-# isort: split
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
-    CheckpointCommitInfo,
-    CheckpointEngine,
-)
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+        CheckpointCommitInfo,
+        CheckpointEngine,
+    )
+except ImportError as exc:  # the module imports; using it says which extra to install
+    _MISSING: ImportError | None = exc
+    CheckpointEngine = object
+    CheckpointCommitInfo = Any
+else:
+    _MISSING = None
+
+
+def _require_deepspeed() -> None:
+    if _MISSING is not None:
+        raise ImportError(NEEDS_DEEPSPEED) from _MISSING
+
 
 STRUCTURE_SUFFIX = ".structure"
 ENGINE_NAME = "DistckptCheckpointEngine"
@@ -81,6 +91,7 @@ def use_distckpt(
 ) -> Any:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load its checkpoints with distckpt;
     returns the :class:`DistckptCheckpointEngine` it now uses. Every process calls it."""
+    _require_deepspeed()
     if getattr(engine, "use_node_local_storage", lambda: False)():
         raise ValueError(
             "distckpt's DeepSpeed engine writes one checkpoint per save for the whole job; "
@@ -104,6 +115,7 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         options: distckpt.CheckpointOptions | None = None,
         overwrite: bool | None = None,
     ) -> None:
+        _require_deepspeed()
         super().__init__(config_params)
         self.name = ENGINE_NAME
         self.options = options or distckpt.CheckpointOptions()

@@ -21,13 +21,15 @@ outside the table is left to :func:`distckpt.save` (refused, or pickled with
 ``allow_pickle=True``), and a loss scaler with an attribute the row does not know is
 refused the same way (:class:`~distckpt.errors.UnsupportedValueError`).
 
-The tags are those distckpt has always written (``module:qualname`` of the class), so
-checkpoints written before the table existed load as they did.
+DeepSpeed's classes are imported when the table is first used, so this module imports
+without DeepSpeed. The tags are those distckpt has always written (``module:qualname``
+of the class), so checkpoints written before the table existed load as they did.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,16 +38,6 @@ from typing import Any
 import torch
 
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
-
-try:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "distckpt.integrations.deepspeed needs DeepSpeed: pip install 'distckpt[deepspeed]' "
-        "(DeepSpeed builds against the installed torch: install torch first)"
-    ) from exc
 
 #: The key of a typed value's dict that names its row of :data:`TABLE`.
 TYPE_TAG = "__distckpt_type__"
@@ -211,7 +203,24 @@ def _tag(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _rows() -> dict[str, Row]:
+#: What importing DeepSpeed's classes asks for when DeepSpeed is missing.
+NEEDS_DEEPSPEED = (
+    "distckpt.integrations.deepspeed needs DeepSpeed: pip install 'distckpt[deepspeed]' "
+    "(DeepSpeed builds against the installed torch: install torch first)"
+)
+
+
+@functools.cache
+def table() -> dict[str, Row]:
+    """The closed table: every type a DeepSpeed checkpoint's typed values may name, by
+    tag (DeepSpeed's classes are imported on first use; :class:`ImportError` naming the
+    extra without DeepSpeed)."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError as exc:
+        raise ImportError(NEEDS_DEEPSPEED) from exc
     rows = [
         Row("torch.Size", torch.Size, "value", list, _size),
         Row("torch.dtype", torch.dtype, "value", _dtype_name, _dtype_named),
@@ -222,7 +231,7 @@ def _rows() -> dict[str, Row]:
             fragment_address,
             "fields",
             lambda f: {"numel": f.numel, "start": f.start},
-            _dataclass(lambda: TABLE[_tag(fragment_address)]),
+            _dataclass(lambda: table()[_tag(fragment_address)]),
             {"numel": _count, "start": _count},
         ),
         Row(
@@ -230,7 +239,7 @@ def _rows() -> dict[str, Row]:
             LossScaler,
             "attributes",
             lambda s: dict(vars(s)),
-            _instance(lambda: TABLE[_tag(LossScaler)]),
+            _instance(lambda: table()[_tag(LossScaler)]),
             _SCALER,
         ),
         Row(
@@ -238,7 +247,7 @@ def _rows() -> dict[str, Row]:
             DynamicLossScaler,
             "attributes",
             lambda s: dict(vars(s)),
-            _instance(lambda: TABLE[_tag(DynamicLossScaler)]),
+            _instance(lambda: table()[_tag(DynamicLossScaler)]),
             _DYNAMIC,
             _DYNAMIC_OPTIONAL,
         ),
@@ -246,9 +255,9 @@ def _rows() -> dict[str, Row]:
     return {row.tag: row for row in rows}
 
 
-#: The closed table: every type a DeepSpeed checkpoint's typed values may name.
-TABLE: dict[str, Row] = _rows()
-_BY_TYPE: dict[type, Row] = {row.cls: row for row in TABLE.values()}
+@functools.cache
+def _by_type() -> dict[type, Row]:
+    return {row.cls: row for row in table().values()}
 
 
 def encode(obj: Any, where: str = "") -> Any:
@@ -256,9 +265,9 @@ def encode(obj: Any, where: str = "") -> Any:
     as they are (for :func:`distckpt.save` to store, refuse or pickle)."""
     if isinstance(obj, torch.Tensor):
         return obj
-    row = _BY_TYPE.get(type(obj))
+    row = _by_type().get(type(obj))
     if row is None and isinstance(obj, torch.dtype):
-        row = TABLE["torch.dtype"]
+        row = table()["torch.dtype"]
     if row is not None:
         data = row.store(obj)
         if row.form in ("fields", "attributes"):
@@ -305,12 +314,12 @@ def decode(obj: Any, where: str = "") -> Any:
 
 def _typed(tag: str, obj: dict[str, Any], where: str) -> Any:
     """The object a typed value (``tag`` and its dict, as read from storage) stands for."""
-    row = TABLE.get(tag)
+    row = table().get(tag)
     if row is None:
         raise _corrupt(
             where,
             f"{TYPE_TAG} {tag!r:.120} is not a type distckpt rebuilds "
-            f"(it rebuilds {', '.join(TABLE)})",
+            f"(it rebuilds {', '.join(table())})",
         )
     if set(obj) != {TYPE_TAG, row.form}:
         raise _corrupt(where, f"{TYPE_TAG} {tag!r} is stored with {sorted(obj, key=str)!r:.120}")
@@ -320,4 +329,4 @@ def _typed(tag: str, obj: dict[str, Any], where: str) -> Any:
     return row.build(data, where)
 
 
-__all__ = ["TABLE", "TYPE_TAG", "decode", "encode"]
+__all__ = ["TYPE_TAG", "decode", "encode", "table"]
