@@ -43,6 +43,7 @@ from distckpt.errors import UntrustedCheckpointError
 from distckpt.format.index import Index, parse_index, read_index_bytes
 from distckpt.progress import progress
 from distckpt.signing.keys import TrustedKeys, trusted_keys
+from distckpt.signing.signature import signer
 from distckpt.signing.trust import check_index
 from distckpt.slices import Box
 from distckpt.storage.backend import Store
@@ -112,13 +113,15 @@ def read_shared_index(
     that it is signed by one of those keys, and every file it lists
     (:func:`distckpt.signing.trust.check_index`)."""
 
-    def read() -> tuple[bytes, str | None]:
+    def read() -> bytes:
         raw = read_index_bytes(store)
-        return raw, None if trusted is None else check_index(raw, store, trusted)
+        if trusted is not None:
+            check_index(raw, store, trusted)  # raised on every rank when it fails
+        return raw
 
-    payload, signer = announce(comm, read)
+    payload = announce(comm, read)
     index = parse_index(payload, store)
-    index.signed_by = signer
+    index.signed_by = None if trusted is None else signer(payload)  # (rank 0 checked it)
     return index
 
 
