@@ -5,7 +5,8 @@ as an attacker would, then read by every reader (``distckpt verify``, ``inspect`
 ``ls``, ``diff``, ``export``, the DCP reader's ``read_metadata`` and ``distckpt.load``
 into ``None`` placeholders) in a child process whose address space is bounded
 (``tests/support/bounded_readers.py``; one child reads every case, once per module): the
-memory a reader spends follows what is stored, never what is declared.
+memory a reader spends follows what is stored, never what is declared. A node-local
+step's manifest that declares more than its data file holds is refused likewise.
 
 What each reader does is the same for every kind of damage: a tensor with no elements
 that is well-formed (its grid has no cell, its columns are empty) is read as the empty
@@ -231,3 +232,54 @@ def test_a_grid_of_many_shards_costs_what_its_columns_hold(read: Any) -> None:
     assert results["export"]["rc"] == 2 and "the index says" in results["export"]["err"]
     assert results["dcp"]["ok"]["w"] == [2**40, 64]
     assert results["load"]["raised"] == "CorruptCheckpointError", results["load"]
+
+
+_LOCAL = """
+import json, os, resource, sys
+from pathlib import Path
+import torch, distckpt
+sys.path.insert(0, sys.argv[2])
+from distckpt.testing.hostile import reseal
+from tests.support.hostile_fuzz import MEMORY_BOUND
+from tests.support.hostile_util import local_manager
+tmp = Path(sys.argv[1])
+ckpt = distckpt.Checkpoint(step=torch.tensor(0), w=torch.zeros(8, 4))
+with local_manager(tmp, ckpt) as keeper:
+    for step in (1, 2):  # 1: persistent, 2: in the local tier only
+        ckpt.step.fill_(step)
+        keeper.save()
+(manifest,) = (tmp / "local" / "step-2").glob("o0.*.json")
+doc = json.loads(manifest.read_bytes())
+(w,) = [t for t in doc["tensors"] if t["name"] == "w"]
+w.update(shape=[2**34, 4], box=[[0, 0], [2**34, 4]], nbytes=2**38)  # 256 GiB in 192 bytes
+manifest.write_bytes(reseal(json.dumps(doc).encode()))
+with open("/proc/self/statm") as f:
+    held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_BOUND, resource.RLIM_INFINITY))
+fresh = distckpt.Checkpoint(step=torch.tensor(0), w=None)  # a slot the checkpoint sizes
+with local_manager(tmp, fresh) as keeper:
+    keeper.restore_or_initialize()
+    print(json.dumps({"tier": keeper.restored.tier, "reason": keeper.restored.reason,
+                      "w": list(fresh.w.shape)}))
+"""
+
+
+def test_a_local_manifest_that_declares_more_than_its_data_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A node-local step's manifest declares ``w`` as 256 GiB in one piece of its
+    192-byte data file, and the restored object's ``w`` is a slot the checkpoint sizes:
+    the piece's end is compared with the data file's size before anything is allocated,
+    and the manager falls back to the shared directory. Before: the restore allocated
+    the 256 GiB declared (a bounded process: an allocation error)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LOCAL, str(tmp_path), str(READERS.parents[2])],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["tier"] == "persistent" and got["w"] == [8, 4], got
+    assert "its data file is 192 bytes, its manifest places pieces up to" in got["reason"], got
