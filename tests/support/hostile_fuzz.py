@@ -34,7 +34,8 @@ control character), within a deadline; nothing outside the checkpoint's director
 touched; and the child ends normally, never by a signal.
 
 ``tests/hostile/test_hostile_fuzz.py`` runs a fixed set of examples in the suite;
-``python tests/support/hostile_fuzz.py --examples 5000 --seed 1`` runs a campaign.
+``python tests/support/hostile_fuzz.py --examples 5000 --seed 1`` runs a campaign (``--family
+grids`` runs one family alone; repeat it for several).
 """
 
 from __future__ import annotations
