@@ -189,6 +189,36 @@ class SliceSpec:
         return " ".join(str(d) for d in self.shape) + " " + ":".join(parts)
 
 
+#: Elements of ranges up to which :func:`grid_points` hands them to ``itertools.product``.
+_EAGER = 1 << 16
+
+
+def grid_points(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    """Every point of the grid ``ranges`` span, in C order (as ``itertools.product``),
+    holding one point at a time. ``itertools.product`` first makes a tuple of each range:
+    a grid with an empty range beside one of ``2**40`` (no point at all) would take
+    terabytes, and a consumer that stops at its first point would pay for the whole
+    range. Here the cost follows the points asked for::
+
+        >>> list(grid_points([range(2), range(1, 3)]))
+        [(0, 1), (0, 2), (1, 1), (1, 2)]
+        >>> list(grid_points([range(0), range(2**40)]))
+        []
+    """
+    if not all(ranges):
+        return iter(())
+    if sum(r.stop - r.start for r in ranges) <= _EAGER:
+        return itertools.product(*ranges)  # (faster, and as small)
+    return _odometer(ranges)
+
+
+def _odometer(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    *outer, last = ranges
+    for prefix in _odometer(outer) if outer else iter([()]):
+        for i in last:
+            yield (*prefix, i)
+
+
 def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
     """(start, size) of piece ``index`` when ``torch.chunk`` splits ``length`` into ``parts``.
 
@@ -212,7 +242,7 @@ def c_order_bands(shape: Sequence[int], itemsize: int, limit: int) -> Iterator[B
         d += 1
     row = math.prod(shape[d + 1 :]) * itemsize
     step = max(1, limit // max(row, 1))
-    for lead in itertools.product(*(range(n) for n in shape[:d])):
+    for lead in grid_points([range(n) for n in shape[:d]]):
         for start in range(0, shape[d], step):
             yield Box(
                 (*lead, start, *([0] * (len(shape) - d - 1))),
@@ -242,7 +272,5 @@ def byte_runs(shape: Sequence[int], box: Box, itemsize: int) -> Iterator[tuple[i
     strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
     length = box.lengths[k] * strides[k]
     base = box.offsets[k] * strides[k]
-    for lead in itertools.product(
-        *(range(o, o + n) for o, n in zip(box.offsets[:k], box.lengths[:k]))
-    ):
+    for lead in grid_points([range(o, o + n) for o, n in zip(box.offsets[:k], box.lengths[:k])]):
         yield base + sum(i * s for i, s in zip(lead, strides, strict=False)), length

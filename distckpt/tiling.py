@@ -74,6 +74,11 @@ def tiling_problem(boxes: Sequence[Box], within: Box) -> TilingProblem | None:
     own). A ``within`` of ``2**62`` elements or more (no stored tensor) is "unproven".
     """
     ndim = within.ndim
+    if within.empty:  # nothing to prove, however long its other dimensions
+        for k, b in enumerate(boxes):
+            if b.ndim != ndim or not b.empty:
+                return TilingProblem("outside", within, (b,), (k,))
+        return None
     if within.numel >= 1 << 62 or any(e >= 1 << 62 for e in within.ends):
         note = f"{within} holds too many elements to prove what tiles it (2**62 or more)"
         return TilingProblem("unproven", within, note=note)
@@ -97,8 +102,6 @@ def tiling_problem(boxes: Sequence[Box], within: Box) -> TilingProblem | None:
         k = int(keep[int(np.argmax(outside))])
         return TilingProblem("outside", within, (boxes[k],), (k,))
     ends = offs + lens
-    if within.empty:
-        return None  # (no box of elements fits inside)
     if len(keep) == 0:
         return TilingProblem("gap", within, (within,))
     # Dimensions that every box spans whole play no part.

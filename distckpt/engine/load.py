@@ -171,7 +171,9 @@ class _Indexed(RestoreKind[Prepared]):
         if self.refused is not None:
             raise self.refused
         assert self.index is not None
-        return prepare(state, self.index, result, comm.rank, comm.size, self.options)
+        return prepare(
+            state, self.index, result, comm.rank, comm.size, self.options, store=self.run.store
+        )
 
     def offer(self, comm: Communicator, matched: Prepared) -> Any:
         """Whether this rank shares reads, and the digests of what it restores

@@ -27,10 +27,12 @@ from distckpt.errors import (
     ShapeMismatchError,
     UnsupportedValueError,
 )
+from distckpt.format.backed import check_stored
 from distckpt.format.index import pieces_of
 from distckpt.format.stored import Pieces
 from distckpt.items import Leaf, flatten
 from distckpt.slices import Box
+from distckpt.storage.backend import Store
 from distckpt.transfer.reader import ReadTarget
 from distckpt.values import decode
 
@@ -55,10 +57,14 @@ def prepare(
     options: CheckpointOptions,
     *,
     located: bool = True,
+    store: Store | None = None,
 ) -> Prepared | None:
     """Match the state's leaves to the index and check every one; restore the values.
     ``located=False``: the index describes the variables but not where their pieces are
     (the node-local tier's), so no :class:`~distckpt.format.stored.Pieces` are made.
+    ``store``: the checkpoint's, where a tensor the checkpoint sizes (a ``None``
+    placeholder) is found to be stored before it is allocated
+    (:func:`~distckpt.format.backed.check_stored`; without it, by the index's word).
 
     ``options.strict`` and ``options.allow_pickle`` apply.
 
@@ -107,8 +113,10 @@ def prepare(
             value = decode(entry["value"], allow_pickle=allow_pickle, name=leaf.name)
             prepared.fresh.append((leaf, value))
         elif leaf.tensor is None:  # a None placeholder or a per-rank value slot
-            if pieces is not None:
-                pieces.check_backed()  # the checkpoint, not the user, says how large
+            if pieces is not None and store is not None:  # the checkpoint says how large
+                check_stored(store, pieces)
+            elif pieces is not None:
+                pieces.check_backed()
             tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry["dtype"]))
             prepared.reads.append(ReadTarget(leaf.name, entry, box, tensor, stored=pieces))
             prepared.replicated.append(False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import itertools
 import math
 import re
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from distckpt.errors import (
 )
 from distckpt.format import codecs, digests, wellformed, zarr_meta
 from distckpt.signing import hashes
-from distckpt.slices import Box
+from distckpt.slices import Box, grid_points
 from distckpt.tiling import TilingProblem, tiling_problem
 
 #: A regular entry's ``crc`` and ``size`` are JSON lists up to this many shards, base64
@@ -420,7 +419,7 @@ class Pieces:
         those out: it has no use for them)."""
         if self._listed is not None:
             return iter(self._listed)
-        coords = itertools.product(*map(range, self.grid))
+        coords = grid_points([range(n) for n in self.grid])  # (none when one is empty)
         if self._digest is None and self._reused is None:
             return (self._piece(coord) for coord in coords)
         return (self._provenanced(self._piece(coord), k) for k, coord in enumerate(coords))
@@ -446,17 +445,21 @@ class Pieces:
         return int(self.size.values().sum())
 
     def covering(self, box: Box) -> list[StoredPiece]:
-        """The pieces that hold part of ``box`` (global coordinates): for a regular entry
-        found by arithmetic on the grid, so a rank's read plan costs what it reads."""
+        """The pieces that hold part of ``box`` (global coordinates; none when it is of
+        another rank than the shape): for a regular entry found by arithmetic on the grid,
+        so a rank's read plan costs what it reads, and at most the pieces stored."""
+        if box.ndim != len(self.shape):
+            return []
         if self._listed is not None:
             return [p for p in self._listed if p.box.intersect(box) is not None]
-        if box.empty:
+        inside = box.intersect(Box.full(self.shape))  # a grid's cells beyond it are none
+        if inside is None:
             return []
         ranges = [
             range(o // c, -(-(o + n) // c))
-            for o, n, c in zip(box.offsets, box.lengths, self.chunks, strict=True)
+            for o, n, c in zip(inside.offsets, inside.lengths, self.chunks, strict=True)
         ]
-        coords = list(itertools.product(*ranges))
+        coords = list(grid_points(ranges))  # (as many as the column holds, at most)
         linear = [self._linear(c) for c in coords]
         first, end = min(linear), max(linear) + 1
         crcs, sizes = self.crc.span(first, end), self.size.span(first, end)

@@ -100,9 +100,11 @@ def check_inside(
 
 
 def shape_of(entry: dict[str, Any], variable: str, itemsize: int) -> tuple[int, ...]:
-    """A tensor entry's declared shape, checked to be one of at most :data:`MAX_BYTES`."""
+    """A tensor entry's declared shape, checked to be one of at most :data:`MAX_BYTES`,
+    its dimensions of zero left out: they leave the product at zero, but NumPy and torch
+    still multiply the others into strides (as for safetensors, :mod:`distckpt.hf`)."""
     shape = counts(entry.get("shape"), variable, "shape")
-    if math.prod(shape) * itemsize > MAX_BYTES:
+    if math.prod(n for n in shape if n) * itemsize > MAX_BYTES:
         raise corrupt(variable, f"the declared shape {list(shape)} is impossibly large")
     return shape
 
@@ -136,6 +138,8 @@ def check_piece(
         raise bad(f"its box lies outside the shape {list(shape)}") from None
     if any(b < n for b, n in zip(block, lengths)):
         raise bad(f"its block {list(block)} does not hold its box")
+    if inner is not None and len(inner) != ndim:
+        raise bad(f"inner chunks {list(inner)} of another rank than the shape {list(shape)}")
     if math.prod(lengths) == 0:
         return  # nothing stored, nothing read
     data = math.prod(block) * itemsize

@@ -31,6 +31,8 @@ from distckpt.comm import Communicator
 from distckpt.engine.inspect import index_variables
 from distckpt.engine.options import LOAD, merge
 from distckpt.engine.pipeline.stage import communicator
+from distckpt.format.backed import check_stored
+from distckpt.format.index import pieces_of
 from distckpt.items import has_tensor, is_dtensor
 from distckpt.naming import escape_key
 from distckpt.training.session import StoredCheckpoint
@@ -132,7 +134,8 @@ def read_tree(
     structure under ``structure_key``; None when the checkpoint has no such structure.
     Two loads from the index ``source`` read once: the structure, then the tensors, into
     tensors allocated from the shapes the index declares (their total checked first
-    against ``max_bytes``, default this machine's memory) or into ``targets``' own.
+    against ``max_bytes``, default this machine's memory, and each against what its files
+    hold: :func:`~distckpt.format.backed.check_stored`) or into ``targets``' own.
     ``strict``: every stored name must be the tree's or its structure's."""
     head: dict[str, Any] = {structure_key: None}
     source.load(head, comm, options.replace(strict=False))
@@ -157,6 +160,8 @@ def read_tree(
             f"{source.path} declares {declared} bytes of tensors under {data!r}, more than "
             f"the {limit} allowed (max_bytes, default this machine's memory)"
         )
+    for name in shapes.keys() - given:  # each allocated only once its files can fill it
+        check_stored(source.store, pieces_of(source.index, source.index["variables"][name], name))
     state = {data: _target(node, prefix, shapes, targets), structure_key: None}
     source.load(state, comm, options.replace(strict=strict))
     return _rebuild(state[data], node)

@@ -64,6 +64,25 @@ def checked(
     return tensors, plain, per_rank
 
 
+def extent(tensors: list[dict[str, Any]], where: str) -> int:
+    """Where the data of a manifest's ``tensors`` (checked by :func:`checked`) ends in its
+    data file. Their bytes must not overlap there (replicas of one box at one offset, as
+    HSDP saves, are one), so what a restore allocates for them is at most the bytes of
+    the file: its holder compares the end with the file's size."""
+    spans = sorted(
+        {(t["offset"], t["nbytes"], str(t["box"]), t["name"]) for t in tensors if t["nbytes"]}
+    )
+    end = 0
+    for offset, nbytes, box, name in spans:
+        if offset < end:
+            raise CorruptCheckpointError(
+                f"{where}: variable {name!r}: the bytes of its box {box} overlap those of "
+                "another piece in the data file"
+            )
+        end = offset + nbytes
+    return end
+
+
 def index_of(
     manifests: dict[int, dict[str, Any]], world: int, where: str
 ) -> tuple[dict[str, Any], dict[tuple[str, int | None], list[Piece]], dict[str, Any]]:

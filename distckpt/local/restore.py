@@ -44,7 +44,7 @@ from distckpt.errors import CorruptCheckpointError
 from distckpt.format.shard_io import crc32c
 from distckpt.local import files
 from distckpt.local.choose import Choice
-from distckpt.local.manifests import Piece, index_of
+from distckpt.local.manifests import Piece, checked, extent, index_of
 from distckpt.local.messages import MESSAGE_BYTES, pack, packed_size
 from distckpt.local.nodes import topology
 from distckpt.slices import Box, byte_runs, c_order_bands
@@ -122,6 +122,7 @@ class LocalStep(RestoreKind[_Matched]):
                     mine[owner] = files.read_manifest(
                         store, choice.step, owner, choice.token, choice.run, choice.world
                     )
+                    step._check_extent(owner, mine[owner])
         except Exception as exc:
             error = exc
         raise_if_any_failed(comm, error)
@@ -131,6 +132,24 @@ class LocalStep(RestoreKind[_Matched]):
         step.index, step._pieces, step.extra = index_of(manifests, choice.world, step.path)
         step.stored = step.index["variables"]
         return step
+
+    def _check_extent(self, owner: int, manifest: dict[str, Any]) -> None:
+        """The data file of saved rank ``owner`` (its holder's copy) holds every piece its
+        ``manifest`` places in it, so no piece is allocated for bytes not stored."""
+        where = f"{self.path}, saved rank {owner}"
+        end = extent(checked(manifest, where)[0], where)
+        key = files.data_key(self.choice.step, owner, self.choice.token)
+        try:
+            with self.store.open(key) as handle:
+                size = handle.size
+        except OSError as exc:
+            raise CorruptCheckpointError(
+                f"{where}: cannot read {self.store.where(key)}: {exc}"
+            ) from exc
+        if size < end:
+            raise CorruptCheckpointError(
+                f"{where}: its data file is {size} bytes, its manifest places pieces up to {end}"
+            )
 
     # ------------------------------------------------------------ reading
 

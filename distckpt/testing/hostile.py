@@ -16,7 +16,6 @@ index's own checksum: only what the edit changed is wrong.
 from __future__ import annotations
 
 import base64
-import itertools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -172,7 +171,12 @@ class Crafted:
             inner = p.get("inner")
             return p["file"], tuple(p["block"]), None if inner is None else tuple(inner)
         grid = [-(-n // c) for n, c in zip(entry["shape"], entry["chunks"])]
-        coord = list(itertools.product(*map(range, grid)))[k]
+        if not 0 <= k < math.prod(grid):
+            raise IndexError(f"{variable!r} has no piece {k}")
+        coord: list[int] = []
+        for n in reversed(grid):  # C order, by arithmetic: a grid may be huge
+            k, i = divmod(k, n)
+            coord.insert(0, i)
         name = ".".join(["c", *map(str, coord)])
         inner = entry.get("inner")
         return (

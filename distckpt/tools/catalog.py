@@ -18,7 +18,7 @@ import numpy as np
 from distckpt import dtypes
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from distckpt.format.index import pieces_of, read_index
-from distckpt.format.stored import StoredPiece
+from distckpt.format.stored import Pieces
 from distckpt.signing.keys import TrustedKeys
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
@@ -31,7 +31,7 @@ class TensorVar:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[StoredPiece, ...]
+    pieces: Pieces  # made as they are iterated: memory follows the index, not the grid
     entry: dict[str, Any]
 
     @property
@@ -114,20 +114,10 @@ def _add(
     try:
         dtype = str(entry["dtype"])
         shape = tuple(int(n) for n in entry["shape"])
-        pieces = tuple(pieces_of(index, entry, name))
+        pieces = pieces_of(index, entry, name)  # checked, each piece of the shape's rank
         dtypes.numpy_dtype(dtype)
     except UnsupportedValueError as exc:
         raise CorruptCheckpointError(f"variable {name!r}: {exc}") from None
     except (KeyError, TypeError, ValueError, IndexError):
         raise CorruptCheckpointError(f"variable {name!r}: malformed index entry") from None
-    for piece in pieces:
-        if piece.box.ndim != len(shape) or len(piece.block) != len(shape):
-            raise CorruptCheckpointError(
-                f"variable {name!r}: piece {piece.file} has a box of rank {piece.box.ndim} "
-                f"in a tensor of shape {list(shape)}"
-            )
-        if piece.inner is not None and len(piece.inner) != len(shape):
-            raise CorruptCheckpointError(
-                f"variable {name!r}: piece {piece.file} has inner chunks of the wrong rank"
-            )
     tensors[name] = TensorVar(name, dtype, shape, pieces, entry)

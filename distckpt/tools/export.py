@@ -2,9 +2,10 @@
 read a slab at a time (:mod:`distckpt.tools.slabs`) and written at its place, so memory
 is one slab of at most ``max_slab_bytes`` (64 MiB by default) plus an inner chunk per I/O
 worker (a compressed one declares at most 64 MiB), whatever the model's size or what a
-checkpoint declares. A tensor whose pieces do not cover it exactly once is refused before
-anything is written (:func:`~distckpt.tools.verify.check_slabs`): every byte written is
-a verified stored byte.
+checkpoint declares. A tensor whose pieces do not cover it exactly once
+(:func:`~distckpt.tools.verify.check_slabs`), or whose files cannot fill it
+(:func:`~distckpt.format.backed.check_stored`), is refused before anything is written
+or allocated: every byte written is a verified stored byte.
 
 * ``.safetensors``: the header (every tensor's dtype, shape and offsets) first, then each
   tensor's bytes. Python values go into the header's ``__metadata__``, each as a JSON
@@ -40,6 +41,7 @@ import torch
 from distckpt import dtypes
 from distckpt.engine.load import read_region
 from distckpt.errors import ConversionError, UnsupportedValueError
+from distckpt.format.backed import check_stored
 from distckpt.hf.safetensors import TensorHeader, header
 from distckpt.slices import Box
 from distckpt.tools import torch_file
@@ -93,8 +95,9 @@ def export(
     if target.exists() and not overwrite:
         raise ConversionError(f"{target} exists (pass --overwrite to replace it)")
     catalog = open_catalog(checkpoint)
-    for var in catalog.tensors.values():  # before a byte is written
+    for var in catalog.tensors.values():  # before a byte is written or allocated
         check_slabs(catalog, var, max_slab_bytes)
+        check_stored(catalog.root, var.pieces)
     report = ExportReport(target)
     if suffix == ".safetensors":
         _export_safetensors(catalog, target, report, max_slab_bytes, on_bytes)

@@ -14,6 +14,7 @@ from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
 from distckpt.engine.pipeline import communicator, save_blocking
 from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
+from distckpt.format.backed import check_stored
 from distckpt.hf.directory import DEFAULT_MAX_BYTES, parse_size, plan_files
 from distckpt.hf.names import Rename, for_saving
 from distckpt.hf.save import WeightsSave
@@ -86,6 +87,7 @@ class _CheckpointWeights(WeightsSave):
                         f"both {sources[name]!r} and {var.name!r} map to {name!r}"
                     )
                 check_slabs(catalog, var, DEFAULT_SLAB_BYTES)  # before a file is made
+                check_stored(catalog.root, var.pieces)  # (of the size it declares)
                 tensors.append((name, var.dtype, var.shape))
                 sources[name] = var.name
         files = plan_files(tensors, max_bytes)

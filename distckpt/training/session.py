@@ -38,9 +38,11 @@ from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.engine.matching import gather_left
 from distckpt.engine.options import CheckpointOptions, resolve_run
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
+from distckpt.format.backed import check_stored
 from distckpt.format.stored import Pieces
 from distckpt.items import PerRank, Shard, is_dtensor
 from distckpt.signing.keys import TrustSource, trusted_keys
+from distckpt.storage.backend import Store
 from distckpt.storage.registry import location, open_store
 from distckpt.training.handlers import TensorNames, plan_restore
 from distckpt.training.names import MISSING, ancestors, descend, expand, nest, parts
@@ -56,9 +58,10 @@ ALIASES = "_aliases"
 
 class Source(Protocol):
     """Where a restore reads from: a checkpoint's ``index`` (read once) and a ``load`` of
-    a nested state from it, collective, as :func:`distckpt.load`."""
+    a nested state from it, collective, as :func:`distckpt.load`; ``store`` holds it."""
 
     path: Any
+    store: Store
 
     @property
     def index(self) -> Mapping[str, Any]: ...
@@ -240,7 +243,7 @@ class RestoreSession:
             holder = slot.target
             if holder is None:
                 if "pieces" in entry or "chunks" in entry:  # (a local step's are checked there)
-                    Pieces(entry, found.source).check_backed()
+                    check_stored(self.source.store, Pieces(entry, found.source))
                 shape = tuple(entry["shape"])
                 holder = torch.empty(shape, dtype=dtypes.torch_dtype(entry["dtype"]))
         elif kind == "per_rank":

@@ -228,3 +228,59 @@ def test_filesystem_writer_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no distckpt equivalent"):
         DistckptWriter(tmp_path / "x", _extensions=[object()])
     assert DistckptWriter(tmp_path / "x", _extensions=[object()], ignore_extensions=True)
+
+
+_OVERLAPPING = """
+import json, sys, torch, distckpt
+import torch.distributed.checkpoint as dcp
+from distckpt.integrations.dcp import DistckptReader
+from distckpt.testing.hostile import Crafted
+path = sys.argv[1]
+distckpt.save({"w": torch.arange(8.0)}, path)
+def overlap(variables):
+    pieces = variables["w"]["pieces"]
+    pieces.append(json.loads(json.dumps(pieces[0])))  # the one piece listed twice
+Crafted(path).edit_index(overlap)
+try:
+    dcp.load({"w": torch.zeros(8)}, storage_reader=DistckptReader(path))
+except BaseException as exc:
+    (wrapped,) = exc.failures.values()
+    print(type(exc).__name__, type(wrapped[0]).__name__)
+    raise
+"""
+
+
+def test_a_damaged_index_is_the_one_error_dcp_raises(tmp_path: Path) -> None:
+    """An index whose pieces overlap (resealed as an attacker would): DCP's load catches
+    the reader's refusal, logs it and falls back to a per-rank checkpoint at
+    ``path/rank-0``; the reader answers that fallback with the refusal itself. What DCP
+    raises wraps the CorruptCheckpointError, and nothing printed speaks of a missing
+    ``rank-0``. Before: a traceback ending ``CheckpointNotFoundError: no checkpoint at
+    .../rank-0``, then DCP's AssertionError quoting both."""
+    run = subprocess.run(
+        [sys.executable, "-c", _OVERLAPPING, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1 and run.stdout.split() == [
+        "CheckpointException",
+        "CorruptCheckpointError",
+    ], (run.stdout, run.stderr[-3000:])
+    cause = "variable 'w': its pieces do not tile its shape [8] exactly once: pieces w/c.0"
+    last = run.stderr.strip().splitlines()[-1]  # what the traceback ends with
+    assert last.startswith("distckpt.errors.CorruptCheckpointError: ") and cause in last, last
+    assert "overlap" in last
+    for absent in ("rank-0", "CheckpointNotFoundError", "AssertionError", "metadata is None"):
+        assert absent not in run.stderr, (absent, run.stderr[-3000:])
+
+
+def test_no_checkpoint_anywhere_is_dcps_own_error(tmp_path: Path) -> None:
+    """With no checkpoint at the path nor at ``path/rank-0``, DCP's report names both."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=DistckptReader(tmp_path / "none"))
+    (wrapped,) = caught.value.failures.values()
+    text = str(wrapped[0])
+    assert "global metadata read failed: no checkpoint at" in text and "rank-0" in text

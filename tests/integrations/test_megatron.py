@@ -176,14 +176,15 @@ def test_a_tensor_that_allows_a_shape_mismatch_loads_what_overlaps(tmp_path: Pat
 
 def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> None:
     """A checkpoint's names as storage may hold them: a stacked tensor's layer that is not
-    named by its offsets, or layers naming different numbers of axes, are reported as a
-    damaged checkpoint naming the variable, when Megatron asks for the tensors' metadata."""
+    named by its offsets, layers naming different numbers of axes, or a layer's offset
+    that makes a shape no tensor can have, are reported as a damaged checkpoint naming the
+    variable, when Megatron asks for the tensors' metadata."""
     import torch
 
     import distckpt
     from distckpt.integrations.megatron import DistckptLoadStrategy, checkpoint_path
 
-    for i, layers in enumerate((["0", "x1"], ["0", "0.1"])):
+    for i, layers in enumerate((["0", "x1"], ["0", "0.1"], ["0", str(2**62)])):
         ckpt = tmp_path / str(i)
         state = {"tensors": {"stack": {name: torch.zeros(2) for name in layers}}}
         distckpt.save(state, checkpoint_path(ckpt))

@@ -3,6 +3,7 @@ the proof that boxes tile a box exactly once."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from distckpt import tiling
-from distckpt.slices import Box, SliceSpec, chunk_bounds
+from distckpt.slices import Box, SliceSpec, chunk_bounds, grid_points
 from distckpt.tiling import tiling_problem
 
 
@@ -311,3 +312,30 @@ def _split_cols(x: Box) -> list[Box]:
 def test_tiling_refuses_a_box_beyond_what_it_can_count() -> None:
     problem = tiling_problem([Box.full((1 << 40, 1 << 30))], Box.full((1 << 40, 1 << 30)))
     assert problem is not None and problem.kind == "unproven" and "too many" in str(problem)
+
+
+def test_grid_points_holds_a_point_at_a_time() -> None:
+    """``itertools.product``'s points, in its order; but an empty range beside one of
+    2**40 is no point (not a tuple of 2**40 ints first), and the first point of a huge
+    grid costs what one point does."""
+    rng = random.Random(7)
+    for _ in range(200):
+        ranges = [range(rng.randrange(3), rng.randrange(3, 7)) for _ in range(rng.randrange(4))]
+        assert list(grid_points(ranges)) == list(itertools.product(*ranges))
+    big = [range(3), range(70_000), range(2)]  # beyond the eager bound: walked lazily
+    assert list(itertools.islice(grid_points(big), 5)) == list(
+        itertools.islice(itertools.product(*big), 5)
+    )
+    started = time.perf_counter()
+    assert list(grid_points([range(2**40), range(0)])) == []
+    assert next(grid_points([range(2**40)] * 64)) == (0,) * 64
+    assert list(grid_points([])) == [()]
+    assert time.perf_counter() - started < 1
+
+
+def test_an_empty_box_tiles_with_no_piece_whatever_its_other_dimensions() -> None:
+    within = Box.full((0, 2**62, 2**62))  # beyond what is proven for boxes of elements
+    assert tiling_problem([], within) is None
+    assert tiling_problem([Box((0, 0, 0), (0, 5, 5))], within) is None
+    problem = tiling_problem([Box((0, 0, 0), (1, 1, 1))], within)
+    assert problem is not None and problem.kind == "outside"

@@ -2,7 +2,7 @@
 checkpoint (or race a live job) crafts, every checksum recomputed after each edit.
 
 Where ``tests/hostile/test_fuzz.py`` damages bytes and documents as an accident would, this one
-builds what a naive fuzzer cannot reach, in six families:
+builds what a naive fuzzer cannot reach, in seven families:
 
 * ``frame``: a compressed inner chunk (zstd, blosc-lz4, blosc-zstd) whose frame lies: a
   header field, a block start, a stream length, a content size; a valid frame of fewer or
@@ -17,7 +17,12 @@ builds what a naive fuzzer cannot reach, in six families:
 * ``race``: a thread that swaps a variable's directory, a piece or a save's staging
   directory for a link out, a FIFO or a truncated copy, and back, while loads and saves
   run;
-* ``values``: a stored Python value replaced by a deep or huge one.
+* ``values``: a stored Python value replaced by a deep or huge one;
+* ``grids``: a regular entry that declares more than it stores: a dimension of zero
+  beside huge ones, a huge grid whose columns claim to match it, thousands of shards or
+  listed pieces, 64 dimensions, a one-byte dtype over a huge shape
+  (``tests/support/hostile_grids.py``), read also through the DCP reader's metadata,
+  ``load`` into ``None`` placeholders (tensors the checkpoint sizes) and ``ls``.
 
 Every example runs in a child of its own (forked from a driver that has imported torch
 and distckpt, so an example costs milliseconds to start) with its address space bounded.
@@ -29,7 +34,8 @@ control character), within a deadline; nothing outside the checkpoint's director
 touched; and the child ends normally, never by a signal.
 
 ``tests/hostile/test_hostile_fuzz.py`` runs a fixed set of examples in the suite;
-``python tests/support/hostile_fuzz.py --examples 5000 --seed 1`` runs a campaign.
+``python tests/support/hostile_fuzz.py --examples 5000 --seed 1`` runs a campaign (``--family
+grids`` runs one family alone; repeat it for several).
 """
 
 from __future__ import annotations
@@ -68,10 +74,11 @@ from distckpt.testing.hostile import DEEP, HOSTILE_VALUES, Crafted, crc32c, edit
 # Run as a file, it finds tests.support from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.support import make_golden  # noqa: E402
+from tests.support.hostile_grids import damage_grids  # noqa: E402
 from tests.support.hostile_util import run_manager as manager  # noqa: E402
 from tests.support.hostile_util import run_model as model  # noqa: E402
 
-FAMILIES = ("frame", "boxes", "index", "safetensors", "race", "values")
+FAMILIES = ("frame", "boxes", "index", "safetensors", "race", "values", "grids")
 #: Seconds one reader may take (a loaded machine included); the example's child is
 #: killed at :data:`EXAMPLE_BOUND`.
 READER_BOUND = 20
@@ -581,7 +588,7 @@ class Outcomes:
             raise
         except BaseException as exc:  # noqa: BLE001 - the property: nothing else (DCP's
             inner = _dcp_inner(exc)  # CheckpointException is a BaseException)
-            if isinstance(inner, distckpt.CheckpointError) or _dcp_metadata_refused(inner):
+            if isinstance(inner, distckpt.CheckpointError) or _dcp_refused(inner):
                 self.done[what] = type(inner).__name__
             else:
                 self.done[what] = f"!{type(exc).__name__}"
@@ -627,10 +634,14 @@ def _expired(signum: int, frame: Any) -> None:
     raise ReaderTimeout(f"a reader took more than {READER_BOUND} s")
 
 
-def _dcp_metadata_refused(exc: BaseException) -> bool:
+def _dcp_refused(exc: BaseException) -> bool:
     """DCP's own report of a storage reader's failed ``read_metadata`` (it catches the
-    reader's error and raises an AssertionError quoting it, for its own files too)."""
-    return isinstance(exc, AssertionError) and "global metadata read failed: " in str(exc)
+    reader's error and raises an AssertionError quoting it, for its own files too), or
+    its planner's refusal of a stored shape other than the target's (as distckpt's
+    ShapeMismatchError)."""
+    if isinstance(exc, AssertionError) and "global metadata read failed: " in str(exc):
+        return True
+    return isinstance(exc, ValueError) and str(exc).startswith("Size mismatch between saved")
 
 
 def _dcp_inner(exc: BaseException) -> BaseException:
@@ -662,12 +673,13 @@ def read_ck(root: Path, o: Outcomes, changed: str | None) -> None:
     from distckpt.integrations.dcp import DistckptReader
 
     ck, want = root / "ck", ck_state(0)
+    kept = [k for k in TENSORS if k != changed]  # (a tensor the damage made another)
     got: dict[str, Any] = {k: torch.zeros_like(want[k]) for k in TENSORS}
     got.update(cfg=None, step=None)
     if o.settle("load", lambda: distckpt.load(got, ck)):
-        for k in TENSORS:
+        for k in kept:
             o.check(same(got[k], want[k]), f"load gave wrong values of {k}")
-        if changed is None:
+        if changed is None or changed in TENSORS:
             o.check(got["cfg"] == want["cfg"] and got["step"] == want["step"], "load: values")
     boxes = {
         "w": distckpt.Shard(torch.zeros(20, 48), (64, 48), (10, 0)),
@@ -680,20 +692,37 @@ def read_ck(root: Path, o: Outcomes, changed: str | None) -> None:
         o.check(same(boxes["z"].tensor, want["z"][:, 3:10]), "load box: wrong z")
     restored = distckpt.Checkpoint(**{k: torch.zeros_like(want[k]) for k in TENSORS})
     if o.settle("Checkpoint.restore", lambda: restored.restore(ck)):
-        for k in TENSORS:
+        for k in kept:
             o.check(same(getattr(restored, k), want[k]), f"restore gave wrong values of {k}")
     via_dcp = {k: torch.zeros_like(want[k]) for k in TENSORS}
     if o.settle("dcp.load", lambda: dcp.load(via_dcp, storage_reader=DistckptReader(ck))):
-        for k in TENSORS:
+        for k in kept:
             o.check(same(via_dcp[k], want[k]), f"dcp.load gave wrong values of {k}")
     o.cli("inspect", ck)
     o.cli("verify", ck)
     out = root / "export.safetensors"
     if o.cli("export", ck, out) == 0:
         exported = load_file(str(out))
-        for k in TENSORS:
+        for k in kept:
             o.check(same(exported.get(k), want[k]), f"export wrote wrong values of {k}")
     o.cli("diff", ck, root / "outside" / "victim")
+
+
+def read_grids(root: Path, o: Outcomes, changed: str | None) -> None:
+    """Every reader of ``ck`` (:func:`read_ck`), the DCP reader's metadata alone, a load
+    into ``None`` placeholders (a tensor the checkpoint sizes: allocated only once its
+    files can fill it) and ``ls`` of the example's directory; ``changed``: the tensor
+    replaced (read as whatever it now is, when well-formed: its values are not asked)."""
+    from distckpt.integrations.dcp import DistckptReader
+
+    read_ck(root, o, changed)
+    ck, want = root / "ck", ck_state(0)
+    o.settle("dcp read_metadata", lambda: DistckptReader(ck).read_metadata())
+    held: dict[str, Any] = dict.fromkeys(TENSORS)
+    if o.settle("load placeholders", lambda: distckpt.load(held, ck, strict=False)):
+        for k in TENSORS:
+            o.check(k == changed or same(held[k], want[k]), f"load placeholders: wrong {k}")
+    o.cli("ls", root)
 
 
 def read_golden(root: Path, o: Outcomes, changed: str | None) -> None:
@@ -772,8 +801,10 @@ DAMAGE = {
     "index": damage_index,
     "safetensors": damage_safetensors,
     "values": damage_values,
+    "grids": damage_grids,
 }
-READERS = {"ck": read_ck, "golden": read_golden, "run": read_run, "hf": read_hf}
+READERS = {"ck": read_ck, "golden": read_golden, "run": read_run, "hf": read_hf,
+           "grids": read_grids}  # fmt: skip
 
 
 def example(pristine: Path, work: Path, seed: int, index: int, family: str) -> dict[str, Any]:

@@ -92,6 +92,8 @@ class DistckptReader(StorageReader):
         self.tensors: dict[str, str] = {}  # DCP key: distckpt name
         self.values: dict[str, _Value] = {}
         self.found: dict[str, Any] = {}  # distckpt name: its value
+        self.refused: distckpt.CheckpointError | None = None  # the last read of path's
+        self.stand_in = Metadata(state_dict_metadata={})  # (see read_metadata)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -99,16 +101,38 @@ class DistckptReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.source = None
         self.tensors, self.values, self.found = {}, {}, {}
+        self.refused = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata, from distckpt's index: a tensor is one whole chunk; a value
         becomes the entries DCP's flattening makes of it. ``rank=r`` (DCP's fallback when
         a checkpoint saved without collectives has no global metadata): the checkpoint
-        rank ``r`` committed at ``path/rank-<r>``."""
+        rank ``r`` committed at ``path/rank-<r>``.
+
+        A checkpoint at ``path`` that is refused (damaged, not absent) is the one error
+        DCP's load raises: DCP catches the failure, logs it and asks for ``rank=r``; with
+        no checkpoint there, this returns an empty stand-in that
+        :meth:`set_up_storage_reader` (DCP's next call) answers with the refusal itself,
+        rather than "no checkpoint at path/rank-<r>" beside it."""
         rank = kwargs.get("rank")
         source = location(self.path)
-        if rank is not None:
-            source = rank_location(source, rank)
+        if rank is None:
+            self.refused = None
+            try:
+                return self._metadata(source)
+            except distckpt.CheckpointNotFoundError:
+                raise
+            except distckpt.CheckpointError as exc:
+                self.refused = exc
+                raise
+        try:
+            return self._metadata(rank_location(source, rank))
+        except distckpt.CheckpointNotFoundError:
+            if self.refused is None:
+                raise
+            return self.stand_in
+
+    def _metadata(self, source: Location) -> Metadata:
         catalog = open_catalog(source, trusted=trusted_keys(self.trusted_keys))
         entries: dict[str, Any] = {}
         paths: dict[str, tuple[str | int, ...]] = {}
@@ -150,7 +174,8 @@ class DistckptReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        pass
+        if metadata is self.stand_in and self.refused is not None:
+            raise self.refused  # (see read_metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

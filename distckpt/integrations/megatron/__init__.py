@@ -69,6 +69,7 @@ import torch
 
 import distckpt
 from distckpt.engine.options import LOAD, merge
+from distckpt.format import wellformed
 from distckpt.integrations.megatron.leaves import (
     _OBJECTS,
     _TENSORS,
@@ -306,8 +307,12 @@ class DistckptLoadStrategy(LoadShardedStrategy):
                 max(index[d] for index, _ in layers) + 1 for d in range(len(layers[0][0]))
             )
             variable = layers[0][1]
-            shape = outer + tuple(variable.shape)
-            empty = torch.empty(shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta")
+            dtype = dtypes.torch_dtype(variable.dtype)
+            # The layers' names say how many there are: a shape storage may declare.
+            shape = wellformed.shape_of(
+                {"shape": [*outer, *variable.shape]}, variable.name, dtype.itemsize
+            )
+            empty = torch.empty(shape, dtype=dtype, device="meta")
             metadata[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
         return metadata
 
