@@ -30,6 +30,7 @@ import shutil
 import sys
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ import distckpt
 from distckpt.cli import main as cli
 from distckpt.comm import SingleComm
 from distckpt.testing.hostile import Crafted
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from tests.support import audit  # noqa: E402
 
 WORK = Path(sys.argv[1]).resolve()
 OUT = Path(sys.argv[2])
@@ -353,48 +357,18 @@ def loaders(kind: str, root: Path) -> dict[str, Callable[[], Any]]:
 
 # ---------------------------------------------------------------------- the auditing
 
-EVENTS: list[str] = []
-#: Where the source files a traceback shows lie.
-SOURCES = [Path(p).resolve() for p in sys.path if p and Path(p).is_dir()]
-WATCHING = False
-#: Audited events that start a process, run code, look up a global or reach out.
-ACTS = ("subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork")
-ACTS += ("exec", "compile", "pickle.find_class", "socket.connect", "ctypes.dlopen")
 
-
-def audit(event: str, args: tuple[Any, ...]) -> None:
-    if not WATCHING:
-        return
-    if event == "import" and args[0] not in sys.modules:
-        EVENTS.append(f"import {args[0]}")
-    elif event == "compile" and args[1] == "<unknown>":
-        pass  # a traceback's caret anchors (ast.parse of a line of distckpt's source)
-    elif event == "pickle.find_class" and args[0] == "distckpt.errors":
-        pass  # a rank's error made portable (distckpt.comm.outcome), not stored bytes
-    elif event.startswith(ACTS):
-        EVENTS.append(f"{event} {str(args)[:120]}")
-    elif event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        where = Path(os.fsdecode(args[0]))
-        source = where.suffix == ".py" and any(where.is_relative_to(p) for p in SOURCES)
-        if where.is_absolute() and not where.resolve().is_relative_to(WORK) and not source:
-            EVENTS.append(f"open {where}")  # (a traceback reads source files: not these)
-
-
-def run_case(kind: str, path: Path) -> list[dict[str, Any]]:
-    global WATCHING
+def run_case(kind: str, path: Path, watch: bool = True) -> list[dict[str, Any]]:
     records = []
     allowed = table_types()
     for name, load in loaders(kind, path).items():
-        del EVENTS[:]
         violations: list[str] = []
         failure: BaseException | None = None
-        WATCHING = True
-        try:
-            got = load()
-        except (Exception, CheckpointException) as exc:
-            failure = exc
-        finally:
-            WATCHING = False
+        with audit.watching(WORK, new_imports=True) if watch else nullcontext([]) as events:
+            try:
+                got = load()
+            except (Exception, CheckpointException) as exc:
+                failure = exc
         if failure is None:
             outcome = "ok"
             wrong = foreign(got, allowed)
@@ -406,7 +380,7 @@ def run_case(kind: str, path: Path) -> list[dict[str, Any]]:
             if not isinstance(failure, distckpt.CheckpointError) and not wrapped:
                 trace = "".join(traceback.format_exception(failure))[-800:]
                 violations.append("not a CheckpointError: " + trace)
-        violations += EVENTS
+        violations += events
         if MARKER.exists():
             violations.append("a command ran")
         records.append({"loader": name, "outcome": outcome, "violations": violations})
@@ -424,8 +398,7 @@ def _dcp_wrapped(exc: BaseException) -> bool:
 def main() -> None:
     base = build()
     # Every loader once, untouched: the lazy imports of each happen now, not under audit.
-    warm = [r for kind, path in base.items() for r in run_case(kind, path)]
-    sys.addaudithook(audit)
+    warm = [r for kind, path in base.items() for r in run_case(kind, path, watch=False)]
     results: list[dict[str, Any]] = [{"case": "pristine", "kind": "", "records": warm}]
     for k, (name, kind, replacement) in enumerate(cases()):
         at = WORK / f"case{k}"

@@ -2,7 +2,7 @@
 checkpoint (or race a live job) crafts, every checksum recomputed after each edit.
 
 Where ``tests/hostile/test_fuzz.py`` damages bytes and documents as an accident would, this one
-builds what a naive fuzzer cannot reach, in seven families:
+builds what a naive fuzzer cannot reach, in eight families:
 
 * ``frame``: a compressed inner chunk (zstd, blosc-lz4, blosc-zstd) whose frame lies: a
   header field, a block start, a stream length, a content size; a valid frame of fewer or
@@ -18,6 +18,10 @@ builds what a naive fuzzer cannot reach, in seven families:
   directory for a link out, a FIFO or a truncated copy, and back, while loads and saves
   run;
 * ``values``: a stored Python value replaced by a deep or huge one;
+* ``typed``: typed values that name hostile classes with hostile fields, pickles that
+  would run a command, Megatron objects that would (``tests/support/hostile_typed.py``),
+  read by DeepSpeed's and Megatron's loaders, ``load``, the DCP reader and the CLI under
+  an audit hook: no import of a named module, no process, no pickled global;
 * ``grids``: a regular entry that declares more than it stores: a dimension of zero
   beside huge ones, a huge grid whose columns claim to match it, thousands of shards or
   listed pieces, 64 dimensions, a one-byte dtype over a huge shape
@@ -75,10 +79,16 @@ from distckpt.testing.hostile import DEEP, HOSTILE_VALUES, Crafted, crc32c, edit
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.support import make_golden  # noqa: E402
 from tests.support.hostile_grids import damage_grids  # noqa: E402
+from tests.support.hostile_typed import (  # noqa: E402
+    build_typed,
+    damage_typed,
+    preload_typed,
+    read_typed,
+)
 from tests.support.hostile_util import run_manager as manager  # noqa: E402
 from tests.support.hostile_util import run_model as model  # noqa: E402
 
-FAMILIES = ("frame", "boxes", "index", "safetensors", "race", "values", "grids")
+FAMILIES = ("frame", "boxes", "index", "safetensors", "race", "values", "grids", "typed")
 #: Seconds one reader may take (a loaded machine included); the example's child is
 #: killed at :data:`EXAMPLE_BOUND`.
 READER_BOUND = 20
@@ -136,6 +146,7 @@ def build(root: Path) -> None:
             ckpt.step.fill_(step)
             ckpt.w.fill_(step)
             keeper.save()
+    build_typed(root)
 
 
 def fingerprint(top: Path) -> dict[str, str]:
@@ -802,9 +813,10 @@ DAMAGE = {
     "safetensors": damage_safetensors,
     "values": damage_values,
     "grids": damage_grids,
+    "typed": damage_typed,
 }
 READERS = {"ck": read_ck, "golden": read_golden, "run": read_run, "hf": read_hf,
-           "grids": read_grids}  # fmt: skip
+           "grids": read_grids, "typed": read_typed}  # fmt: skip
 
 
 def example(pristine: Path, work: Path, seed: int, index: int, family: str) -> dict[str, Any]:
@@ -910,6 +922,8 @@ def campaign(
     record (an empty ``violations``: the property held)."""
     pristine = work / "pristine"
     _build_in_child(pristine)
+    if "typed" in families:
+        preload_typed()  # imported once here, not in every example's child
     records = []
     for index in range(examples):
         records.append(_run_forked(pristine, work, seed, index, families[index % len(families)]))
