@@ -367,6 +367,14 @@ def test_the_command_line_signs_and_verifies(tmp_path: Path) -> None:
     assert run.returncode == 0 and "signed by trusted key" in run.stdout, run
     assert "signed by key" in cli("inspect", tmp_path / "ck").stdout
     assert_loaded(load(tmp_path / "ck", pub), make_state(0))
+    # readers that do not check read the shards with their hash tables as any other
+    assert cli("export", tmp_path / "ck", tmp_path / "ck.safetensors").returncode == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "ck.safetensors"))
+    assert torch.equal(exported["w"], make_state(0)["w"])
+    distckpt.save(make_state(0), tmp_path / "twin", **LAYOUT)  # type: ignore[arg-type]
+    assert cli("diff", tmp_path / "ck", tmp_path / "twin").returncode == 0
     assert cli("sign", tmp_path / "ck", "--key", key).returncode == 0  # again: still whole
     assert_loaded(load(tmp_path / "ck", pub), make_state(0))
 
