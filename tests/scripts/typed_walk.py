@@ -20,12 +20,9 @@ pickled global, opening a file outside WORK or connecting a socket. Written to O
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import json
-import os
-import pickle
 import shutil
 import sys
 import traceback
@@ -44,83 +41,31 @@ from distckpt.testing.hostile import Crafted
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from tests.support import audit  # noqa: E402
+from tests.support.hostile_typed import (  # noqa: E402
+    HOSTILE_TAGS,
+    ROW_CASES,
+    Evil,
+    allowed_types,
+    deepspeed_save,
+    foreign,
+    megatron_archive,
+    megatron_objects,
+    megatron_save,
+    payloads,
+    pickled,
+    replace_first_typed,
+    replace_object,
+    typed,
+)
 
 WORK = Path(sys.argv[1]).resolve()
 OUT = Path(sys.argv[2])
 DEEPSPEED = "--deepspeed" in sys.argv[3:]
 TAG = "__distckpt_type__"
 MARKER = WORK / "ran"  # what a command smuggled in would create
+PAYLOADS = payloads(MARKER)
 
 # -------------------------------------------------------------- hostile typed values
-
-#: Class names an attacker writes in a typed value: callables anywhere, callables that a
-#: deepspeed module imports, torch classes, a config class that opens a file, dunder paths.
-HOSTILE_TAGS = [
-    "os:system",
-    "subprocess:Popen",
-    "builtins:eval",
-    "builtins:__import__",
-    "importlib:import_module",
-    "deepspeed.runtime.engine:subprocess.Popen",
-    "deepspeed.runtime.engine:os.system",
-    "deepspeed.env_report:subprocess.Popen",
-    "deepspeed:comm.torch.build_shm_op",
-    "deepspeed.runtime.config:DeepSpeedConfig",
-    "deepspeed.utils.tensor_fragment:fragment_address.__init__.__globals__",
-    "deepspeed.runtime.fp16.loss_scaler:LossScaler.__class__",
-    "torch.nn:Linear",
-    "torch:load",
-    "torch.Size.__class__",
-    "distckpt.values:pickle.loads",
-    "no_such_module:Thing",
-    "",
-]
-#: What each form of a typed value may carry: commands, paths, constructor arguments.
-PAYLOADS: dict[str, Any] = {
-    "value": ["touch", str(MARKER)],
-    "enum": "/etc/hostname",
-    "fields": {"args": ["touch", str(MARKER)], "shell": False, "in_features": 2},
-    "attributes": {"config": "/etc/hostname", "__class__": "x", "cur_scale": 1.0},
-}
-#: The rows of the table, each with fields an attacker adds or mistypes.
-ROW_CASES: list[tuple[str, str, Any]] = [
-    ("torch.Size", "value", [2**70]),
-    ("torch.Size", "value", "8"),
-    ("torch.dtype", "value", "_dynamo"),
-    ("torch.dtype", "value", "nn"),
-    ("torch.device", "value", "cuda:0 && touch x"),
-    ("deepspeed.runtime.zero.config:ZeroStageEnum", "enum", "__class__"),
-    ("deepspeed.runtime.zero.config:ZeroStageEnum", "fields", {"value": 1}),
-    ("deepspeed.utils.tensor_fragment:fragment_address", "fields", {"numel": 1, "start": "0"}),
-    (
-        "deepspeed.utils.tensor_fragment:fragment_address",
-        "fields",
-        {"numel": 1, "start": 0, "__init__": "x"},
-    ),
-    (
-        "deepspeed.runtime.fp16.loss_scaler:LossScaler",
-        "attributes",
-        {"cur_scale": 1.0, "dynamic": False, "__class__": "subprocess:Popen"},
-    ),
-    (
-        "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
-        "attributes",
-        {"cur_scale": 1.0, "dynamic": True, "dtype": {TAG: "os:system", "value": "id"}},
-    ),
-]
-
-
-class Evil:
-    """Unpickled, it would run a command."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch {MARKER}",))
-
-
-def typed(tag: str, form: str, payload: Any) -> Any:
-    """A typed value as distckpt stores a DeepSpeed dict (values' typed JSON)."""
-    body = distckpt.values.encode(payload)
-    return {"map": {TAG: tag, form: body}}
 
 
 def cases() -> list[tuple[str, str, Any]]:
@@ -132,9 +77,9 @@ def cases() -> list[tuple[str, str, Any]]:
     for tag, form, payload in ROW_CASES:
         out.append((f"{tag} {form} {payload!r:.40}", "ds", typed(tag, form, payload)))
     out.append(("tag not a string", "ds", {"map": {TAG: 7, "value": 1}}))
-    evil = base64.b64encode(pickle.dumps(Evil())).decode()
-    out.append(("pickled value", "plain", {"pickle": evil}))
-    out.append(("pickled value in a tuple", "plain", {"tuple": [1, {"pickle": evil}]}))
+    evil = pickled(Evil(MARKER))
+    out.append(("pickled value", "plain", evil))
+    out.append(("pickled value in a tuple", "plain", {"tuple": [1, evil]}))
     out.append(("pickled object", "megatron", "pickle"))
     out.append(("compressed archive", "megatron", "deflated"))
     return [c for c in out if DEEPSPEED or c[1] != "ds"]
@@ -155,148 +100,24 @@ def build() -> dict[str, Path]:
     return made
 
 
-def deepspeed_state() -> dict[str, Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return {
-        "module": {"w": torch.arange(4.0)},
-        "stage": ZeroStageEnum.gradients,
-        "shapes": [{"w": torch.Size([4])}],
-        "mapping": {"w": fragment_address(numel=4, start=0)},
-        "scaler": LossScaler(4.0),
-        "dynamic": DynamicLossScaler(2.0**8, 10, 1, 2, False),
-        "dtype": torch.float16,
-        "device": torch.device("cpu"),
-    }
-
-
-def deepspeed_save(root: Path) -> Path:
-    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
-
-    from distckpt.integrations.deepspeed import DistckptCheckpointEngine
-
-    info = CheckpointCommitInfo(tag="t", save_dir=str(root), save_latest=False)
-    engine = DistckptCheckpointEngine()
-    engine.create(info)
-    engine.makedirs(str(root / "t"), exist_ok=True)
-    engine.save(deepspeed_state(), str(root / "t" / "model.pt"))
-    engine.commit(info)
-    return root / "t"
-
-
-def megatron_objects(data: Any = None) -> dict[str, Any]:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return {"obj": ShardedObject("obj", data, (1,), (0,), replica_id=0)}
-
-
-def megatron_save(root: Path, data: Any) -> None:
-    from distckpt.integrations.megatron import DistckptSaveStrategy
-
-    root.mkdir(parents=True)
-    DistckptSaveStrategy(comm=SingleComm()).save(megatron_objects(data), root)
-
-
-def megatron_archive(kind: str) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"rng": Evil()} if kind == "pickle" else {"tp": 1}, buffer)
-    if kind == "pickle":
-        return buffer.getvalue()
-    import zipfile  # the same records, deflated: a record may then declare any size
-
-    source = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as deflated:
-        for record in source.infolist():
-            deflated.writestr(record.filename, source.read(record))
-    return out.getvalue()
-
-
-# ------------------------------------------------------------------------- the edits
-
-
-def first_typed(doc: Any) -> list[Any] | None:
-    """The path to the first typed value (a ``map`` with the tag) in a stored value."""
-    if isinstance(doc, dict):
-        if "map" in doc and isinstance(doc["map"], dict) and TAG in doc["map"]:
-            return []
-        for k, v in doc.items():
-            found = first_typed(v)
-            if found is not None:
-                return [k, *found]
-    if isinstance(doc, list):
-        for i, v in enumerate(doc):
-            found = first_typed(v)
-            if found is not None:
-                return [i, *found]
-    return None
-
-
 def craft(kind: str, source: Path, at: Path, replacement: Any) -> Path:
     shutil.copytree(source.parent if kind == "plain" else source, at)
     target = at / "ck" if kind == "plain" else at
     if kind == "megatron":
-        raw = megatron_archive(replacement)
-        key = megatron_objects()["obj"].unique_key
-        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        distckpt.save(
-            {"objects": {key: distckpt.Shard(payload, (len(raw),), (0,))}},
-            target / "distckpt",
-            overwrite=True,
-        )
+        replace_object(target, megatron_archive(replacement, MARKER))
         return target
 
     def edit(variables: dict[str, Any]) -> None:
         if kind == "plain":
             variables["v"]["value"] = replacement
-            return
-        for entry in variables.values():
-            value = entry.get("value") if isinstance(entry, dict) else None
-            path = first_typed(value)
-            if path is None:
-                continue
-            parent = entry
-            keys = ["value", *path]
-            for k in keys[:-1]:
-                parent = parent[k]
-            parent[keys[-1]] = replacement
-            return
-        raise AssertionError("no typed value to replace")
+        else:
+            replace_first_typed(variables, replacement)
 
     Crafted(target).edit_index(edit)
     return target
 
 
 # ----------------------------------------------------------------------- the loaders
-
-PLAIN = (type(None), bool, int, float, str, bytes, io.BytesIO, torch.Tensor)
-
-
-def table_types() -> tuple[type, ...]:
-    if not DEEPSPEED:
-        return (torch.Size, torch.dtype, torch.device)
-    from distckpt.integrations.deepspeed.types import table
-
-    return tuple(row.cls for row in table().values())
-
-
-def foreign(obj: Any, allowed: tuple[type, ...]) -> str | None:
-    """The type of the first object in ``obj`` that is neither plain data nor allowed."""
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple, torch.Size):
-        for v in obj:
-            if (found := foreign(v, allowed)) is not None:
-                return found
-        return None
-    if type(obj) is dict:
-        for k, v in obj.items():
-            if (found := foreign(k, allowed) or foreign(v, allowed)) is not None:
-                return found
-        return None
-    if type(obj) in PLAIN or isinstance(obj, torch.Tensor) or type(obj) in allowed:
-        return None
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def loaders(kind: str, root: Path) -> dict[str, Callable[[], Any]]:
@@ -360,7 +181,7 @@ def loaders(kind: str, root: Path) -> dict[str, Callable[[], Any]]:
 
 def run_case(kind: str, path: Path, watch: bool = True) -> list[dict[str, Any]]:
     records = []
-    allowed = table_types()
+    allowed = allowed_types()
     for name, load in loaders(kind, path).items():
         violations: list[str] = []
         failure: BaseException | None = None
