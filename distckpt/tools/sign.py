@@ -88,10 +88,10 @@ def sign(
     report = SignReport(key.id, algorithm)
     txn = begin(target, secrets.token_hex(8), 1, overwrite=out is None)
     try:
-        root = txn.root
-        root.prepare([key for key, _size, _age in store.walk("")])  # its directories
-        signed = _signed_index(store, root, index, algorithm, report, on_bytes)
-        groups = _copy_other_files(store, root, index, signed)
+        copy = _SignedCopy(store, txn.root, algorithm, report, on_bytes)
+        copy.root.prepare([key for key, _size, _age in store.walk("")])  # its directories
+        signed = copy.index(index)
+        groups = _copy_other_files(store, copy.root, index, signed)
         txn.commit(groups, index_bytes(signed, key))
     except BaseException:
         txn.abort()
@@ -99,140 +99,114 @@ def sign(
     return report
 
 
-def _signed_index(
-    store: Store,
-    root: Store,
-    index: Index,
-    algorithm: str,
-    report: SignReport,
-    on_bytes: Callable[[int], None] | None,
-) -> dict[str, Any]:
-    """The index of the signed copy, every piece copied or rewritten into ``root``."""
-    doc = {k: v for k, v in index.items() if k not in (signature.MEMBER, "checksum")}
-    variables: dict[str, Any] = {}
-    for name, entry in index["variables"].items():
-        if entry.get("kind") == "per_rank":
-            ranks = {
-                rank: _signed_entry(store, root, index, name, sub, algorithm, report, on_bytes)
-                for rank, sub in entry["ranks"].items()
-            }
-            variables[name] = {**entry, "ranks": ranks}
+@dataclass
+class _SignedCopy:
+    """The signed copy being written into ``root`` from ``store``: each piece checked,
+    hashed with ``algorithm`` and copied or rewritten (counted in ``report``)."""
+
+    store: Store
+    root: Store
+    algorithm: str
+    report: SignReport
+    on_bytes: Callable[[int], None] | None
+
+    def index(self, index: Index) -> dict[str, Any]:
+        """The index of the signed copy, every piece copied or rewritten."""
+        doc = {k: v for k, v in index.items() if k not in (signature.MEMBER, "checksum")}
+        variables: dict[str, Any] = {}
+        for name, entry in index["variables"].items():
+            if entry.get("kind") == "per_rank":
+                ranks = {r: self.entry(index, name, sub) for r, sub in entry["ranks"].items()}
+                variables[name] = {**entry, "ranks": ranks}
+            else:
+                variables[name] = self.entry(index, name, entry)
+        doc["variables"] = variables
+        doc["format_version"] = FORMAT_VERSION
+        doc[trust.ALGORITHM] = self.algorithm
+        return doc
+
+    def entry(self, index: Index, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """One variable's entry, its pieces with their new sizes and hashes."""
+        if entry.get("kind") != "tensor":
+            return dict(entry)
+        pieces = pieces_of(index, entry, name)
+        signed = [self.piece(name, piece, pieces.itemsize) for piece in pieces]
+        out = dict(entry)
+        if "chunks" in entry:  # a regular entry: columns
+            out["size"] = column(np.array([size for size, _ in signed], dtype=np.uint64))
+            rows = b"".join(h for _, h in signed)
+            out["hash"] = column(np.frombuffer(rows, np.uint8).reshape(len(signed), -1))
         else:
-            variables[name] = _signed_entry(
-                store, root, index, name, entry, algorithm, report, on_bytes
-            )
-    doc["variables"] = variables
-    doc["format_version"] = FORMAT_VERSION
-    doc[trust.ALGORITHM] = algorithm
-    return doc
+            out["pieces"] = [
+                {**p.to_json(), "size": size, "hash": h.hex()}
+                for p, (size, h) in zip(pieces, signed, strict=True)
+            ]
+        return out
 
+    def piece(self, name: str, piece: StoredPiece, itemsize: int) -> tuple[int, bytes]:
+        """Copy or rewrite one piece; its stored size and hash."""
+        self.report.pieces += 1
+        self.report.bytes_read += piece.size
+        if piece.box.empty:
+            return piece.size, hashes.digest(self.algorithm)
+        wide = itemsize in (1, 2, 4, 8)
+        dtype = np.dtype(f"u{itemsize}") if wide else np.dtype((np.void, itemsize))
+        auth = None if piece.hash is None else (self.algorithm, piece.hash)
+        reader = PieceReader(
+            name, self.store, piece.file, dtype, piece.crc, piece.codec, piece.size, auth
+        )
+        if piece.inner is None:
+            out = np.empty(piece.box.lengths, dtype=dtype)
+            reader.read_plain(piece.block, Box.full(piece.box.lengths), out)  # crc (and hash)
+            _copy(self.store, self.root, piece.file)
+            raw = self.root.read(piece.file)
+            self._read(len(raw))
+            return len(raw), hashes.digest(self.algorithm, raw)
+        return self.rewrite_shard(reader, piece)
 
-def _signed_entry(
-    store: Store,
-    root: Store,
-    index: Index,
-    name: str,
-    entry: dict[str, Any],
-    algorithm: str,
-    report: SignReport,
-    on_bytes: Callable[[int], None] | None,
-) -> dict[str, Any]:
-    if entry.get("kind") != "tensor":
-        return dict(entry)
-    pieces = pieces_of(index, entry, name)
-    itemsize = pieces.itemsize
-    signed: list[tuple[int, bytes]] = []  # (size, hash) of each piece, in index order
-    for piece in pieces:
-        signed.append(_sign_piece(store, root, name, piece, itemsize, algorithm, on_bytes))
-        report.pieces += 1
-        report.bytes_read += piece.size
-    out = dict(entry)
-    if "chunks" in entry:  # a regular entry: columns
-        out["size"] = column(np.array([s for s, _ in signed], dtype=np.uint64))
-        rows = b"".join(h for _, h in signed)
-        out["hash"] = column(np.frombuffer(rows, np.uint8).reshape(len(signed), -1))
-    else:
-        out["pieces"] = [
-            {**p.to_json(), "size": size, "hash": h.hex()}
-            for p, (size, h) in zip(pieces, signed, strict=True)
-        ]
-    return out
+    def _read(self, n: int) -> None:
+        if self.on_bytes is not None:
+            self.on_bytes(n)
 
-
-def _sign_piece(
-    store: Store,
-    root: Store,
-    name: str,
-    piece: StoredPiece,
-    itemsize: int,
-    algorithm: str,
-    on_bytes: Callable[[int], None] | None,
-) -> tuple[int, bytes]:
-    """Copy or rewrite one piece into ``root``; its stored size and hash."""
-    if piece.box.empty:
-        return piece.size, hashes.digest(algorithm)
-    dtype = np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype((np.void, itemsize))
-    auth = None if piece.hash is None else (algorithm, piece.hash)
-    reader = PieceReader(name, store, piece.file, dtype, piece.crc, piece.codec, piece.size, auth)
-    if piece.inner is None:
-        out = np.empty(piece.box.lengths, dtype=dtype)
-        reader.read_plain(piece.block, Box.full(piece.box.lengths), out)  # crc (and hash)
-        _copy(store, root, piece.file)
-        raw = root.read(piece.file)
-        if on_bytes is not None:
-            on_bytes(len(raw))
-        return len(raw), hashes.digest(algorithm, raw)
-    return _rewrite_shard(reader, root, piece, algorithm, on_bytes)
-
-
-def _rewrite_shard(
-    reader: PieceReader,
-    root: Store,
-    piece: StoredPiece,
-    algorithm: str,
-    on_bytes: Callable[[int], None] | None,
-) -> tuple[int, bytes]:
-    """Write ``piece``'s shard into ``root`` with a hash table: its checksum table, the
-    hash of every chunk's stored bytes, the chunks where they were (moved by the table's
-    size), and its index with the offsets moved; every chunk is checked as it is read."""
-    assert piece.inner is not None
-    n = math.prod(inner_grid(piece.block, piece.inner))
-    fd = reader.open()
-    try:
-        header = reader.header(fd, piece.block, piece.inner)
-        shift = 0 if header.hashes is not None else n * hashes.HASH_BYTES
-        head = header.head
-        data_end = header.size - (n * 16 + 4)
-        rows = np.zeros((n, hashes.HASH_BYTES), np.uint8)
-        index = header.index.copy()
-        spans: list[tuple[int, int]] = []
-        for k in range(n):
-            offset, length = (int(v) for v in header.index[k])
-            if offset == EMPTY:
-                continue
-            if offset < head or length < 4 or offset + length > data_end:
-                raise reader._corrupt(f"inner chunk {k} lies outside the shard's data")
-            spans.append((offset, length))
-            rows[k] = np.frombuffer(_checked_hash(reader, fd, header, k, algorithm), np.uint8)
-            index[k] = (offset + shift, length)
-        handle = root.create(piece.file, header.size + shift)
+    def rewrite_shard(self, reader: PieceReader, piece: StoredPiece) -> tuple[int, bytes]:
+        """Write ``piece``'s shard with a hash table: its checksum table, the hash of every
+        chunk's stored bytes, the chunks where they were (moved by the table's size), and
+        its index with the offsets moved; every chunk is checked as it is read."""
+        assert piece.inner is not None
+        n = math.prod(inner_grid(piece.block, piece.inner))
+        fd = reader.open()
         try:
+            header = reader.header(fd, piece.block, piece.inner)
+            shift = 0 if header.hashes is not None else n * hashes.HASH_BYTES
+            head = header.head
+            data_end = header.size - (n * 16 + 4)
+            rows = np.zeros((n, hashes.HASH_BYTES), np.uint8)
+            index = header.index.copy()
+            for k in range(n):
+                offset, length = (int(v) for v in header.index[k])
+                if offset == EMPTY:
+                    continue
+                if offset < head or length < 4 or offset + length > data_end:
+                    raise reader._corrupt(f"inner chunk {k} lies outside the shard's data")
+                chunk_hash = _checked_hash(reader, fd, header, k, self.algorithm)
+                rows[k] = np.frombuffer(chunk_hash, np.uint8)
+                index[k] = (offset + shift, length)
             table = header.table.astype("<u4").tobytes()
-            handle.write([table, rows.tobytes()], 0)
-            _copy_range(fd, handle, head, data_end, shift)
             index_raw = index.astype("<u8").tobytes()
             tail = index_raw + struct.pack("<I", crc32c(index_raw))
-            handle.write([tail], data_end + shift)
-            handle.finish(True)
-        except BaseException:
-            handle.abort()
-            raise
-    finally:
-        fd.close()
-    if on_bytes is not None:
-        on_bytes(header.size)
-    piece_hash = hashes.digest(algorithm, table, rows.tobytes(), tail)
-    return header.size + shift, piece_hash
+            handle = self.root.create(piece.file, header.size + shift)
+            try:
+                handle.write([table, rows.tobytes()], 0)
+                _copy_range(fd, handle, head, data_end, shift)
+                handle.write([tail], data_end + shift)
+                handle.finish(True)
+            except BaseException:
+                handle.abort()
+                raise
+        finally:
+            fd.close()
+        self._read(header.size)
+        return header.size + shift, hashes.digest(self.algorithm, table, rows.tobytes(), tail)
 
 
 def _checked_hash(reader: PieceReader, fd: Any, header: Any, k: int, algorithm: str) -> bytes:
