@@ -19,7 +19,7 @@ the variable and the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -125,13 +125,16 @@ def read_shared_index(
     return index
 
 
-def require_signed(index: Index, trusted: TrustedKeys | None, where: str) -> str | None:
+def require_signed(
+    index: Mapping[str, Any], trusted: TrustedKeys | None, where: str
+) -> str | None:
     """The hash algorithm a reader checks pieces with: None without ``trusted``; with it,
-    the signed index's (an index read without its signature checked is refused)."""
+    the signed index's (an index read without its signature checked, or one that is not
+    a checkpoint's own, a local step's, is refused)."""
     if trusted is None:
         return None
     algorithm = index.get("hash_algorithm")
-    if index.signed_by is None or not isinstance(algorithm, str):
+    if getattr(index, "signed_by", None) is None or not isinstance(algorithm, str):
         raise UntrustedCheckpointError(
             f"{where}: the index was read without checking its signature, which "
             f"{trusted.source} requires"
@@ -162,7 +165,7 @@ class _Indexed(RestoreKind[Prepared]):
         if self.index is None:
             self.index = read_shared_index(self.run.store, comm, trusted)
             reuse.remember_index(self.run.store, self.index)  # the base of a later save
-        self.auth = require_signed(self.index, trusted, self.run.store.url)  # type: ignore[arg-type]
+        self.auth = require_signed(self.index, trusted, self.run.store.url)
         self.stored = self.index["variables"]
 
     def match(
