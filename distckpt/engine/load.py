@@ -125,9 +125,7 @@ def read_shared_index(
     return index
 
 
-def require_signed(
-    index: Mapping[str, Any], trusted: TrustedKeys | None, where: str
-) -> str | None:
+def require_signed(index: Mapping[str, Any], trusted: TrustedKeys | None, where: str) -> str | None:
     """The hash algorithm a reader checks pieces with: None without ``trusted``; with it,
     the signed index's (an index read without its signature checked, or one that is not
     a checkpoint's own, a local step's, is refused)."""

@@ -119,10 +119,12 @@ class LocalStep(RestoreKind[_Matched]):
         try:
             for owner, holders in choice.holders.items():
                 if holders[0] == comm.rank:
-                    mine[owner] = files.read_manifest(
+                    manifest = files.read_manifest(
                         store, choice.step, owner, choice.token, choice.run, choice.world
                     )
-                    step._check_extent(owner, mine[owner])
+                    where = f"{step.path}, saved rank {owner}"
+                    extent(checked(manifest, where)[0], where)  # its pieces' bytes: disjoint
+                    mine[owner] = manifest
         except Exception as exc:
             error = exc
         raise_if_any_failed(comm, error)
@@ -131,24 +133,35 @@ class LocalStep(RestoreKind[_Matched]):
             manifests.update(part)
         step.index, step._pieces, step.extra = index_of(manifests, choice.world, step.path)
         step.stored = step.index["variables"]
+        step._drop_short_copies(manifests)
         return step
 
-    def _check_extent(self, owner: int, manifest: dict[str, Any]) -> None:
-        """The data file of saved rank ``owner`` (its holder's copy) holds every piece its
-        ``manifest`` places in it, so no piece is allocated for bytes not stored."""
-        where = f"{self.path}, saved rank {owner}"
-        end = extent(checked(manifest, where)[0], where)
-        key = files.data_key(self.choice.step, owner, self.choice.token)
-        try:
-            with self.store.open(key) as handle:
-                size = handle.size
-        except OSError as exc:
+    def _drop_short_copies(self, manifests: dict[int, dict[str, Any]]) -> None:
+        """Collective: forget the copies whose data file is shorter than its manifest
+        places pieces in (each rank checks those of its node), so no piece is allocated
+        for bytes not stored and the replicas on other nodes are read instead; a saved
+        rank that no whole copy is left of is an error on every rank."""
+        short = []
+        for owner, holders in self.choice.holders.items():
+            if self.comm.rank not in holders:
+                continue
+            where = f"{self.path}, saved rank {owner}"
+            end = extent(checked(manifests[owner], where)[0], where)
+            key = files.data_key(self.choice.step, owner, self.choice.token)
+            try:
+                with self.store.open(key) as handle:
+                    size = handle.size
+            except OSError:
+                size = -1
+            if size < end:
+                short.append(owner)
+        everyone = self.comm.allgather(short)
+        why = "is shorter than its manifest says"
+        if any(everyone) and not self._drop_copies(self.comm, everyone, why):
             raise CorruptCheckpointError(
-                f"{where}: cannot read {self.store.where(key)}: {exc}"
-            ) from exc
-        if size < end:
-            raise CorruptCheckpointError(
-                f"{where}: its data file is {size} bytes, its manifest places pieces up to {end}"
+                f"{self.path}: no node holds a data file of saved rank(s) "
+                f"{sorted({o for owners in everyone for o in owners})} that its manifest "
+                "fits in (each is shorter than where its manifest places pieces)"
             )
 
     # ------------------------------------------------------------ reading
@@ -214,9 +227,12 @@ class LocalStep(RestoreKind[_Matched]):
         bad, self._everyone_bad = self._everyone_bad, None
         return bad is not None and any(bad) and self._drop_copies(comm, bad)
 
-    def _drop_copies(self, comm: Communicator, bad: list[list[int]]) -> bool:
-        """Forget the copies that failed their checksum (every rank of a node reads the
-        same file: the node's copy); whether every saved rank still has a holder."""
+    def _drop_copies(
+        self, comm: Communicator, bad: list[list[int]], why: str = "fails its checksum"
+    ) -> bool:
+        """Forget the copies that failed their checksum, or ``why`` (every rank of a node
+        reads the same file: the node's copy); whether every saved rank still has a
+        holder."""
         topo = topology(comm)
         holders = self.choice.holders
         lost: list[str] = []
@@ -228,9 +244,10 @@ class LocalStep(RestoreKind[_Matched]):
         whole = all(holders.get(o) for o in range(self.choice.world))
         if comm.rank == 0:
             log.warning(
-                "%s: the copy of %s fails its checksum; %s",
+                "%s: the copy of %s %s; %s",
                 self.path,
                 ", ".join(sorted(set(lost))),
+                why,
                 "reading the replicas on other nodes" if whole else "no other node holds it",
             )
         return whole

@@ -504,3 +504,17 @@ def test_mpiexec_damaged_copy_is_read_from_the_replica(tmp_path: Path) -> None:
     assert (record["tier"], record["number"]) == ("local", 3), output(second)
     assert "the copy of saved rank 0 on node a fails its checksum" in second.stderr
     assert_all_ok(second, 4)
+
+
+def test_mpiexec_truncated_copy_is_read_from_the_replica(tmp_path: Path) -> None:
+    """A node's copy shorter than its manifest says is left before anything is allocated
+    for it, and the replica on the other node read instead (not the shared directory)."""
+    first = _mpi_nodes(tmp_path, ["a", "b"], "--steps", "3")  # persistent 1, local 2, 3
+    assert_all_ok(first, 4)
+    data = next((tmp_path / "local-a" / "step-3").glob("o0.*.data"))  # node a's own copy
+    data.write_bytes(data.read_bytes()[:7])
+    second = _mpi_nodes(tmp_path, ["a", "b"], "--steps", "5")
+    record = _restored(second)
+    assert (record["tier"], record["number"]) == ("local", 3), output(second)
+    assert "the copy of saved rank 0 on node a is shorter than its manifest says" in second.stderr
+    assert_all_ok(second, 4)
