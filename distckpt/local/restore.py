@@ -137,32 +137,34 @@ class LocalStep(RestoreKind[_Matched]):
         return step
 
     def _drop_short_copies(self, manifests: dict[int, dict[str, Any]]) -> None:
-        """Collective: forget the copies whose data file is shorter than its manifest
-        places pieces in (each rank checks those of its node), so no piece is allocated
-        for bytes not stored and the replicas on other nodes are read instead; a saved
-        rank that no whole copy is left of is an error on every rank."""
-        short = []
+        """Collective: forget the copies whose data file cannot be read or is shorter than
+        its manifest places pieces in (each rank checks those of its node), so no piece is
+        allocated for bytes not stored and the replicas on other nodes are read instead; a
+        saved rank that no whole copy is left of is an error on every rank, naming why."""
+        short: dict[int, str] = {}
         for owner, holders in self.choice.holders.items():
             if self.comm.rank not in holders:
                 continue
-            where = f"{self.path}, saved rank {owner}"
+            where = f"saved rank {owner}"
             end = extent(checked(manifests[owner], where)[0], where)
             key = files.data_key(self.choice.step, owner, self.choice.token)
             try:
                 with self.store.open(key) as handle:
                     size = handle.size
-            except OSError:
-                size = -1
+            except OSError as exc:
+                short[owner] = f"{self.store.where(key)} cannot be read ({exc})"
+                continue
             if size < end:
-                short.append(owner)
+                short[owner] = (
+                    f"its data file is {size} bytes, its manifest places pieces up to {end}"
+                )
         everyone = self.comm.allgather(short)
-        why = "is shorter than its manifest says"
-        if any(everyone) and not self._drop_copies(self.comm, everyone, why):
-            raise CorruptCheckpointError(
-                f"{self.path}: no node holds a data file of saved rank(s) "
-                f"{sorted({o for owners in everyone for o in owners})} that its manifest "
-                "fits in (each is shorter than where its manifest places pieces)"
-            )
+        if not any(everyone):
+            return
+        why = "is shorter than its manifest says, or cannot be read"
+        if not self._drop_copies(self.comm, [sorted(found) for found in everyone], why):
+            detail = next(f"saved rank {o}: {d}" for found in everyone for o, d in found.items())
+            raise CorruptCheckpointError(f"{self.path}: no node holds a whole copy ({detail})")
 
     # ------------------------------------------------------------ reading
 

@@ -282,4 +282,4 @@ def test_a_local_manifest_that_declares_more_than_its_data_file_is_refused(
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["tier"] == "persistent" and got["w"] == [8, 4], got
-    assert "shorter than where its manifest places pieces" in got["reason"], got
+    assert "its data file is 192 bytes, its manifest places pieces up to" in got["reason"], got
