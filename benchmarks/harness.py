@@ -5,9 +5,11 @@
 * the machine: CPU used by other processes (``/proc/stat``), memory (``/proc/meminfo``),
   file system types, page-cache eviction, waiting for an idle machine, the exclusive run
   lock;
-* a run: a frozen copy of the library (the *snapshot*), a :class:`Driver` that launches
-  workers with a spec file (:meth:`Driver.launch_worker`), the results JSON and
-  ``--report``;
+* a run: a frozen copy of the library (the *snapshot*), and of another version of it to
+  compare with (:func:`library_copy`: a source tree or a git revision), a :class:`Driver`
+  that launches workers with a spec file (:meth:`Driver.launch_worker`) or keeps them
+  running to serve requests (:meth:`Driver.start_peer`, :func:`serve`), the results JSON
+  and ``--report``;
 * timed sections: :func:`timed` on a torchrun rank (:class:`RankWorker`) or in one process
   (:data:`SOLO`).
 """
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import operator
 import os
@@ -26,6 +29,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -241,12 +245,15 @@ def take_snapshot(dst_parent: Path) -> dict[str, Any]:
     spec = importlib.util.find_spec("distckpt")
     assert spec is not None and spec.submodule_search_locations
     src = Path(list(spec.submodule_search_locations)[0])
+    return _copy_package(src, dst_parent)
+
+
+def _copy_package(src: Path, dst_parent: Path) -> dict[str, Any]:
+    """Copy the package directory ``src`` to ``dst_parent/distckpt``; its description
+    (source, hash of its modules, git HEAD and modified files of the tree it came from)."""
     dst = dst_parent / "distckpt"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    digest = hashlib.sha256()
-    for f in sorted(dst.rglob("*.py")):
-        digest.update(str(f.relative_to(dst)).encode() + b"\0" + f.read_bytes())
-    info: dict[str, Any] = {"source": str(src), "sha256": digest.hexdigest()[:16]}
+    info: dict[str, Any] = {"source": str(src), "sha256": _tree_digest(dst)}
     info["path"] = str(dst_parent)
     with contextlib.suppress(OSError):
         git = ["git", "-C", str(src.parent)]
@@ -257,6 +264,51 @@ def take_snapshot(dst_parent: Path) -> dict[str, Any]:
         )
         info["git_dirty"] = [x for x in dirty.stdout.split("\n") if x]
     return info
+
+
+def _tree_digest(package: Path) -> str:
+    """The first 16 hex digits of a SHA-256 over the package's modules (names and bytes)."""
+    digest = hashlib.sha256()
+    for f in sorted(package.rglob("*.py")):
+        digest.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def library_copy(source: str, dst_parent: Path) -> dict[str, Any]:
+    """A frozen copy of *another* version of the library, to run beside the snapshot in
+    workers of its own (their ``PYTHONPATH`` starts with ``info["path"]``).
+
+    ``source`` is a directory (a source tree holding ``distckpt/``, or the package
+    itself), or else a git revision of this repository (``git archive REV distckpt``: no
+    worktree is made). Returns the copy's description, as :func:`take_snapshot` does."""
+    where = Path(source)
+    if where.is_dir():
+        pkg = where / "distckpt" if (where / "distckpt" / "__init__.py").is_file() else where
+        if pkg.name != "distckpt" or not (pkg / "__init__.py").is_file():
+            raise SystemExit(f"{source}: neither a source tree of distckpt nor its package")
+        return _copy_package(pkg.resolve(), dst_parent)
+    git = ["git", "-C", str(ROOT)]
+    rev = subprocess.run(
+        [*git, "rev-parse", "--verify", "--quiet", f"{source}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not rev:
+        raise SystemExit(f"{source}: not a directory, nor a git revision of {ROOT}")
+    tar = subprocess.run([*git, "archive", "--format=tar", rev, "distckpt"], capture_output=True)
+    if tar.returncode != 0 or not tar.stdout:
+        raise SystemExit(f"git archive {rev} distckpt failed: {tar.stderr.decode()[-400:]}")
+    dst_parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout), mode="r:") as archive:
+        archive.extractall(dst_parent, filter="data")
+    dst = dst_parent / "distckpt"
+    return {
+        "source": f"git {source}",
+        "sha256": _tree_digest(dst),
+        "path": str(dst_parent),
+        "git_head": rev,
+        "git_dirty": [],
+    }
 
 
 # --------------------------------------------------------------------------- a run
@@ -297,6 +349,62 @@ class Driver:
             raise SystemExit(f"MemAvailable {m['MemAvailable']:.1f} GiB after {label}: stopping")
         return m
 
+    def library_path(self) -> str:
+        """Where workers import this run's distckpt from: the snapshot, or the checkout."""
+        return self.snapshot["path"] if self.snapshot else str(ROOT)
+
+    def worker_env(
+        self, env_extra: Mapping[str, str | None], library: str | None = None
+    ) -> dict[str, str]:
+        """The environment of a worker: launcher variables scrubbed, ``env_extra`` applied
+        (None removes), ``library`` (default: :meth:`library_path`) first on
+        ``PYTHONPATH``."""
+        scrub = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in scrub}
+        env["PYTHONUNBUFFERED"] = "1"
+        for k, v in env_extra.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        first = library or self.library_path()
+        env["PYTHONPATH"] = os.pathsep.join([first, *filter(None, [env.get("PYTHONPATH")])])
+        return env
+
+    def start_peer(
+        self,
+        script: str | Path,
+        spec: dict[str, Any],
+        label: str,
+        env_extra: Mapping[str, str | None],
+        library: str | None = None,
+    ) -> Peer:
+        """Start ``python script --worker SPEC`` as a :class:`Peer` that stays up and
+        serves requests (the worker calls :func:`serve`); ``library`` (default: the
+        snapshot) first on its ``PYTHONPATH``. Its first reply must say that it imported
+        distckpt from there."""
+        fd, name = tempfile.mkstemp(prefix=f"peer-{label}-", suffix=".spec.json", dir=self.logdir)
+        os.close(fd)
+        Path(name).write_text(json.dumps(spec))
+        first = library or self.library_path()
+        log = self.logdir / f"{label}.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(script).resolve()), "--worker", name],
+                env=self.worker_env(env_extra, first),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=fh,
+                text=True,
+            )
+        peer = Peer(proc, label, log)
+        hello = peer.reply()
+        if not hello.get("distckpt_file", "").startswith(first):
+            peer.close()
+            raise SystemExit(f"peer {label} imported {hello.get('distckpt_file')}, not {first}")
+        peer.hello = hello
+        return peer
+
     def launch_worker(
         self,
         cmd_head: list[str],
@@ -314,16 +422,7 @@ class Driver:
         os.close(fd)
         spec_file = Path(result).with_suffix(".spec.json")
         spec_file.write_text(json.dumps({**spec, "result": result}))
-        scrub = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        env = {k: v for k, v in os.environ.items() if k not in scrub}
-        env["PYTHONUNBUFFERED"] = "1"
-        for k, v in env_extra.items():
-            if v is None:
-                env.pop(k, None)
-            else:
-                env[k] = v
-        first = self.snapshot["path"] if self.snapshot else str(ROOT)
-        env["PYTHONPATH"] = os.pathsep.join([first, *filter(None, [env.get("PYTHONPATH")])])
+        env = self.worker_env(env_extra)
         cmd = [*cmd_head, str(Path(script).resolve()), "--worker", str(spec_file)]
         log = self.logdir / f"{label}.log"
         t = time.perf_counter()
@@ -339,6 +438,69 @@ class Driver:
         if self.snapshot and not out["distckpt_file"].startswith(self.snapshot["path"]):
             raise SystemExit(f"workers imported {out['distckpt_file']}, not the snapshot")
         return out, wall, self.check_memory(label)
+
+
+class Peer:
+    """A worker process that stays up between operations (:meth:`Driver.start_peer`): one
+    JSON line in on its stdin per request, one JSON line back on its stdout. Its stderr
+    (and whatever it prints) goes to its log in the run's log directory."""
+
+    def __init__(self, proc: subprocess.Popen[str], label: str, log: Path) -> None:
+        self.proc, self.label, self.log = proc, label, log
+        self.hello: dict[str, Any] = {}
+
+    def reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            sys.stderr.write(self.log.read_text()[-6000:])
+            raise SystemExit(f"peer {self.label} ended (rc {self.proc.returncode}); log {self.log}")
+        out: dict[str, Any] = json.loads(line)
+        if "error" in out:
+            raise SystemExit(f"peer {self.label}: {out['error']}")
+        return out
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def close(self, timeout: float = 60) -> None:
+        """Ask the worker to end (closing its stdin) and wait for it; kill it if it hangs."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve(first: dict[str, Any], handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """The worker's side of a :class:`Peer`: reply ``first`` (it must name
+    ``distckpt_file``), then ``handle(request)`` for every request line until stdin closes.
+    The replies take the process's stdout; anything else printed goes to stderr (the log).
+    An exception ends the worker after replying ``{"error": ...}``."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def send(obj: dict[str, Any]) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    send(first)
+    for line in sys.stdin:
+        try:
+            out = handle(json.loads(line))
+        except BaseException as exc:
+            send({"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        send(out)
 
 
 def torchrun(nproc: int) -> list[str]:
