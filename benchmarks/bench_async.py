@@ -559,16 +559,12 @@ def print_report(s: dict[str, Any]) -> None:
                 f"{q['world']:>5} {q['label']:28} {q['value']:10.3f} {h.paired_text(q)} "
                 f"{q['target']:>7} {h.ok_text(q)}"
             )
-        ph = [r for r in s["multi_rows"] if "phases_median_max_over_ranks" in r]
-        if ph:
-            print("\ndistckpt phases (median over rounds of the max over ranks, s):")
-            for r in ph:
-                print(
-                    f"  world {r['world']}: "
-                    + "  ".join(
-                        f"{k} {v:.4f}" for k, v in r["phases_median_max_over_ranks"].items()
-                    )
-                )
+        h.print_phases(
+            s["multi_rows"],
+            lambda r: f"world {r['world']}:",
+            "phases_median_max_over_ranks",
+            digits=4,
+        )
     if s["lazy_rows"]:
         print(
             "\nlazy saves, one process: wall time of the steps (+ final sync), manager.save() call"

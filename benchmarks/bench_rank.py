@@ -567,12 +567,7 @@ def print_report(summary: dict[str, Any]) -> None:
             )
     print()
     h.print_fs_ratios(summary["ratios"])
-    phases = [r for r in summary["rows"] if "phases_median" in r]
-    if phases:
-        print("\ndistckpt phases (median over rounds, s):")
-        for r in phases:
-            ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phases_median"].items())
-            print(f"  {r['fs'][:6]:6} {r['op']:5} {r['who']:14} {ph}")
+    h.print_phases(summary["rows"], lambda r: f"{r['fs'][:6]:6} {r['op']:5} {r['who']:14}")
 
 
 # --------------------------------------------------------------------------- main

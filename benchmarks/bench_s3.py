@@ -441,16 +441,9 @@ def print_report(summary: dict[str, Any]) -> None:
     print()
     print("throughput ratios (>= 1: the first is faster); target: distckpt >= 2x DCP")
     h.print_fs_ratios(ratios)
-    phases = [r for r in rows if "phases_median_max_over_ranks" in r]
-    if phases:
-        print()
-        print("distckpt phases (median over rounds of the max over ranks, s):")
-        for r in phases:
-            ph = r["phases_median_max_over_ranks"]
-            print(
-                f"  {r['op']:10} world {r['world']:>2}: "
-                + "  ".join(f"{k} {v:.3f}" for k, v in ph.items() if isinstance(v, float))
-            )
+    h.print_phases(
+        rows, lambda r: f"{r['op']:10} world {r['world']:>2}:", "phases_median_max_over_ranks"
+    )
 
 
 # --------------------------------------------------------------------------- main

@@ -695,12 +695,7 @@ def print_report(summary: dict[str, Any]) -> None:
                 f"{q['of_mins']:8.3f} {h.paired_text(q)} {q.get('paired_gmean', math.nan):6.3f} "
                 f"{q['target']:>7} {h.ok_text(q)}"
             )
-    phases = [r for r in timed if "phases_median" in r]
-    if phases:
-        print("\ndistckpt phases (median over rounds, s):")
-        for r in phases:
-            ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phases_median"].items())
-            print(f"  {r['part']:8} {r['op']:4} {r['who']:16} T{r['workers']:<3} {ph}")
+    h.print_phases(timed, lambda r: f"{r['part']:8} {r['op']:4} {r['who']:16} T{r['workers']:<3}")
 
 
 # --------------------------------------------------------------------------- main

@@ -114,6 +114,26 @@ def ok_text(q: Mapping[str, Any]) -> str:
     return "" if q.get("ok") is None else ("yes" if q["ok"] else "NO")
 
 
+def print_phases(
+    rows: Iterable[Mapping[str, Any]],
+    label: Callable[[Mapping[str, Any]], str],
+    field: str = "phases_median",
+    digits: int = 3,
+) -> None:
+    """The table of distckpt's phases: each row's ``field`` (phase: seconds), after
+    ``label(row)``; nothing when no row has it."""
+    found = [r for r in rows if field in r]
+    if not found:
+        return
+    over = "median over rounds" + (" of the max over ranks" if "max_over" in field else "")
+    print(f"\ndistckpt phases ({over}, s):")
+    for r in found:
+        phases = "  ".join(
+            f"{k} {v:.{digits}f}" for k, v in r[field].items() if isinstance(v, float)
+        )
+        print(f"  {label(r)} {phases}")
+
+
 def print_fs_ratios(ratios: Iterable[Mapping[str, Any]]) -> None:
     """The table of ratios by file system: of medians, of mins, paired, target."""
     print(
