@@ -169,25 +169,15 @@ def fsync_dir(path: Path) -> None:
 # --------------------------------------------------------------------------- the contenders
 
 
-class Bench:
+class Bench(h.PatternTensors):
     """The tensors, the buffers and the contenders' operations."""
 
     def __init__(self, args: argparse.Namespace, distckpt: Any, keyword: bool) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
 
-        self.torch, self.dcp, self.distckpt = torch, dcp, distckpt
-        self.cuda = args.device == "cuda"
-        index = torch.cuda.current_device() if self.cuda else None
-        self.device = torch.device(args.device, index)  # cuda:N: compared with t.device
-        self.dtype = getattr(torch, args.dtype)
-        size = torch.empty((), dtype=self.dtype).element_size()
-        self.int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-        self.bits = 8 * size
-        self.cols = 4096
-        self.rows = int(args.gib * h.GiB) // (args.tensors * self.cols * size)
-        self.names = [f"t{i:02d}" for i in range(args.tensors)]
-        self.nbytes = args.tensors * self.rows * self.cols * size
+        super().__init__(args.gib, args.tensors, args.device, args.dtype)
+        self.dcp, self.distckpt = dcp, distckpt
         self.workers = args.workers
         self.io = {"distckpt": {"io_workers": args.workers}, "distckpt-1": {"io_workers": 1}}
         if not keyword:  # the library has no io_workers= yet
@@ -195,33 +185,8 @@ class Bench:
         self.io["distckpt-async"] = self.io["distckpt"]
         self.pool = ThreadPoolExecutor(args.workers, thread_name_prefix="raw")
         shape = (self.rows, self.cols)
-        self.src = {n: self.tensor(shape) for n in self.names}
-        for i, t in enumerate(self.src.values()):
-            t.reshape(-1).view(self.int_dtype).copy_(self.pattern(i, 0, t.numel()))
-        self.dst = {n: self.tensor(shape) for n in self.names}
-        self.reset()
         # host buffers: pinned (CUDA: raw's staging and the copy anchor) or touched (CPU copy)
         self.host = [torch.zeros(shape, dtype=self.dtype, pin_memory=self.cuda) for _ in self.names]
-
-    def tensor(self, shape: tuple[int, int]) -> Any:
-        return self.torch.empty(shape, dtype=self.dtype, device=self.device)
-
-    def pattern(self, i: int, lo: int, n: int) -> Any:
-        """Elements lo..lo+n of tensor i as integers: the low bits of a 32-bit hash of the
-        element's global index, sign and top exponent bit clear (finite values)."""
-        torch = self.torch
-        g = torch.arange(lo, lo + n, dtype=torch.int64, device=self.device)
-        g += i * self.rows * self.cols
-        x = (g ^ (g >> 32)) & 0xFFFFFFFF
-        for _ in range(2):  # products stay below 2**59: no int64 overflow
-            x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-        x = (x >> 16) ^ x
-        return (x & ((1 << (self.bits - 2)) - 1)).to(self.int_dtype)
-
-    def reset(self) -> None:
-        """All-ones bits (a NaN, never in the pattern) in every target."""
-        for t in self.dst.values():
-            t.view(self.int_dtype).fill_(-1)
 
     def verify(self, got: dict[str, Any], rnd: int, what: str) -> None:
         """First, last and two random rows of every tensor, and one whole tensor."""
@@ -243,10 +208,6 @@ class Bench:
             for lo, n in spans:
                 if not self.torch.equal(flat[lo : lo + n], self.pattern(i, lo, n)):
                     raise SystemExit(f"VERIFY FAILED ({what}): {name} elements {lo}..{lo + n}")
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
 
     def bytes_of(self, t: Any) -> memoryview:
         """The bytes of a contiguous CPU tensor, shared."""

@@ -114,6 +114,58 @@ def ok_text(q: Mapping[str, Any]) -> str:
     return "" if q.get("ok") is None else ("yes" if q["ok"] else "NO")
 
 
+class PatternTensors:
+    """``tensors`` tensors of ``gib`` GiB in all, on ``device``, filled with a pattern any
+    reader can check (:meth:`pattern`), and targets of loads of the same shapes: the
+    state the one-process drivers (``bench_rank.py``, ``bench_signing.py``) save."""
+
+    def __init__(self, gib: float, tensors: int, device: str, dtype: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = device == "cuda"
+        index = torch.cuda.current_device() if self.cuda else None
+        self.device = torch.device(device, index)  # cuda:N: compared with t.device
+        self.dtype = getattr(torch, dtype)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        self.int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+        self.bits = 8 * size
+        self.cols = 4096
+        self.rows = int(gib * GiB) // (tensors * self.cols * size)
+        self.names = [f"t{i:02d}" for i in range(tensors)]
+        self.nbytes = tensors * self.rows * self.cols * size
+        shape = (self.rows, self.cols)
+        self.src = {n: self.tensor(shape) for n in self.names}
+        for i, t in enumerate(self.src.values()):
+            t.reshape(-1).view(self.int_dtype).copy_(self.pattern(i, 0, t.numel()))
+        self.dst = {n: self.tensor(shape) for n in self.names}
+        self.reset()
+
+    def tensor(self, shape: tuple[int, int]) -> Any:
+        return self.torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def pattern(self, i: int, lo: int, n: int) -> Any:
+        """Elements lo..lo+n of tensor i as integers: the low bits of a 32-bit hash of the
+        element's global index, sign and top exponent bit clear (finite values)."""
+        torch = self.torch
+        g = torch.arange(lo, lo + n, dtype=torch.int64, device=self.device)
+        g += i * self.rows * self.cols
+        x = (g ^ (g >> 32)) & 0xFFFFFFFF
+        for _ in range(2):  # products stay below 2**59: no int64 overflow
+            x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        x = (x >> 16) ^ x
+        return (x & ((1 << (self.bits - 2)) - 1)).to(self.int_dtype)
+
+    def reset(self) -> None:
+        """All-ones bits (a NaN, never in the pattern) in every target."""
+        for t in self.dst.values():
+            t.view(self.int_dtype).fill_(-1)
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
 def print_phases(
     rows: Iterable[Mapping[str, Any]],
     label: Callable[[Mapping[str, Any]], str],
