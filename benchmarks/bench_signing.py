@@ -655,21 +655,12 @@ def print_report(summary: dict[str, Any]) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    import torch
 
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     h.common_args(p)
-    cuda = torch.cuda.is_available()
-    p.add_argument("--gib", type=float, default=1.0, help="GiB of tensor data (default 1)")
-    p.add_argument("--tensors", type=int, default=16)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu")
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16", "float64"],
-        help="default: bfloat16 on CUDA, float32 on CPU",
-    )
+    h.tensor_args(p)
     p.add_argument(
         "--workers",
         type=int,

@@ -114,6 +114,22 @@ def ok_text(q: Mapping[str, Any]) -> str:
     return "" if q.get("ok") is None else ("yes" if q["ok"] else "NO")
 
 
+def tensor_args(p: argparse.ArgumentParser) -> None:
+    """The options of :class:`PatternTensors`: ``--gib``, ``--tensors``, ``--device``,
+    ``--dtype`` (None: bfloat16 on CUDA, float32 on CPU)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    p.add_argument("--gib", type=float, default=1.0, help="GiB of tensor data (default 1)")
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
+
+
 class PatternTensors:
     """``tensors`` tensors of ``gib`` GiB in all, on ``device``, filled with a pattern any
     reader can check (:meth:`pattern`), and targets of loads of the same shapes: the
