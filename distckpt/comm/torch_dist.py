@@ -1,11 +1,12 @@
 """A communicator over an initialized ``torch.distributed`` process group.
 
 distckpt's collectives carry small pickled Python objects, so they always run on a gloo
-(CPU) process group: the given group itself when it is a gloo group with the wanted
-time-out, else a gloo *side group* over the same ranks, created once per (group,
-time-out) and cached. With NCCL this keeps metadata off the GPU and out of NCCL's
-streams, and gives gloo's time-outs: a rank that died or never arrives makes the others
-raise :class:`~distckpt.errors.CommTimeoutError` after ``timeout`` seconds.
+(CPU) *side group* of distckpt's own over the same ranks as the given group, created
+once per (group, time-out) and cached. With NCCL this keeps metadata off the GPU and
+out of NCCL's streams, and gives gloo's time-outs: a rank that died or never arrives
+makes the others raise :class:`~distckpt.errors.CommTimeoutError` after ``timeout``
+seconds. Even over a gloo group of the program's own, a group distckpt owns is one it
+can destroy at exit, before the interpreter finalizes (see :func:`_release_groups`).
 
 ``torch.distributed`` is imported when a :class:`TorchComm` is constructed.
 """
@@ -69,29 +70,39 @@ def _world(cache: dict[Any, Any]) -> Any:
 def _members_group(ranks: Sequence[int], seconds: float, desc: str) -> Any:
     """A new gloo group of the global ``ranks``, created by its members alone
     (``use_local_synchronization``: they call this at the same point, nobody else does)."""
+    return _new_group(ranks=list(ranks), seconds=seconds, local=True, desc=desc)
+
+
+#: Every process group distckpt created, destroyed at exit (:func:`_release_groups`).
+_OWN_GROUPS: list[Any] = []
+
+
+def _new_group(*, ranks: list[int] | None, seconds: float, local: bool, desc: str) -> Any:
+    """A new gloo group of distckpt's own over ``ranks`` (None: the world's)."""
     import torch.distributed as dist
 
-    return dist.new_group(
-        ranks=list(ranks),
+    group = dist.new_group(
+        ranks=ranks,
         backend="gloo",
         timeout=timedelta(seconds=seconds),
-        use_local_synchronization=True,
+        use_local_synchronization=local,
         group_desc=desc,
     )
+    _OWN_GROUPS.append(group)
+    return group
 
 
 def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
     """Return the gloo group distckpt's collectives use for ``group``, and its time-out.
 
-    Creates a side group (a collective, see :class:`TorchComm`) unless ``group`` can be
-    used directly or one was created before for the same group and time-out.
+    Creates a side group (a collective, see :class:`TorchComm`) unless one was created
+    before for the same group and time-out. Without a ``timeout``, a gloo ``group``'s own
+    time-out is kept.
     """
     import torch.distributed as dist
 
     own = _gloo_timeout(group)
-    if own is not None and (timeout is None or abs(own - timeout) < 1e-3):
-        return group, own
-    seconds = resolve_timeout(timeout)
+    seconds = own if timeout is None and own is not None else resolve_timeout(timeout)
     world = _world(_SIDE_GROUPS)
     key = (world, group, seconds)
     side = _SIDE_GROUPS.get(key)
@@ -99,14 +110,13 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
         is_world = group is world
         ranks = None if is_world else dist.get_process_group_ranks(group)
         logger.debug("creating a gloo side group over ranks %s, timeout %s s", ranks, seconds)
-        side = dist.new_group(
+        side = _new_group(
             ranks=ranks,
-            backend="gloo",
-            timeout=timedelta(seconds=seconds),
+            seconds=seconds,
             # a subgroup's side group is created by its members only (a hashed name);
             # the world's by every rank (torch's ordinary numbered name)
-            use_local_synchronization=not is_world,
-            group_desc="distckpt_metadata",
+            local=not is_world,
+            desc="distckpt_metadata",
         )
         _SIDE_GROUPS[key] = side
     return side, seconds
@@ -163,14 +173,19 @@ def _destroy_own_group() -> None:
 
 
 def _release_groups() -> None:
-    """At exit, drop every reference distckpt holds to a process group.
+    """At exit, destroy every process group distckpt created and drop every reference
+    it holds to a process group, while the interpreter is still whole.
 
-    A gloo group still referenced when the interpreter finalizes is destroyed with it, and
-    its threads can then abort the process ("terminate called without an active
-    exception"). Registered when this module is imported, so it runs after the exit
-    handlers registered later (the program's, and :func:`~distckpt.comm.auto`'s teardown),
-    which destroy the groups first.
+    A gloo group's worker threads can still hold the tensors of the last collective for
+    a moment after it returned; freeing them takes the GIL. A group destroyed while the
+    interpreter finalizes lets such a thread take the GIL then, and the process aborts
+    ("terminate called without an active exception") after its work is done. Destroying
+    the group here joins its threads first. Registered when this module is imported, so
+    it runs after the exit handlers registered later (the program's, and
+    :func:`~distckpt.comm.auto`'s teardown).
     """
+    import torch.distributed as dist
+
     _SIDE_GROUPS.clear()
     _BACKGROUND.clear()
     _SPLITS.clear()
@@ -179,6 +194,15 @@ def _release_groups() -> None:
         comm._pg = None
         comm.group = None
         comm._broken = "this communicator was released at interpreter exit"
+    groups, _OWN_GROUPS[:] = _OWN_GROUPS[::-1], []
+    while groups:
+        group = groups.pop(0)
+        try:  # a group the program destroyed (all of them, with the world) is gone already
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+        except Exception as exc:  # noqa: BLE001  (exiting anyway)
+            logger.debug("destroying a distckpt process group at exit failed: %r", exc)
+        del group  # the last reference: the group's threads are joined here
 
 
 atexit.register(_release_groups)
@@ -190,18 +214,20 @@ class TorchComm:
     Args:
         group: a process group this rank belongs to; the default (world) group if None.
             ``rank`` and ``size`` are this process's rank in it and its size.
-        timeout: seconds a collective waits for every rank. None: a gloo ``group`` is used
-            with its own time-out, any other group gets a side group with
-            ``$DISTCKPT_TIMEOUT`` or :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
+        timeout: seconds a collective waits for every rank. None: a gloo ``group``'s own
+            time-out, for any other group ``$DISTCKPT_TIMEOUT`` or
+            :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
 
-    Constructing a TorchComm may create a gloo side group (for a non-gloo group, or a
-    time-out other than the group's), which is itself a collective: every rank of
-    ``group`` must construct its TorchComm at the same point of the program (for the
-    world group, every rank of the job). Side groups are cached, so constructing another
-    TorchComm for the same group and time-out communicates no more. A side group of a
-    subgroup is created with ``use_local_synchronization=True``: torch derives its name
-    from the ranks and the number of groups each member created so far, so members must
-    have created the same number of process groups before (torch's usual rule).
+    The collectives run on a gloo side group of distckpt's own over the ranks of
+    ``group`` (destroyed at exit, before the interpreter finalizes: see
+    :func:`_release_groups`). Constructing a TorchComm may create it, which is itself a
+    collective: every rank of ``group`` must construct its TorchComm at the same point of
+    the program (for the world group, every rank of the job). Side groups are cached, so
+    constructing another TorchComm for the same group and time-out communicates no more.
+    A side group of a subgroup is created with ``use_local_synchronization=True``: torch
+    derives its name from the ranks and the number of groups each member created so far,
+    so members must have created the same number of process groups before (torch's usual
+    rule).
 
     After a collective failed with :class:`~distckpt.errors.CommTimeoutError` the
     communicator is unusable and every later call raises that error at once.
@@ -266,12 +292,11 @@ class TorchComm:
         if key in _BACKGROUND:
             return _BACKGROUND[key]
         is_world = self.group is world
-        group = dist.new_group(
+        group = _new_group(
             ranks=None if is_world else dist.get_process_group_ranks(self.group),
-            backend="gloo",
-            timeout=timedelta(seconds=self.timeout),
-            use_local_synchronization=not is_world,
-            group_desc="distckpt_background",
+            seconds=self.timeout,
+            local=not is_world,
+            desc="distckpt_background",
         )
         _BACKGROUND[key] = TorchComm(group, self.timeout)
         return _BACKGROUND[key]

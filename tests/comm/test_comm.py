@@ -58,6 +58,20 @@ def test_torchrun(nprocs: int) -> None:
     assert_all_ok(run_torchrun(nprocs, SCRIPT, *args, timeout=100), nprocs)
 
 
+@pytest.mark.timeout(150)
+def test_every_thread_distckpt_starts_is_gone_before_the_interpreter_finalizes(
+    tmp_path: Path,
+) -> None:
+    """A save, a background save and a load on the program's own gloo world group (never
+    destroyed, as Accelerate leaves it): distckpt's collectives ran on groups of its own,
+    destroyed at exit, so no gloo thread of distckpt's is left when the interpreter
+    finalizes (where freeing a collective's tensors can abort the process)."""
+    proc = run_torchrun(2, SCRIPTS / "clean_exit.py", str(tmp_path), timeout=120)
+    check(proc)
+    ranks = sorted(int(m) for m in re.findall(r"^CLEAN (\d+)$", proc.stdout, re.MULTILINE))
+    assert ranks == [0, 1], output(proc)
+
+
 @needs_mpi
 @pytest.mark.timeout(120)
 def test_mpi_bootstraps_torch() -> None:
@@ -113,7 +127,7 @@ def test_the_peers_of_a_dead_rank_give_up_in_time(launcher: str, tmp_path: Path)
     nprocs = 3
     proc, _ = _run_dying(launcher, "exit" if launcher != "torchrun" else "kill", nprocs, tmp_path)
     assert_gave_up(proc, tmp_path, list(range(nprocs - 1)))
-    assert_aborted(launcher, proc)
+    assert_aborted(launcher, proc, tmp_path)
 
 
 def assert_gave_up(
@@ -138,13 +152,16 @@ def test_hung_rank_times_out(launcher: str, tmp_path: Path) -> None:
     """The last rank sleeps in place of a collective: the other one gives up in time."""
     proc, _ = _run_dying(launcher, "hang", 2, tmp_path)
     assert_gave_up(proc, tmp_path, [0], hung=True)
-    assert_aborted(launcher, proc)
+    assert_aborted(launcher, proc, tmp_path)
 
 
-def assert_aborted(launcher: str, proc: subprocess.CompletedProcess[str]) -> None:
+def assert_aborted(launcher: str, proc: subprocess.CompletedProcess[str], markers: Path) -> None:
     """Under MPI the ranks that gave up exit normally, and MPIComm's abort at exit ends
-    the job (the hung or any other rank too), not the launcher's clean-up."""
+    the job (the hung or any other rank too), not the launcher's clean-up. The rank's own
+    word of it is read from its log in ``markers`` as well: hydra, tearing the job down,
+    may drop what the aborting rank wrote last."""
     if launcher.startswith("mpi"):
         said = proc.stdout + proc.stderr
-        assert "aborting the MPI job" in said, output(proc)
+        logs = "".join(p.read_text() for p in markers.glob("log-*"))
+        assert "aborting the MPI job" in said + logs, output(proc)
         assert "application called MPI_Abort(MPI_COMM_WORLD, 1)" in said, output(proc)

@@ -22,6 +22,7 @@ Success ends with one ``OK <rank>`` line per rank.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import signal
@@ -203,8 +204,8 @@ def check_torch(size: int) -> None:
         ranks = list(range(1, size))
         sub = dist.new_group(ranks=ranks)  # every rank creates it; members use it
         if dist.get_rank() in ranks:
-            plain = TorchComm(sub)
-            assert plain._pg is sub
+            plain = TorchComm(sub)  # a side group of distckpt's own, the group's time-out
+            assert plain._pg is not sub and TorchComm(sub)._pg is plain._pg
             check_collectives(plain, size - 1, dist.get_rank() - 1)
             side = TorchComm(sub, timeout=11)
             assert side._pg is not sub
@@ -233,8 +234,8 @@ def check_mpi_torch(size: int) -> None:
     assert torch.equal(dt.to_local(), full[4 * dist.get_rank() : 4 * dist.get_rank() + 4])
     assert torch.equal(dt.redistribute(mesh, [Replicate()]).to_local(), full)
 
-    plain = TorchComm()  # a gloo group and no time-out asked for: the group itself
-    assert plain.timeout == 60 and plain._pg is dist.group.WORLD, plain
+    plain = TorchComm()  # a gloo group and no time-out asked for: the group's time-out
+    assert plain.timeout == 60 and plain._pg is not dist.group.WORLD, plain
     check_collectives(plain, size, launcher_rank())
     comm = auto()  # $DISTCKPT_TIMEOUT or DEFAULT_TIMEOUT: a side group
     assert type(comm).__name__ == "TorchComm", comm
@@ -256,6 +257,9 @@ def die(mode: str, markers: str | None) -> None:
     MPI that exit is a normal one, so what ends the job is MPIComm's ``MPI_Abort`` at
     exit, which the test sees in hydra's report."""
     comm = auto()
+    if markers is not None:  # distckpt's log too: hydra may drop an aborting rank's output
+        log = logging.FileHandler(os.path.join(markers, f"log-{comm.rank}"))
+        logging.getLogger("distckpt").addHandler(log)
     say(f"READY {comm.rank} {type(comm).__name__} timeout={comm.timeout:g}")
     comm.barrier()
     last = comm.size - 1
