@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_save_state_maps_megatron_leaves() -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     import distckpt
-    from distckpt.integrations.megatron import _object_value, save_state
+    from distckpt.integrations.megatron.leaves import _object_value, save_state, unjoined
 
     weight = torch.arange(8.0).reshape(2, 4)
     layers = [torch.full((3,), float(i)) for i in range(2)]
@@ -109,9 +110,20 @@ def test_save_state_maps_megatron_leaves() -> None:
     assert set(out["tensors"]) == {"w", "stack"}
     w = out["tensors"]["w"]
     assert isinstance(w, distckpt.Shard) and w.global_shape == (2, 8) and w.offsets == (0, 4)
-    assert sorted(out["tensors"]["stack"]) == ["0", "1"]
-    assert out["tensors"]["stack"]["1"].global_shape == (3,)
-    assert torch.equal(out["tensors"]["stack"]["1"].tensor, layers[1])
+    stack = out["tensors"]["stack"]  # the layers as one tensor, the stacked axis leading
+    assert stack.global_shape == (2, 3) and stack.offsets == (0, 0)
+    assert torch.equal(stack.tensor, torch.stack(layers))
+    # Keys some rank holds in boxes that make no one box are stored one variable per layer.
+    apart_layers = [
+        state["layers"][0],
+        state["layers"][0].__class__.from_rank_offsets(
+            "stack", layers[1], (0, 2, 3), prepend_axis_num=1
+        ),
+    ]
+    assert unjoined({"layers": apart_layers}) == ["stack"]
+    layered = save_state({"layers": apart_layers}, layered=["stack"])["tensors"]["stack"]
+    assert sorted(layered) == ["0", "2"] and layered["2"].global_shape == (3,)
+    assert torch.equal(layered["2"].tensor, layers[1])
     assert list(out["objects"]) == ["obj/shard_1_2"]
     assert _object_value(out["objects"]["obj/shard_1_2"].tensor, "obj") == {"a": 1}
 
@@ -192,11 +204,13 @@ def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> 
             DistckptLoadStrategy().load_tensors_metadata(ckpt)
 
 
-def test_without_megatron_core_the_error_names_the_extra() -> None:
+def test_without_megatron_core_the_module_imports_and_its_use_names_the_extra() -> None:
     code = (
         "import sys\n"
         "sys.modules['megatron'] = None  # any import of it fails\n"
-        "import distckpt.integrations.megatron\n"
+        "import distckpt.integrations.megatron as megatron\n"
+        "print('IMPORTED', flush=True)\n"
+        "megatron.DistckptLoadStrategy()\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
@@ -204,3 +218,80 @@ def test_without_megatron_core_the_error_names_the_extra() -> None:
     assert done.returncode == 1
     assert "ImportError: distckpt.integrations.megatron needs megatron-core" in done.stderr
     assert "pip install 'distckpt[megatron]'" in done.stderr
+    assert done.stdout == "IMPORTED\n"  # the import itself passed
+
+
+STACKING = SCRIPTS / "megatron_stacking.py"
+
+
+@pytest.mark.timeout(900)
+def test_any_stacking_loads_under_any_other_on_other_world_sizes(tmp_path: Path) -> None:
+    """One tensor saved on 2 ranks plain, stacked (one prepended axis), interleaved
+    (layers that make no one box on a rank) and in the per-layer layout of earlier saves;
+    each loaded on 3 ranks and on one as plain, stacked and stacked with two prepended
+    axes, bit for bit (tests/scripts/megatron_stacking.py)."""
+    assert_all_ok(run_torchrun(2, STACKING, "save", str(tmp_path), env=ENV, timeout=240), 2)
+    for world in (3, 1):
+        proc = run_torchrun(world, STACKING, "load", str(tmp_path), env=ENV, timeout=240)
+        assert_all_ok(proc, world)
+
+
+def _old_layout(path: Path, layers: dict[str, Any]) -> None:
+    """A checkpoint as saves before the whole layout wrote a stacked tensor: one
+    variable per layer, ``tensors/<key>/<layer>``."""
+    import distckpt
+    from distckpt.integrations.megatron import checkpoint_path
+
+    distckpt.save({"tensors": {"B": layers}}, checkpoint_path(path))
+
+
+def test_stackings_load_each_other_in_one_process(tmp_path: Path) -> None:
+    """The strategies alone, one process: a plain (4, 5, 8) tensor loads as 4 stacked
+    layers of (5, 8) and as 20 rows of (8,) under two prepended axes, and back; the
+    per-layer layout of earlier saves (one and two stacked axes) loads plain and
+    stacked; a shape that does not fit the stored layers is refused, naming both."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import distckpt
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    whole = torch.arange(160, dtype=torch.float32).reshape(4, 5, 8)
+
+    def plain(data: torch.Tensor) -> list[ShardedTensor]:
+        return [ShardedTensor.from_rank_offsets("B", data)]
+
+    def stacked(data: torch.Tensor) -> list[ShardedTensor]:
+        return [
+            ShardedTensor.from_rank_offsets("B", data[i], (0, i, 4), prepend_axis_num=1)
+            for i in range(4)
+        ]
+
+    def stacked2(data: torch.Tensor) -> list[ShardedTensor]:
+        return [
+            ShardedTensor.from_rank_offsets(
+                "B", data[i, j], (0, i, 4), (1, j, 5), prepend_axis_num=2
+            )
+            for i in range(4)
+            for j in range(5)
+        ]
+
+    def check(ckpt: Path) -> None:
+        for how in (plain, stacked, stacked2):
+            got = DistckptLoadStrategy().load({"B": how(torch.full_like(whole, -1.0))}, ckpt)["B"]
+            for a, b in zip(got, how(whole), strict=True):
+                assert torch.equal(a, b.data), (ckpt.name, how.__name__)
+
+    for how in (plain, stacked, stacked2):
+        ckpt = tmp_path / how.__name__
+        ckpt.mkdir()
+        DistckptSaveStrategy().save({"B": how(whole)}, ckpt)
+        assert [v.name for v in distckpt.list_variables(ckpt / "distckpt")] == ["tensors/B"]
+        check(ckpt)
+    _old_layout(tmp_path / "old", {str(i): whole[i].clone() for i in range(4)})
+    check(tmp_path / "old")
+    rows = {f"{i}.{j}": whole[i, j].clone() for i in range(4) for j in range(5)}
+    _old_layout(tmp_path / "old2", rows)
+    check(tmp_path / "old2")
+    with pytest.raises(distckpt.ShapeMismatchError, match=r"B: stored with shape \[4, 5, 8\]"):
+        DistckptLoadStrategy().load({"B": plain(torch.zeros(4, 5, 9))}, tmp_path / "old")

@@ -20,8 +20,16 @@ load strategy from the checkpoint's ``metadata.json``.
 How Megatron's leaves are stored:
 
 * a ``ShardedTensor`` is the box ``global_offset`` / ``local_shape`` of the global tensor
-  named by its ``key`` (``prepend_axis_num`` leading axes of length one added), stored as
-  ``tensors/<key>``; only the main replica (``replica_id`` 0 or all zeros) writes it;
+  named by its ``key``, its ``prepend_axis_num`` prepended axes (Megatron's stacked
+  layers) included as leading axes of length one: all of a key's boxes make one variable
+  ``tensors/<key>`` of Megatron's ``global_shape``. Only the main replica (``replica_id``
+  0 or all zeros) writes it. A load maps each leaf's box onto that variable, so a tensor
+  saved with any stacking loads under any other: plain as stacked, stacked as plain, or
+  with another number of prepended axes. Checkpoints written before, which stored a
+  stacked tensor one variable per layer (``tensors/<key>/<layer>``), load the same way;
+  a save still writes that layout for a key some rank holds in boxes that do not make one
+  box (an interleaved pipeline's layers), agreed by one collective
+  (:mod:`~distckpt.integrations.megatron.layout`);
 * a ``ShardedObject`` is serialised with ``torch.save`` and stored as a byte tensor
   ``objects/<unique_key>``, written by its main replica; a load reads it with
   ``torch.load(weights_only=True)``, as Megatron's own backends do: torch's restricted
@@ -32,9 +40,9 @@ How Megatron's leaves are stored:
 The distributed optimizer: megatron-core 0.16's reshardable formats give regular leaves.
 ``dp_reshardable`` cuts each bucket's data-parallel range into one
 ``ShardedTensor`` per parameter and padding, all of the bucket's key, so a rank holds
-several boxes of one tensor: they follow one another, and are saved as the one box they
-make (copied into one host tensor) and read back as the smallest box holding them, then
-cut. ``fully_reshardable`` gives each parameter's state the parameter's own sharding.
+several boxes of one tensor: they make one box, saved as such (copied into one host
+tensor) and read back as the smallest box holding them, then cut (views of it).
+``fully_reshardable`` gives each parameter's state the parameter's own sharding.
 Flattened ranges (``ShardedTensor.flattened_range``, the older ``fully_sharded_model_space``
 format) are refused by megatron-core 0.16 itself when a ShardedTensor is made; one that
 still carries a flattened range is refused here with a clear error.
@@ -56,8 +64,9 @@ must not block can ask :meth:`DistckptSaveStrategy.pending` first, on every rank
 reduce the answers (``maybe_finalize_async_calls`` is collective: every rank must take the
 same branch).
 
-Requires ``megatron-core`` (the ``megatron`` extra); it is imported only when this module
-is.
+Requires ``megatron-core`` (the ``megatron`` extra). Without it this module still
+imports, and making a strategy or calling :func:`save_state` raises an ImportError that
+names the extra.
 """
 
 from __future__ import annotations
@@ -68,46 +77,32 @@ from typing import Any
 import torch
 
 import distckpt
-from distckpt.engine.options import LOAD, merge
-from distckpt.format import wellformed
+from distckpt import dtypes
+from distckpt.engine.pipeline import communicator
+from distckpt.integrations.megatron.imports import (
+    MISSING,
+    AsyncRequest,
+    AsyncSaveShardedStrategy,
+    CheckpointingException,
+    LoadShardedStrategy,
+    ShardedObject,
+    ShardedTensor,
+    StrategyAction,
+    register_default_strategy,
+    require,
+)
+from distckpt.integrations.megatron.layout import layouts
 from distckpt.integrations.megatron.leaves import (
     _OBJECTS,
-    _TENSORS,
     BACKEND,
     SUBDIR,
     VERSION,
-    _bounds,
-    _box,
-    _groups,
-    _inner_offset,
-    _inner_shape,
-    _leaves,
-    _object_value,
-    _Overlap,
-    _overlap,
-    _own_tensor,
-    _refuse_flattened,
-    _stored_shapes,
-    _where,
     checkpoint_path,
     save_state,
+    unjoined,
 )
-from distckpt.items import Branch
+from distckpt.integrations.megatron.loading import load_state
 from distckpt.naming import unescape_key
-from distckpt.slices import Box
-
-# isort: split
-# leaves.py imports megatron-core first, and says which extra to install if it is missing.
-from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.base import (
-    AsyncSaveShardedStrategy,
-    LoadShardedStrategy,
-    StrategyAction,
-    register_default_strategy,
-)
 
 
 class DistckptSaveStrategy(AsyncSaveShardedStrategy):
@@ -126,6 +121,7 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
         comm: Any = None,
         **save_keywords: Any,
     ) -> None:
+        require()
         super().__init__(backend, version)
         self.comm = comm
         save_keywords.setdefault("overwrite", True)
@@ -138,10 +134,11 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        comm = communicator(self.comm)
         self.result = distckpt.save(
-            save_state(sharded_state_dict),
+            save_state(sharded_state_dict, _layered(sharded_state_dict, comm)),
             checkpoint_path(checkpoint_dir),
-            self.comm,
+            comm,
             **self.save_keywords,
         )
 
@@ -152,10 +149,11 @@ class DistckptSaveStrategy(AsyncSaveShardedStrategy):
         return self._handle is not None and not self._handle.done()
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
+        comm = communicator(self.comm)
         self._handle = handle = distckpt.save(
-            save_state(sharded_state_dict),
+            save_state(sharded_state_dict, _layered(sharded_state_dict, comm)),
             checkpoint_path(checkpoint_dir),
-            self.comm,
+            comm,
             async_save=True,
             **self.save_keywords,
         )
@@ -176,6 +174,7 @@ class DistckptLoadStrategy(LoadShardedStrategy):
     which runs code from the checkpoint: only for checkpoints you trust."""
 
     def __init__(self, *, comm: Any = None, **load_keywords: Any) -> None:
+        require()
         self.comm = comm
         self.load_keywords = load_keywords
 
@@ -197,122 +196,16 @@ class DistckptLoadStrategy(LoadShardedStrategy):
             )
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
-        tensors: dict[str, Any] = Branch()
-        objects: dict[str, Any] = Branch()
-        wanted: list[ShardedTensor] = []
-        for leaf in _leaves(sharded_state_dict):
-            if isinstance(leaf, ShardedTensor):
-                _refuse_flattened(leaf)
-                wanted.append(leaf)
-            elif isinstance(leaf, ShardedObject):
-                objects[leaf.unique_key] = None
-        # Each stored tensor is read once per rank, as the smallest box holding every box
-        # this rank asks of it (several: tied weights, the distributed optimizer's buckets).
-        read: dict[int, tuple[distckpt.Shard, Box] | torch.Tensor | _Overlap] = {}
-        stored = _stored_shapes(wanted, checkpoint_dir)
-        for group in _groups(wanted):
-            where, name = _where(tensors, group[0])
-            overlap = _overlap(group, stored)
-            if overlap is not None:  # allow_shape_mismatch, and the shapes differ
-                if overlap.shard is not None:
-                    where[name] = overlap.shard
-                read[id(group[0])] = overlap
-                continue
-            own = _own_tensor(group)
-            if own is not None:  # read straight into the leaf's tensor, as Megatron's do
-                where[name] = distckpt.Shard(own, _inner_shape(group[0]), _inner_offset(group[0]))
-                read[id(group[0])] = group[0].data
-                continue
-            bounds = _bounds(group)
-            shard = distckpt.Shard(
-                torch.empty(bounds.lengths, dtype=group[0].dtype),
-                _inner_shape(group[0]),
-                bounds.offsets,
-            )
-            where[name] = shard
-            for leaf in group:
-                read[id(leaf)] = (shard, bounds)
-        state = {_TENSORS: tensors, _OBJECTS: objects}
-        keywords = dict(self.load_keywords)
-        keywords.setdefault("strict", False)  # Megatron checks keys itself (its `strict`)
-        allow_pickle = merge(
-            keywords.get("options"),
-            {k: v for k, v in keywords.items() if k in LOAD},
-            LOAD,
-            "DistckptLoadStrategy",
-        ).allow_pickle
-        result = distckpt.load(state, checkpoint_path(checkpoint_dir), self.comm, **keywords)
-        missing = [
-            name
-            for name in getattr(result, "missing", [])
-            if name.startswith(f"{_TENSORS}/") or name.startswith(f"{_OBJECTS}/")
-        ]
-        if missing:
-            raise CheckpointingException(
-                f"not in the checkpoint at {checkpoint_dir}: {sorted(missing)}"
-            )
-
-        def fill(leaf: Any) -> Any:
-            if isinstance(leaf, ShardedTensor):
-                got = read[id(leaf)]
-                if isinstance(got, torch.Tensor):
-                    return got
-                if isinstance(got, _Overlap):
-                    return got.filled(leaf)
-                shard, bounds = got
-                box = _box(leaf).relative_to(bounds)
-                loaded = shard.tensor[box.slices()].clone().reshape(tuple(leaf.local_shape))
-                if leaf.data is not None and leaf.data.device.type != "cpu":
-                    loaded = loaded.to(leaf.data.device)
-                return loaded
-            if isinstance(leaf, ShardedObject):
-                return _object_value(objects[leaf.unique_key], leaf.unique_key, allow_pickle)
-            return leaf
-
-        dict_list_map_inplace(fill, sharded_state_dict)
-        return sharded_state_dict
+        return load_state(sharded_state_dict, checkpoint_dir, self.comm, self.load_keywords)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
-        from distckpt import dtypes
-
+        """Each stored tensor's key, global shape (prepended axes included) and dtype,
+        whichever layout it is stored in."""
+        variables = distckpt.list_variables(checkpoint_path(checkpoint_dir))
         metadata: dict[str, ShardedTensor] = {}
-        stacked: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
-        for variable in distckpt.list_variables(checkpoint_path(checkpoint_dir)):
-            parts = variable.name.split("/")
-            if parts[0] != _TENSORS or variable.shape is None or len(parts) not in (2, 3):
-                continue
-            key = unescape_key(parts[1])
-            if len(parts) == 3:  # a layer of a stacked tensor
-                numbers = parts[2].split(".")
-                if not all(n.isascii() and n.isdigit() for n in numbers):
-                    raise distckpt.CorruptCheckpointError(
-                        f"{variable.name}: a stacked tensor's layer is named by its offsets "
-                        "along the stacked axes (like 0 or 1.2)"
-                    )
-                index = tuple(int(n) for n in numbers)
-                held = stacked.setdefault(key, [])
-                if held and len(held[0][0]) != len(index):
-                    raise distckpt.CorruptCheckpointError(
-                        f"{variable.name}: the layers of {key!r} name different numbers of "
-                        "stacked axes"
-                    )
-                held.append((index, variable))
-                continue
-            empty = torch.empty(
-                variable.shape, dtype=dtypes.torch_dtype(variable.dtype), device="meta"
-            )
-            metadata[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
-        for key, layers in stacked.items():
-            outer = tuple(
-                max(index[d] for index, _ in layers) + 1 for d in range(len(layers[0][0]))
-            )
-            variable = layers[0][1]
-            dtype = dtypes.torch_dtype(variable.dtype)
-            # The layers' names say how many there are: a shape storage may declare.
-            shape = wellformed.shape_of(
-                {"shape": [*outer, *variable.shape]}, variable.name, dtype.itemsize
-            )
-            empty = torch.empty(shape, dtype=dtype, device="meta")
+        for key, layout in layouts(variables).items():
+            dtype = dtypes.torch_dtype(layout.dtype)
+            empty = torch.empty(layout.shape, dtype=dtype, device="meta")
             metadata[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
         return metadata
 
@@ -327,14 +220,22 @@ class DistckptLoadStrategy(LoadShardedStrategy):
         return metadata
 
 
+def _layered(sharded_state_dict: Any, comm: Any) -> list[str]:
+    """Collective: the keys some rank holds boxes of that make no one box (an interleaved
+    pipeline's layers), which every rank then stores one variable per layer."""
+    return sorted({key for keys in comm.allgather(unjoined(sharded_state_dict)) for key in keys})
+
+
 def register_default_distckpt_strategies() -> None:
     """Register the strategies under the backend name ``"distckpt"``, version 1 (done on
-    import of this module)."""
+    import of this module, with megatron-core installed)."""
+    require()
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, DistckptSaveStrategy())
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, DistckptLoadStrategy())
 
 
-register_default_distckpt_strategies()
+if MISSING is None:
+    register_default_distckpt_strategies()
 
 __all__ = [
     "BACKEND",
