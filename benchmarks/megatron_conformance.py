@@ -48,6 +48,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 MODES = ("torch_dist", "distckpt")
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -187,40 +188,84 @@ class Setup:
         return env
 
     def run(self, mode: str, index: int, rel: Path) -> FileRun:
-        tree = self.root / "tree"
+        """One file's tests in ``mode``. A test that brings the ranks down (one rank's
+        time-out ends them all) ends a run: the next run leaves out the tests started."""
         work = self.root / "work" / f"{mode}-{index}"
-        out, tmpdir = work / "out", work / "tmp"
+        out, tmpdir, done = work / "out", work / "tmp", work / "done.txt"
         tmpdir.mkdir(parents=True)
+        started, deadline, note = time.monotonic(), time.monotonic() + self.file_timeout, ""
+        returncode: int | None = None
+        for attempt in range(1, 1000):
+            before = started_tests(out)
+            done.write_text("".join(f"{test}\n" for test in sorted(before)), encoding="utf-8")
+            returncode = self.attempt(mode, rel, work, attempt, deadline - time.monotonic())
+            if returncode is None:
+                note = f"killed after {self.file_timeout:g} s"
+                break
+            if started_tests(out) == before or not unfinished_tests(out):
+                break
+        seconds = time.monotonic() - started
+        tests = gather(out) if out.exists() else {}
+        if not tests and not note:
+            note = f"no test reported (exit code {returncode}); see {work}/output-*.txt"
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        return FileRun(returncode, seconds, tests, note)
+
+    def attempt(self, mode: str, rel: Path, work: Path, attempt: int, limit: float) -> int | None:
+        """One torchrun of the file's tests not yet started; its exit code (None: killed)."""
         command = [self.python, "-m", "torch.distributed.run", "--standalone"]
-        command += [f"--nproc-per-node={self.ranks}", "--log-dir", str(work / "logs")]
+        command += [f"--nproc-per-node={self.ranks}", "--log-dir", str(work / f"logs-{attempt}")]
         command += ["--redirects", "3", "-m", "pytest", "-p", "megatron_conformance_plugin"]
         command += ["-p", "no:cacheprovider", "-q", f"--timeout={self.timeout:g}"]
         command += ["--timeout-method=thread", str(SUITE / rel)]
         if self.keyword:
             command += ["-k", self.keyword]
-        started = time.monotonic()
-        with (work / "output.txt").open("w", encoding="utf-8") as log:
+        env = self.env(mode, work / "out", work / "tmp")
+        env["MLMCONF_DONE"] = str(work / "done.txt")
+        with (work / f"output-{attempt}.txt").open("w", encoding="utf-8") as log:
             process = subprocess.Popen(
                 command,
-                cwd=tree,
-                env=self.env(mode, out, tmpdir),
+                cwd=self.root / "tree",
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            note = ""
             try:
-                returncode: int | None = process.wait(timeout=self.file_timeout)
+                return process.wait(timeout=max(limit, 1))
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks
-                process.wait()
-                returncode, note = None, f"killed after {self.file_timeout:g} s"
-        seconds = time.monotonic() - started
-        tests = gather(out) if out.exists() else {}
-        if not tests and not note:
-            note = f"no test reported (exit code {returncode}); see {work / 'output.txt'}"
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        return FileRun(returncode, seconds, tests, note)
+                # torchrun stops its ranks on SIGTERM (they run in sessions of their own).
+                process.terminate()
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                return None
+
+
+def records(out: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The plugin's outcome records of every rank: (rank, record)."""
+    found = []
+    for path in sorted(out.glob("outcomes-*.jsonl")):
+        rank = int(path.stem.rsplit("-", 1)[1])
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                found.append((rank, json.loads(line)))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a rank killed mid-write
+    return found
+
+
+def started_tests(out: Path) -> set[str]:
+    return {record["test"] for _, record in records(out) if record["when"] == "start"}
+
+
+def unfinished_tests(out: Path) -> set[tuple[int, str]]:
+    """(rank, test) of the tests a rank started and never tore down."""
+    seen = {(rank, record["test"]) for rank, record in records(out) if record["when"] == "start"}
+    ended = {(rank, r["test"]) for rank, r in records(out) if r["when"] == "teardown"}
+    return seen - ended
 
 
 def find_files(megatron: Path, names: list[str]) -> list[Path]:

@@ -25,7 +25,8 @@ the suite, written for 8 GPUs with NCCL, run on CPU ranks:
   carry the backend that wrote them in ``metadata.json``, so a load without a strategy
   reads each with its own.
 
-Written to ``MLMCONF_OUT`` (a folder), one JSON line per event, per rank: every test's
+``MLMCONF_DONE``, if set, names a file of test ids to leave out. Written to
+``MLMCONF_OUT`` (a folder), one JSON line per event, per rank: every test's
 outcome per phase (``outcomes-<rank>.jsonl``) and, on rank 0, every sharded save and load
 with the strategy class that ran it (``strategies.jsonl``).
 """
@@ -254,6 +255,18 @@ _install_cuda()
 _install_no_te()
 _install_training_stubs()
 _install_strategies()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leaves out the tests an earlier run of the same file started (``MLMCONF_DONE``: a
+    file of node ids, one a line): a run goes on after a test that brought its ranks down."""
+    done_file = os.environ.get("MLMCONF_DONE")
+    if not done_file or not os.path.exists(done_file):
+        return
+    done = set(Path(done_file).read_text(encoding="utf-8").splitlines())
+    kept = [item for item in items if item.nodeid not in done]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+    items[:] = kept
 
 
 def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
