@@ -156,6 +156,8 @@ class Setup:
     timeout: float
     file_timeout: float
     keyword: str | None
+    distckpt: Path = CHECKOUT
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def prepare(self) -> Path:
         """The suite and its helpers, copied into the work directory; returns its root."""
@@ -174,9 +176,10 @@ class Setup:
 
     def env(self, mode: str, out: Path, tmpdir: Path) -> dict[str, str]:
         env = dict(os.environ)
-        paths = [str(CHECKOUT), str(CHECKOUT / "benchmarks")]
+        paths = [str(self.distckpt), str(CHECKOUT / "benchmarks")]
         if env.get("PYTHONPATH"):
             paths.append(env["PYTHONPATH"])
+        env.update(self.extra_env)
         env.update(
             PYTHONPATH=os.pathsep.join(paths),
             OMP_NUM_THREADS="1",
@@ -353,6 +356,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--file-timeout", type=float, default=4 * 3600, help="seconds one file's run may take"
     )
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the tests")
+    parser.add_argument(
+        "--distckpt",
+        type=Path,
+        default=CHECKOUT,
+        help="the distckpt checkout tested (default: this one)",
+    )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="set in every rank"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
     if not args.megatron:
@@ -369,9 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(
         args.python, root, megatron, args.ranks, args.timeout, args.file_timeout, args.keyword
     )
+    setup.distckpt = args.distckpt.resolve()
+    setup.extra_env = dict(item.split("=", 1) for item in args.env)
     try:
         setup.prepare()
-        print(f"distckpt from {CHECKOUT}, tests from {megatron / SUITE}, {args.ranks} ranks")
+        print(f"distckpt from {setup.distckpt}, tests from {megatron / SUITE}, {args.ranks} ranks")
         print(f"work directory: {root}", flush=True)
         runs: dict[str, dict[str, FileRun]] = {mode: {} for mode in modes}
         for index, (rel, mode) in enumerate((r, m) for r in files for m in modes):
@@ -387,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             document = {
                 "command": [sys.executable, *sys.argv],
-                "checkout": str(CHECKOUT),
+                "distckpt": str(setup.distckpt),
+                "env": setup.extra_env,
                 "megatron_lm": str(megatron),
                 "ranks": args.ranks,
                 "modes": modes,
