@@ -90,14 +90,21 @@ class FileRun:
     note: str = ""
 
 
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of one of the plugin's files (none if it is absent)."""
+    found = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a rank killed mid-write
+    return found
+
+
 def rank_outcomes(path: Path) -> dict[str, tuple[str, str]]:
     """One rank's outcome of each test from the plugin's records: (outcome, message)."""
     outcomes: dict[str, tuple[str, str]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a rank killed mid-write
+    for record in json_lines(path):
         test, when, outcome = record["test"], record["when"], record["outcome"]
         message = record.get("message", "")
         if when == "start":
@@ -127,14 +134,8 @@ def gather(folder: Path) -> dict[str, TestOutcome]:
         failing = outcome in ("failed", "error", "killed")
         tests[test] = TestOutcome(outcome, message, rank if failing else None)
     strategies: dict[str, set[str]] = defaultdict(set)
-    path = folder / "strategies.jsonl"
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            strategies[record["test"]].add(f"{record['action']}:{record['strategy']}")
+    for record in json_lines(folder / "strategies.jsonl"):
+        strategies[record["test"]].add(f"{record['action']}:{record['strategy']}")
     for test, used in strategies.items():
         if test in tests:
             tests[test].strategies = sorted(used)
@@ -252,11 +253,7 @@ def records(out: Path) -> list[tuple[int, dict[str, Any]]]:
     found = []
     for path in sorted(out.glob("outcomes-*.jsonl")):
         rank = int(path.stem.rsplit("-", 1)[1])
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                found.append((rank, json.loads(line)))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a rank killed mid-write
+        found += [(rank, record) for record in json_lines(path)]
     return found
 
 
