@@ -24,8 +24,12 @@ plugin ``benchmarks/megatron_conformance_plugin.py`` loaded in every rank: gloo 
 CUDA devices as the CPU, a stub ``megatron.training`` (absent from the megatron-core
 wheel: the tests that call it skip), and in mode ``distckpt`` distckpt's strategies
 registered as ``("torch_dist", 1)``. ``OMP_NUM_THREADS=1``, ``GLOO_SOCKET_IFNAME=lo``,
-``TMPDIR`` a fresh folder, this checkout first on ``PYTHONPATH``. A test's outcome
-gathers its ranks': failed if it failed on any rank, else passed if it passed on any.
+``TMPDIR`` a fresh folder, this checkout (or ``--distckpt PATH``) first on
+``PYTHONPATH``; ``--env NAME=VALUE`` sets more (``DISTCKPT_EXCHANGE=0``, say). A test's
+outcome gathers its ranks': failed if it failed on any rank, else passed if it passed on
+any. A test that leaves the ranks in different collectives hangs them all until one
+reaches ``--timeout`` and torchrun stops the rest; the test is ``killed``, and the file
+runs again without the tests already started.
 
 Printed: per test, its outcome in each mode and the strategies that saved in mode
 distckpt (``-`` when the test saved nothing through megatron-core's strategies: its
