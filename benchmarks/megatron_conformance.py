@@ -115,7 +115,7 @@ def rank_outcomes(path: Path) -> dict[str, tuple[str, str]]:
             outcomes.setdefault(test, ("killed", "started, never finished"))
         elif outcome == "failed":
             if outcomes.get(test, ("",))[0] not in ("failed", "error"):
-                outcomes[test] = ("error" if when == "setup" else "failed", message)
+                outcomes[test] = ("error" if when in ("setup", "collect") else "failed", message)
         elif outcome == "skipped":
             outcomes[test] = ("skipped", message)
         elif when == "call":

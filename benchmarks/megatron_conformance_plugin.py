@@ -275,6 +275,12 @@ def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
     _write(f"outcomes-{RANK}.jsonl", {"test": nodeid, "when": "start", "outcome": ""})
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module skipped or failed while collected: one record for the module."""
+    if report.failed or report.skipped:
+        pytest_runtest_logreport(report)  # type: ignore[arg-type]
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     message = ""
     if report.failed or report.skipped:
@@ -285,7 +291,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             message = str(report.longrepr[2])
         else:
             message = str(report.longrepr)[-2000:]
-    record = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
+    when = getattr(report, "when", "collect")
+    record = {"test": report.nodeid, "when": when, "outcome": report.outcome}
     if message:
         record["message"] = message[:2000]
     _write(f"outcomes-{RANK}.jsonl", record)
