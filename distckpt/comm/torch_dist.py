@@ -1,12 +1,14 @@
 """A communicator over an initialized ``torch.distributed`` process group.
 
 distckpt's collectives carry small pickled Python objects, so they always run on a gloo
-(CPU) *side group* of distckpt's own over the same ranks as the given group, created
-once per (group, time-out) and cached. With NCCL this keeps metadata off the GPU and
-out of NCCL's streams, and gives gloo's time-outs: a rank that died or never arrives
-makes the others raise :class:`~distckpt.errors.CommTimeoutError` after ``timeout``
-seconds. Even over a gloo group of the program's own, a group distckpt owns is one it
-can destroy at exit, before the interpreter finalizes (see :func:`_release_groups`).
+(CPU) process group: for the world, a *side group* of distckpt's own over every rank;
+for a subgroup, the group itself when it is a gloo group with the wanted time-out, else
+a side group over the same ranks. Side groups are created once per (group, time-out)
+and cached. With NCCL this keeps metadata off the GPU and out of NCCL's streams, and
+gives gloo's time-outs: a rank that died or never arrives makes the others raise
+:class:`~distckpt.errors.CommTimeoutError` after ``timeout`` seconds. A group distckpt
+owns is one it can destroy at exit, before the interpreter finalizes (see
+:func:`_release_groups`).
 
 ``torch.distributed`` is imported when a :class:`TorchComm` is constructed.
 """
@@ -88,7 +90,8 @@ def _new_group(*, ranks: list[int] | None, seconds: float, local: bool, desc: st
         use_local_synchronization=local,
         group_desc=desc,
     )
-    _OWN_GROUPS.append(group)
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        _OWN_GROUPS.append(group)
     return group
 
 
@@ -102,8 +105,15 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
     import torch.distributed as dist
 
     own = _gloo_timeout(group)
-    seconds = own if timeout is None and own is not None else resolve_timeout(timeout)
+    if own is not None and any(g is group for g in _OWN_GROUPS):
+        return group, own  # a group of distckpt's own (each made for its time-out)
     world = _world(_SIDE_GROUPS)
+    if own is not None and group is not world and (timeout is None or abs(own - timeout) < 1e-3):
+        # A gloo subgroup of the program's, used as it is: a side group of it would be
+        # made by its members alone, under a name torch derives from how many groups
+        # each member has, which differs by rank in Megatron-LM's layouts.
+        return group, own
+    seconds = own if timeout is None and own is not None else resolve_timeout(timeout)
     key = (world, group, seconds)
     side = _SIDE_GROUPS.get(key)
     if side is None:
@@ -220,7 +230,8 @@ class TorchComm:
 
     The collectives run on a gloo side group of distckpt's own over the ranks of
     ``group`` (destroyed at exit, before the interpreter finalizes: see
-    :func:`_release_groups`). Constructing a TorchComm may create it, which is itself a
+    :func:`_release_groups`), or on a gloo subgroup itself when its time-out is the one
+    wanted. Constructing a TorchComm may create a side group, which is itself a
     collective: every rank of ``group`` must construct its TorchComm at the same point of
     the program (for the world group, every rank of the job). Side groups are cached, so
     constructing another TorchComm for the same group and time-out communicates no more.
@@ -303,21 +314,34 @@ class TorchComm:
 
     def split(self, color: int) -> TorchComm | None:
         """Collective: a communicator over a new gloo group of the ranks that pass the
-        same ``color``; None for a negative color. Only the members create the group
-        (``use_local_synchronization``); cached per colors, so a job restoring the same
-        way again creates no group."""
+        same ``color``; None for a negative color. Cached per colors, so a job restoring
+        the same way again creates no group.
+
+        Over the world group every rank creates every such group, in order (torch's
+        numbered names, which agree on every rank however many groups of its own each
+        rank is a member of); over a subgroup only the members create theirs
+        (``use_local_synchronization``, see :class:`TorchComm`)."""
         import torch.distributed as dist
 
         colors = tuple(self.allgather(int(color)))
-        key = (_world(_SPLITS), self.group, self.timeout, colors)
+        world = _world(_SPLITS)
+        key = (world, self.group, self.timeout, colors)
         if key not in _SPLITS:
             sub = None
-            if color >= 0:
-                members = [r for r, c in enumerate(colors) if c == color]
-                assert self.group is not None
+            assert self.group is not None
+            for each in sorted({c for c in colors if c >= 0}):
+                if self.group is not world and each != color:
+                    continue
+                members = [r for r, c in enumerate(colors) if c == each]
                 ranks = [dist.get_global_rank(self.group, r) for r in members]
-                group = _members_group(ranks, self.timeout, "distckpt_exchange")
-                sub = TorchComm(group, self.timeout)
+                group = _new_group(
+                    ranks=ranks,
+                    seconds=self.timeout,
+                    local=self.group is not world,
+                    desc="distckpt_exchange",
+                )
+                if each == color:
+                    sub = TorchComm(group, self.timeout)
             _SPLITS[key] = sub
         return _SPLITS[key]
 

@@ -7,7 +7,8 @@ MODE picks what is checked (every rank runs the same checks, in the same order):
 * ``single``: SingleComm (plain ``python``);
 * ``mpi``: MPIComm over COMM_WORLD and over an even/odd split of it (``mpiexec``);
 * ``torch``: TorchComm from auto() (``torchrun``), with its own time-out and with a
-  side group, and over a subgroup without rank 0 (with and without a side group);
+  side group, over a subgroup without rank 0 (with and without a side group), and a
+  split of the world;
 * ``auto``: whatever auto() returns;
 * ``mpi-torch``: init_torch_from_mpi() under ``mpiexec``, a DTensor on a 1-D CPU
   DeviceMesh, then TorchComm (from auto()) and MPIComm.
@@ -204,12 +205,22 @@ def check_torch(size: int) -> None:
         ranks = list(range(1, size))
         sub = dist.new_group(ranks=ranks)  # every rank creates it; members use it
         if dist.get_rank() in ranks:
-            plain = TorchComm(sub)  # a side group of distckpt's own, the group's time-out
-            assert plain._pg is not sub and TorchComm(sub)._pg is plain._pg
+            plain = TorchComm(sub)  # a gloo subgroup, no time-out asked for: the group itself
+            assert plain._pg is sub
             check_collectives(plain, size - 1, dist.get_rank() - 1)
             side = TorchComm(sub, timeout=11)
             assert side._pg is not sub
             check_collectives(side, size - 1, dist.get_rank() - 1)
+        comm.barrier()
+        # Ranks 0 and 1 now belong to different numbers of groups (rank 0 is not in
+        # ``sub``), as in Megatron-LM's layouts: a split of the world still agrees on
+        # its groups' names (a name derived from each rank's own count would hang).
+        rank = launcher_rank()
+        pair = comm.split(0 if rank < 2 else -1)
+        assert (pair is None) == (rank >= 2), pair
+        if pair is not None:
+            check_collectives(pair, 2, rank)
+        assert comm.split(0 if rank < 2 else -1) is pair  # cached: no new group
         comm.barrier()
 
 

@@ -41,6 +41,12 @@ from distckpt.items import Branch
 from distckpt.signing.keys import trusted_keys
 
 
+class MegatronShapeMismatchError(distckpt.ShapeMismatchError, CheckpointingException):
+    """A requested tensor does not fit the stored one: distckpt's
+    :class:`~distckpt.ShapeMismatchError`, and the ``CheckpointingException`` megatron-core's
+    callers catch."""
+
+
 class _Key:
     """This rank's leaves of one key, their plan, and the tensors their reads fill."""
 
@@ -149,7 +155,7 @@ def load_state(
         )
     problems = [key.plan.problem for key in keys.values() if key.plan.problem]
     if problems:
-        raise distckpt.ShapeMismatchError("; ".join(problems))
+        raise MegatronShapeMismatchError("; ".join(problems))
 
     where = {id(leaf): (key, i) for key in keys.values() for i, leaf in enumerate(key.leaves)}
 
