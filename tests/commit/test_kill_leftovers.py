@@ -25,11 +25,11 @@ kl = load_script(SCRIPT, "kill_leftovers_script")
 WORLD = 3
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("point", kl.POINTS)
 def test_the_next_save_removes_what_a_killed_save_left(point: str, tmp_path: Path) -> None:
     proc = run_torchrun(
-        WORLD, SCRIPT, point, str(tmp_path), timeout=90, env={"DISTCKPT_TIMEOUT": "60"}
+        WORLD, SCRIPT, point, str(tmp_path), timeout=240, env={"DISTCKPT_TIMEOUT": "60"}
     )
     assert proc.returncode != 0 and "KILLING" in proc.stdout, output(proc)
     assert "COMMITTED" not in proc.stdout, output(proc)
