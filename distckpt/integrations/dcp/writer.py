@@ -127,8 +127,8 @@ class DistckptWriter(StorageWriter):
     :class:`CheckpointAlreadyExists` (distckpt's ``CheckpointExists``, a
     ``FileExistsError``, and the ``RuntimeError`` DCP raises, with DCP's wording
     "Checkpoint already exists"), which DCP wraps in its ``CheckpointException`` as it wraps
-    its own refusal. Objects that are not typed
-    values are stored pickled (as DCP stores every non-tensor).
+    its own refusal. Objects that are not typed values are stored pickled (as DCP stores
+    every non-tensor).
 
     ``FileSystemWriter``'s arguments are taken too: ``thread_count`` sets ``io_workers``,
     ``_extensions=[ZStandard()]`` sets ``compression="zstd"``, and those of :data:`MOOT`
