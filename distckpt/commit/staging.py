@@ -15,7 +15,12 @@ so, renames it out of sight (``.<name>.trash-<token>``), then removes it.
 :meth:`RenameStrategy.collect_garbage` removes staging directories whose heartbeat has
 stopped (or whose owner process is gone on this host) and trash directories; it never
 touches a staging directory whose heartbeat is fresh, and puts back a complete checkpoint
-that a replacing commit left under its staging name.
+that a replacing commit left under its staging name. A staging directory without an
+owner file that holds no index belongs to no running save (the owner file goes only
+after the index is written) and is removed too: what a rank of an aborted save wrote
+after the coordinator removed the directory, or a removal cut short. An abort renames
+the directory to a trash name before removing it, so a kill in the middle of the
+removal leaves a trash directory, which the next save removes.
 
 Everything here goes through the store's methods: :class:`~distckpt.storage.backend.Store`
 and the three of :class:`~distckpt.storage.backend.RenamingStore` (``rename``,
@@ -184,7 +189,17 @@ class Staging:
 
     def abort(self) -> None:
         self.stop_heartbeat()
-        self.parent.delete_tree(self.entry)
+        # Out of sight first: a removal cut short (the job's teardown kills this process)
+        # leaves a trash directory, which any later save removes.
+        trash = trash_name(self.final.name, self.token)
+        try:
+            self.parent.rename(self.entry, trash)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("removing %s in place: %s", self.path, exc)
+            trash = self.entry
+        self.parent.delete_tree(trash)
 
 
 class RenameCommit:
@@ -240,12 +255,30 @@ def owner_alive(staging: Store, stale_seconds: float = STALE_SECONDS) -> bool:
         age = staging.age(OWNER_FILE)
         info = read_owner(staging)
     except OSError:
-        # No owner file: the save is being committed or was abandoned; judge by the dir.
-        try:
-            return staging.parent.age(staging.name) < stale_seconds
-        except OSError:
-            return False
+        return _unowned_alive(staging, stale_seconds)
     return age <= stale_seconds and not pid_dead(info)
+
+
+def _unowned_alive(staging: Store, stale_seconds: float) -> bool:
+    """Whether a staging directory without an owner file may belong to a running save.
+
+    A save removes its owner file only after writing the index, just before the rename: a
+    directory with an index is a commit under way (or interrupted), judged by its age.
+    One without an index belongs to no running save, except in the instant between the
+    coordinator making it and writing the owner file, when it is empty. Anything else is
+    what a dead save left: files a rank wrote after its coordinator removed the
+    directory (recreating it), or a removal cut short."""
+    try:
+        age = staging.parent.age(staging.name)
+    except OSError:
+        return False
+    if is_committed(staging):
+        return age < stale_seconds
+    try:
+        empty = not staging.list()
+    except OSError:
+        return False
+    return empty and age < HEARTBEAT_SECONDS
 
 
 def _complete(staging: Store) -> bool:

@@ -205,6 +205,34 @@ def test_overwrite_is_dcps_default_and_atomic(tmp_path: Path) -> None:
     assert torch.equal(got["w"], torch.ones(3))
 
 
+def test_refused_overwrite_speaks_as_dcps_writer(tmp_path: Path) -> None:
+    """``overwrite=False`` over a checkpoint fails as ``FileSystemWriter``'s does: DCP's
+    ``CheckpointException`` says "Checkpoint already exists" (what PyTorch's DCP tests look
+    for), and the rank's error is the ``RuntimeError`` DCP raises as well as distckpt's
+    ``CheckpointExists``. A directory that is not a checkpoint keeps distckpt's words."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from distckpt.integrations.dcp import CheckpointAlreadyExists
+
+    path = tmp_path / "o"
+    dcp.save({"w": torch.zeros(3)}, storage_writer=DistckptWriter(path))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.ones(3)}, storage_writer=DistckptWriter(path, overwrite=False))
+    assert "Checkpoint already exists" in str(caught.value)
+    (wrapped,) = caught.value.failures.values()
+    failure = wrapped[0]
+    assert isinstance(failure, CheckpointAlreadyExists)
+    assert isinstance(failure, RuntimeError) and isinstance(failure, distckpt.CheckpointExists)
+    assert str(path) in str(failure)
+    other = tmp_path / "other"
+    (other / "x").mkdir(parents=True)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.ones(3)}, storage_writer=DistckptWriter(other, overwrite=False))
+    (wrapped,) = caught.value.failures.values()
+    assert "not a distckpt checkpoint" in str(wrapped[0])
+    assert not isinstance(wrapped[0], CheckpointAlreadyExists)
+
+
 def test_filesystem_writer_arguments(tmp_path: Path) -> None:
     """A script written for ``FileSystemWriter``/``FileSystemReader`` runs with the bridge
     unchanged: ``thread_count`` is ``io_workers``, ``_extensions=[ZStandard()]`` is zstd,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, job_env, run_torchrun
 
 pytest.importorskip("megatron.core")
 
@@ -300,3 +300,46 @@ def test_stackings_load_each_other_in_one_process(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointingException, match=r"B: stored with shape \[4, 5, 8\]"):
         DistckptLoadStrategy().load({"B": plain(torch.zeros(4, 5, 9))}, tmp_path / "old")
+
+
+BUILD_TWICE = """
+import torch
+import torch.distributed as dist
+
+from gpt_tiny import build, whole
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+first = whole(build(tp=1, seed=0))
+again = whole(build(tp=1, seed=0))
+other = whole(build(tp=1, seed=1))
+assert sorted(first) == sorted(again) == sorted(other)
+assert all(torch.equal(first[k], again[k]) for k in first)
+assert any(not torch.equal(first[k], other[k]) for k in first)
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_pages_gpt_tiny_builds_twice_in_one_process(tmp_path: Path) -> None:
+    """``gpt_tiny.build`` of docs/integrations/megatron.md may be called again in one
+    process (Megatron's parallel state is set up once per build, not twice): the same
+    seed gives the same weights, another seed others."""
+    from tests.docs.blocks import DOCS, read
+
+    (tiny,) = [
+        b
+        for b in read(DOCS / "integrations" / "megatron.md")
+        if b.kind == "file" and b.arg == "gpt_tiny.py"
+    ]
+    (tmp_path / "gpt_tiny.py").write_text(tiny.code)
+    (tmp_path / "twice.py").write_text("import sys\n" + BUILD_TWICE)
+    proc = subprocess.run(
+        [sys.executable, "twice.py", str(tmp_path / "pg")],
+        cwd=tmp_path,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr

@@ -18,6 +18,6 @@ Names: distckpt names a nested entry ``model/layer.weight``; DCP's flattened key
 """
 
 from distckpt.integrations.dcp.reader import DistckptReader
-from distckpt.integrations.dcp.writer import DistckptWriter
+from distckpt.integrations.dcp.writer import CheckpointAlreadyExists, DistckptWriter
 
-__all__ = ["DistckptReader", "DistckptWriter"]
+__all__ = ["CheckpointAlreadyExists", "DistckptReader", "DistckptWriter"]

@@ -44,6 +44,7 @@ from torch.futures import Future
 import distckpt
 from distckpt.comm import Communicator, SingleComm, auto
 from distckpt.comm.base import background
+from distckpt.format.index import is_committed
 from distckpt.integrations.dcp.common import Location, done, location, rank_location
 from distckpt.items import Branch, BranchList
 from distckpt.slices import Box, chunk_bounds
@@ -84,6 +85,14 @@ class _Save:
     regroup: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
+class CheckpointAlreadyExists(distckpt.CheckpointExists, RuntimeError):
+    """A save with ``overwrite=False`` to a path that holds a committed checkpoint, in
+    DCP's words (its message starts as ``FileSystemWriter``'s: "Checkpoint already exists
+    and overwrite=False"). Both distckpt's :class:`~distckpt.errors.CheckpointExists` (a
+    ``FileExistsError``) and the ``RuntimeError`` that ``FileSystemWriter`` raises; DCP
+    wraps it in its ``CheckpointException``, as it wraps its own."""
+
+
 def _global_rank() -> int:
     import torch.distributed as dist
 
@@ -115,9 +124,11 @@ class DistckptWriter(StorageWriter):
     defaults to True, as DCP's ``FileSystemWriter`` does; distckpt's overwrite is atomic
     (the old checkpoint stays whole until the new one commits). With
     ``overwrite=False`` an existing checkpoint is refused with
-    :class:`~distckpt.errors.CheckpointExists` (a ``FileExistsError``), which DCP wraps in
-    its ``CheckpointException`` as it wraps its own refusal. Objects that are not typed
-    values are stored pickled (as DCP stores every non-tensor).
+    :class:`CheckpointAlreadyExists` (distckpt's ``CheckpointExists``, a
+    ``FileExistsError``, and the ``RuntimeError`` DCP raises, with DCP's wording
+    "Checkpoint already exists"), which DCP wraps in its ``CheckpointException`` as it wraps
+    its own refusal. Objects that are not typed values are stored pickled (as DCP stores
+    every non-tensor).
 
     ``FileSystemWriter``'s arguments are taken too: ``thread_count`` sets ``io_workers``,
     ``_extensions=[ZStandard()]`` sets ``compression="zstd"``, and those of :data:`MOOT`
@@ -222,7 +233,15 @@ class DistckptWriter(StorageWriter):
             comm = background(comm)
         regrouped = regroup(plan, planner, dict(told.regroup), comm)
         state = planned_state(plan, planner, told, regrouped)
-        saved = distckpt.save(state, self.target, comm, options=self.options)
+        try:
+            saved = distckpt.save(state, self.target, comm, options=self.options)
+        except distckpt.CheckpointExists as exc:
+            # Every rank raised it: every rank finds the same committed checkpoint.
+            if self.options.overwrite or not is_committed(self.target):
+                raise  # a directory that is not a checkpoint: distckpt's words say so
+            raise CheckpointAlreadyExists(
+                f"Checkpoint already exists and overwrite=False: {exc}"
+            ) from exc
         self.result = saved
         self.save_id = saved.save_id or self.save_id  # the one the index records
         return done([])
