@@ -28,6 +28,8 @@ values saved (``VERIFY FAILED`` otherwise). Printed: medians and time ratios dis
 the framework's own path (of medians, of mins, paired per round).
 
     python benchmarks/bench_stacks.py                        # both stacks, /dev/shm, 5 rounds
+    python benchmarks/bench_stacks.py --stack deepspeed --ds-width 1024   # 64 MiB per rank
+    python benchmarks/bench_stacks.py --stack deepspeed --ds-width 4096   # 1 GiB per rank
     python benchmarks/bench_stacks.py --stack megatron --hidden 512 --rounds 2   # smoke
 """
 
@@ -295,7 +297,12 @@ class Driver(h.Driver):
                 busy = self.wait_idle()
                 out, wall, _ = self.launch_worker(h.torchrun(a.world), __file__, spec, stack, env)
                 total = sum(out[stack]["state_bytes"])
-                print(f" {stack}: {total / h.MiB:.0f} MiB of state, {wall:.1f}s launch", flush=True)
+                per = total / a.world / h.MiB
+                print(
+                    f" {stack}: {total / h.MiB:.0f} MiB of state ({per:.0f} MiB per rank), "
+                    f"{wall:.1f}s launch",
+                    flush=True,
+                )
                 self.events += [
                     {"busy_before": busy, "fs": fs, "state_bytes": total, **e}
                     for e in out["events"]

@@ -8,7 +8,8 @@ check that every file reads back through distckpt as DeepSpeed's own wrote it, t
 engine, and check model and optimizer bit for bit against the references: on the saved
 number of processes (also the 2 steps after), or on another one, the model always and the
 optimizer where DeepSpeed allows it (stage 0: it is in the model states file; stages 1
-and 2: DeepSpeed refuses it, checked, and the model loads without it).
+and 2: DeepSpeed refuses it, checked, and the model loads without it; stage 3: refused
+too, and a load without it is distckpt's ConversionError on any number of processes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from distckpt import ConversionError
 from distckpt.integrations.deepspeed import DistckptCheckpointEngine, use_distckpt
 
 SAVED_WORLD = 2
@@ -123,6 +125,13 @@ def main() -> None:
         use_distckpt(engine)
         ref = torch.load(refs / f"rank{rank % SAVED_WORLD}.pt", weights_only=False)
         same_world = world == SAVED_WORLD
+        if stage == 3:  # zero_to_fp32 would torch.load the files: refused by distckpt first
+            try:
+                engine.load_checkpoint(str(root / "ds"), tag=TAG, load_optimizer_states=False)
+            except ConversionError as exc:
+                assert "zero_to_fp32" in str(exc) and "load_optimizer_states" in str(exc), exc
+            else:
+                raise AssertionError("a ZeRO 3 load without optimizer states was not refused")
         if same_world or stage == 0:
             engine.load_checkpoint(str(root / "ds"), tag=TAG)
             assert_same(engine.module.state_dict(), ref["saved"]["model"], "model")
@@ -130,7 +139,7 @@ def main() -> None:
             if same_world:
                 train(engine, 2, first=3)
                 assert_same(snapshot(engine), ref["after"], "after")
-        else:
+        elif stage != 3:  # stage 3 on another number: only the refusal above is checked
             try:
                 engine.load_checkpoint(str(root / "ds"), tag=TAG)
             except Exception as exc:  # DeepSpeed's ZeRORuntimeException

@@ -40,14 +40,20 @@ states, and with ZeRO stage 0 the optimizer (it is in the model states file), lo
 any number of processes; with ZeRO stages 1 and 2 DeepSpeed refuses optimizer states
 saved with another data-parallel size (its "universal checkpoint" conversion), while
 ``load_checkpoint(..., load_optimizer_states=False)`` loads the model. With ZeRO stage 3
-a load on another number of processes is not supported: DeepSpeed then reads the files
-itself with ``torch.load`` (``zero_to_fp32``), not through the checkpoint engine; the same
-goes for DeepSpeed's ``zero_to_fp32.py`` script and its universal-checkpoint conversion.
+DeepSpeed refuses optimizer states saved with another data-parallel size too, and
+``load_optimizer_states=False`` makes it rebuild the model with ``zero_to_fp32``, which
+reads the ``.pt`` files itself with ``torch.load``, not through the checkpoint engine:
+:func:`use_distckpt` makes such a call a :class:`distckpt.ConversionError` saying so
+before anything is read (on any number of processes). The same goes for DeepSpeed's
+``zero_to_fp32.py`` script and its universal-checkpoint conversion, which do not read
+these checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 from typing import Any
 
@@ -55,9 +61,11 @@ import torch
 
 import distckpt
 from distckpt.comm.single import SingleComm
+from distckpt.format.index import read_index_bytes
 from distckpt.integrations import trees
 from distckpt.integrations.deepspeed.types import NEEDS_DEEPSPEED, TYPE_TAG, decode, encode
 from distckpt.items import has_tensor
+from distckpt.storage.registry import open_store
 from distckpt.training.session import StoredCheckpoint
 
 try:
@@ -98,7 +106,45 @@ def use_distckpt(
             "DeepSpeed's use_node_local_storage (each node writes its own copy) is not supported"
         )
     engine.checkpoint_engine = DistckptCheckpointEngine(options=options, overwrite=overwrite)
+    if not getattr(engine.load_checkpoint, GUARDED, False):
+        engine.load_checkpoint = _guarded(engine, engine.load_checkpoint)
     return engine.checkpoint_engine
+
+
+GUARDED = "_distckpt_guarded"
+
+
+def _guarded(engine: Any, load_checkpoint: Any) -> Any:
+    """``engine.load_checkpoint`` refusing, while distckpt's engine is the engine's, the
+    one load that bypasses the checkpoint engine: ZeRO stage 3 with
+    ``load_optimizer_states=False``, where DeepSpeed rebuilds the model from the files with
+    ``torch.load`` (``zero_to_fp32``) and would fail on a folder of distckpt's."""
+    signature = inspect.signature(load_checkpoint)
+
+    @functools.wraps(load_checkpoint)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        if (
+            isinstance(engine.checkpoint_engine, DistckptCheckpointEngine)
+            and engine.zero_optimization_partition_weights()
+            and not call.arguments["load_optimizer_states"]
+            and not getattr(engine, "has_moe_layers", False)
+        ):
+            raise distckpt.ConversionError(
+                f"{call.arguments['load_dir']}: DeepSpeed loads a ZeRO stage 3 model without "
+                "its optimizer states (load_optimizer_states=False) by converting the "
+                "checkpoint's files with its zero_to_fp32, which reads them with torch.load, "
+                "not through distckpt's checkpoint engine. Load with the optimizer states "
+                "(load_optimizer_states=True, the default) on the number of processes that "
+                "saved it; to load on another number of processes, save with DeepSpeed's "
+                "own engine (engine.checkpoint_engine = TorchCheckpointEngine()) and use "
+                "DeepSpeed's universal checkpoint"
+            )
+        return load_checkpoint(*args, **kwargs)
+
+    setattr(guarded, GUARDED, True)
+    return guarded
 
 
 class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
@@ -122,6 +168,9 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.overwrite = overwrite
         self._pending: dict[str, dict[str, Any]] = {}  # checkpoint dir -> {file name: dict}
         self._info: CheckpointCommitInfo | None = None
+        # The checkpoint of the last load, with its index's bytes: DeepSpeed loads several
+        # files of one tag in a row, and each reuses the index parsed for the first.
+        self._source: tuple[str, bytes, StoredCheckpoint] | None = None
 
     # -- saving --------------------------------------------------------------------------
 
@@ -179,13 +228,25 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         ask (``map_location`` is otherwise not applied)."""
         folder, name = os.path.split(os.path.abspath(os.fspath(path)))
         comm = SingleComm()
-        source = StoredCheckpoint(folder, comm, self.options.trusted_keys)
+        source = self._checkpoint(folder, comm)
         tree = trees.read_tree(
             source, comm, self.options, name, name + STRUCTURE_SUFFIX, strict=False
         )
         if tree is None:
             raise distckpt.CheckpointNotFoundError(f"{folder} holds no file {name!r}")
         return decode(tree, name)
+
+    def _checkpoint(self, folder: str, comm: SingleComm) -> StoredCheckpoint:
+        """The checkpoint at ``folder``, its index parsed once for the loads of a tag: the
+        last load's while the index's bytes are the same (a tag saved again has another
+        index) and it is not signed (a signed one is checked afresh at every load)."""
+        raw = read_index_bytes(open_store(folder))
+        if self._source is not None and self._source[:2] == (folder, raw):
+            return self._source[2]
+        source = StoredCheckpoint(folder, comm, self.options.trusted_keys)
+        unsigned = source.index.signed_by is None
+        self._source = (folder, raw, source) if unsigned else None
+        return source
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own array: views are not kept as views.
