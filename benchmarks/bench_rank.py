@@ -568,16 +568,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "between two saves allocates and frees memory (see the steadiness section)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 2 rounds, tmpfs only")
-    args = p.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    if args.quick:
-        args.gib = 0.125
-        args.rounds = min(args.rounds, 2)
-        args.dir = args.dir or ["/dev/shm/distckpt-bench"]
-        args.wait_idle = min(args.wait_idle, 5)
-    if not args.dir:
-        args.dir = ["/dev/shm/distckpt-bench", "/tmp/distckpt-bench"]
-    return args
+    return h.settle_rank_args(
+        p.parse_args(argv), ["/dev/shm/distckpt-bench", "/tmp/distckpt-bench"]
+    )
 
 
 if __name__ == "__main__":

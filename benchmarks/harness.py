@@ -867,3 +867,18 @@ class RankWorker:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
         self.barrier()
+
+
+def settle_rank_args(args: Any, dirs: list[str]) -> Any:
+    """The defaults of a per-process driver's parsed ``args`` (bench_rank, bench_signing):
+    the dtype for the device, ``--quick``'s smoke sizes on tmpfs, ``dirs`` when no
+    ``--dir`` was given."""
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.quick:
+        args.gib = 0.125
+        args.rounds = min(args.rounds, 2)
+        args.dir = args.dir or ["/dev/shm/distckpt-bench"]
+        args.wait_idle = min(args.wait_idle, 5)
+    if not args.dir:
+        args.dir = list(dirs)
+    return args
