@@ -5,10 +5,11 @@ A save of ``<name>`` writes into ``.<name>.staging-<token>/`` beside it, never i
 modification time is a heartbeat, refreshed by a daemon thread while the save runs (the
 file is sealed by its checksum, :mod:`distckpt.format.seal`: a damaged one names no
 process, and its heartbeat alone decides whether the save is alive). The
-commit writes the index, makes it durable, removes the owner file and renames the
-directory to ``<name>`` (atomically exchanging it with an existing checkpoint when
-replacing one), then makes the parent's entries durable. A checkpoint therefore exists
-under its name only once it is complete.
+commit writes the index, makes it durable, puts a commit file (the owner's host and pid)
+in the owner file's place, renames the directory to ``<name>`` (atomically exchanging it
+with an existing checkpoint when replacing one), makes the parent's entries durable and
+removes the commit file. A checkpoint therefore exists under its name only once it is
+complete.
 
 Retention (:meth:`RenameStrategy.retire`) marks a checkpoint with an owner file that says
 so, renames it out of sight (``.<name>.trash-<token>``), then removes it.
@@ -18,7 +19,11 @@ touches a staging directory whose heartbeat is fresh, and puts back a complete c
 that a replacing commit left under its staging name. A staging directory without an
 owner file that holds no index belongs to no running save (the owner file goes only
 after the index is written) and is removed too: what a rank of an aborted save wrote
-after the coordinator removed the directory, or a removal cut short. An abort renames
+after the coordinator removed the directory, or a removal cut short. One that holds an
+index is a commit under way while its commit file names a live process (on this host;
+elsewhere, for a minute); a commit killed before its rename is removed at once (the name
+keeps the checkpoint it held), and one killed inside a replacing commit, the name
+already gone, is put back. An abort renames
 the directory to a trash name before removing it, so a kill in the middle of the
 removal leaves a trash directory, which the next save removes.
 
@@ -52,6 +57,8 @@ from distckpt.storage.registry import location, open_store
 log = logging.getLogger(__name__)
 
 OWNER_FILE = ".distckpt-owner.json"
+#: The owner file's successor during the rename: who commits (removed once committed).
+COMMIT_FILE = ".distckpt-commit.json"
 HEARTBEAT_SECONDS = 5.0
 STALE_SECONDS = 60.0
 LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<what>staging|trash)-(?P<token>[0-9a-f]+)$")
@@ -137,6 +144,9 @@ class Staging:
         The caller has written and made durable every file, including the index.
         """
         self.stop_heartbeat()
+        # Who commits stays known until the rename: a kill in between leaves a staging
+        # directory that the next save knows to be dead (its process is gone).
+        write_whole(self.store, COMMIT_FILE, [seal.encode(self.owner)], durable=False)
         self.store.delete(OWNER_FILE)
         self.store.persist([OWNER_FILE])
         parent, mine, name = self.parent, self.entry, self.final.name
@@ -155,6 +165,7 @@ class Staging:
         else:
             self._placed()
             parent.persist([name])
+            _drop_commit_file(parent.child(name))
             return
         if not overwrite:
             raise CheckpointExists(
@@ -168,6 +179,7 @@ class Staging:
         if parent.exchange(mine, name):
             self._placed()
             parent.persist([name])
+            _drop_commit_file(parent.child(name))
             parent.delete_tree(mine)  # now holds the old checkpoint
             return
         trash = trash_name(name, self.token)
@@ -175,6 +187,7 @@ class Staging:
         parent.rename(mine, name)
         self._placed()
         parent.persist([name])
+        _drop_commit_file(parent.child(name))
         parent.delete_tree(trash)
 
     def _placed(self) -> None:
@@ -240,6 +253,16 @@ class RenameCommit:
         self._staging.abort()
 
 
+def _drop_commit_file(checkpoint: Store) -> None:
+    """Remove the commit file a rename carried into ``checkpoint`` (not durably: one that
+    comes back after a crash names a process that is gone, and nothing reads it in a
+    checkpoint)."""
+    try:
+        checkpoint.delete(COMMIT_FILE)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", checkpoint.where(COMMIT_FILE), exc)
+
+
 def read_owner(staging: Store) -> dict[str, Any]:
     """The owner file of ``staging`` ({} when it is damaged: its seal fails, or it is not
     a JSON object). Raises OSError when there is none."""
@@ -273,12 +296,25 @@ def _unowned_alive(staging: Store, stale_seconds: float) -> bool:
     except OSError:
         return False
     if is_committed(staging):
-        return age < stale_seconds
+        return _committing(staging, age, stale_seconds)
     try:
         empty = not staging.list()
     except OSError:
         return False
     return empty and age < HEARTBEAT_SECONDS
+
+
+def _committing(staging: Store, age: float, stale_seconds: float) -> bool:
+    """Whether the complete staging directory ``staging`` (an index, no owner file) may
+    be a commit under way: its commit file names a live process (on another host: it is
+    younger than ``stale_seconds``). Without one (a version of distckpt before the commit
+    file, or an old checkpoint a replacing commit exchanged out), its age decides."""
+    try:
+        commit_age = staging.age(COMMIT_FILE)
+        info = seal.load_or_unknown(staging.read(COMMIT_FILE), staging.where(COMMIT_FILE), "commit")
+    except OSError:
+        return age < stale_seconds
+    return commit_age <= stale_seconds and not pid_dead(info)
 
 
 def _complete(staging: Store) -> bool:
@@ -344,6 +380,7 @@ def _collect_one(directory: Store, parent: RenamingStore, entry: str, stale_seco
         log.warning("restoring %s from interrupted commit %s", directory.where(name), entry)
         parent.rename(entry, name)
         parent.persist([name])
+        _drop_commit_file(directory.child(name))
         return False
     log.info("removing abandoned %s directory %s", match["what"], directory.where(entry))
     directory.delete_tree(entry)

@@ -15,6 +15,10 @@ marker files in ``DIR/markers``, never on a clock:
 * ``coordinator-aborting``: rank 1 SIGKILLs itself as it creates its first shard; rank 0,
   removing its staging directory after the time-out, is SIGKILLed half way (it has
   removed the owner file), as torchrun's teardown may do.
+* ``coordinator-committing``: rank 0 SIGKILLs itself in the commit, as it renames the
+  complete staging directory (index written, owner file gone) into place; torchrun's
+  SIGTERM ends the others. The next save follows at once, as a job restarted at once
+  would.
 
 The survivors note torchrun's SIGTERM and carry on (``SIGNAL <rank> SIGTERM``), so that
 what is seen is how the save itself ends; a survivor whose save fails prints ``SURVIVOR
@@ -39,7 +43,7 @@ from distckpt.comm import auto
 from distckpt.commit import staging as staging_mod
 from distckpt.storage.posix import PosixStore
 
-POINTS = ("coordinator-writing", "writer-late", "coordinator-aborting")
+POINTS = ("coordinator-writing", "writer-late", "coordinator-aborting", "coordinator-committing")
 ROWS = 8  # rows of w per rank
 KW: dict[str, Any] = {"small_bytes": 256, "inner_bytes": 128}
 WAIT_SECONDS = 60  # a marker that never comes: the job ends, the test reports it
@@ -92,6 +96,15 @@ def arm(point: str, rank: int, markers: Path) -> None:
         if _shard(store.where(key)):
             _die(rank)
 
+    def kill_at_rename(store: PosixStore, key: str) -> None:
+        if ".ckpt.staging-" in key:
+            _die(rank)
+
+    if point == "coordinator-committing":
+        if rank == 0:
+            _hook(PosixStore, "rename", kill_at_rename)
+            _hook(PosixStore, "exchange", kill_at_rename)
+        return  # torchrun's SIGTERM ends the others
     killed = 0 if point == "coordinator-writing" else 1
     if rank == killed:
         _hook(PosixStore, "create", kill_at_first_shard)
