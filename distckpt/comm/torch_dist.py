@@ -28,11 +28,19 @@ from distckpt.errors import CommTimeoutError
 
 logger = logging.getLogger(__name__)
 
-#: Gloo side groups already created: (default group, group, timeout) -> side group.
-_SIDE_GROUPS: dict[tuple[Any, Any, float], Any] = {}
+# The caches below are keyed by the global ranks of the program's group (None for the
+# world), not by the group itself: a program that makes new groups over the same ranks
+# again and again (Megatron-LM's tests make them for every test, and destroy few) reuses
+# distckpt's groups rather than piling up more of them, each with its threads. Destroying
+# them instead would not do: torch names a group created by its members alone after its
+# ranks and the number of groups alive, so a new group could take a destroyed one's name,
+# and the rendezvous keys it left in the store.
 
-#: Background communicators already created: (default group, group, timeout) -> comm.
-_BACKGROUND: dict[tuple[Any, Any, float], TorchComm] = {}
+#: Gloo side groups already created: (default group, ranks, timeout) -> side group.
+_SIDE_GROUPS: dict[tuple[Any, tuple[int, ...] | None, float], Any] = {}
+
+#: Background communicators already created: (default group, ranks, timeout) -> comm.
+_BACKGROUND: dict[tuple[Any, tuple[int, ...] | None, float], TorchComm] = {}
 
 #: Lower-cased fragments of gloo / c10d error messages that mean "a peer is gone or late".
 _PEER_LOST = (
@@ -69,6 +77,13 @@ def _world(cache: dict[Any, Any]) -> Any:
     return world
 
 
+def _ranks_of(group: Any, world: Any) -> tuple[int, ...] | None:
+    """The cache key of ``group``: its global ranks, or None for the world."""
+    import torch.distributed as dist
+
+    return None if group is world else tuple(dist.get_process_group_ranks(group))
+
+
 def _members_group(ranks: Sequence[int], seconds: float, desc: str) -> Any:
     """A new gloo group of the global ``ranks``, created by its members alone
     (``use_local_synchronization``: they call this at the same point, nobody else does)."""
@@ -102,7 +117,6 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
     before for the same group and time-out. Without a ``timeout``, a gloo ``group``'s own
     time-out is kept.
     """
-    import torch.distributed as dist
 
     own = _gloo_timeout(group)
     if own is not None and any(g is group for g in _OWN_GROUPS):
@@ -114,14 +128,14 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
         # each member has, which differs by rank in Megatron-LM's layouts.
         return group, own
     seconds = own if timeout is None and own is not None else resolve_timeout(timeout)
-    key = (world, group, seconds)
+    ranks = _ranks_of(group, world)
+    key = (world, ranks, seconds)
     side = _SIDE_GROUPS.get(key)
     if side is None:
-        is_world = group is world
-        ranks = None if is_world else dist.get_process_group_ranks(group)
+        is_world = ranks is None
         logger.debug("creating a gloo side group over ranks %s, timeout %s s", ranks, seconds)
         side = _new_group(
-            ranks=ranks,
+            ranks=None if ranks is None else list(ranks),
             seconds=seconds,
             # a subgroup's side group is created by its members only (a hashed name);
             # the world's by every rank (torch's ordinary numbered name)
@@ -136,8 +150,8 @@ def _metadata_group(group: Any, timeout: float | None) -> tuple[Any, float]:
 _LIVE: weakref.WeakSet[TorchComm] = weakref.WeakSet()
 
 
-#: Exchange groups split off before: (world, group, time-out, colors) -> this rank's.
-_SPLITS: dict[tuple[Any, Any, float, tuple[int, ...]], TorchComm | None] = {}
+#: Exchange groups split off before: (world, ranks, time-out, colors) -> this rank's.
+_SPLITS: dict[tuple[Any, tuple[int, ...] | None, float, tuple[int, ...]], TorchComm | None] = {}
 
 #: Communicators over sets of global ranks: (world, ranks, time-out) -> communicator.
 _MEMBERS: dict[tuple[Any, tuple[int, ...], float], TorchComm] = {}
@@ -296,15 +310,15 @@ class TorchComm:
         collectives of its own. Every rank of the group must make the first call at the
         same point of the program.
         """
-        import torch.distributed as dist
 
         world = _world(_BACKGROUND)
-        key = (world, self.group, self.timeout)
+        ranks = _ranks_of(self.group, world)
+        key = (world, ranks, self.timeout)
         if key in _BACKGROUND:
             return _BACKGROUND[key]
-        is_world = self.group is world
+        is_world = ranks is None
         group = _new_group(
-            ranks=None if is_world else dist.get_process_group_ranks(self.group),
+            ranks=None if ranks is None else list(ranks),
             seconds=self.timeout,
             local=not is_world,
             desc="distckpt_background",
@@ -325,7 +339,7 @@ class TorchComm:
 
         colors = tuple(self.allgather(int(color)))
         world = _world(_SPLITS)
-        key = (world, self.group, self.timeout, colors)
+        key = (world, _ranks_of(self.group, world), self.timeout, colors)
         if key not in _SPLITS:
             sub = None
             assert self.group is not None

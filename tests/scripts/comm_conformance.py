@@ -42,6 +42,7 @@ from distckpt.comm import (
     auto,
     init_torch_from_mpi,
     raise_if_any_failed,
+    torch_dist,
 )
 from distckpt.comm.base import resolve_timeout
 from distckpt.errors import CommTimeoutError, RemoteError, ValidationError
@@ -212,6 +213,27 @@ def check_torch(size: int) -> None:
             assert side._pg is not sub
             check_collectives(side, size - 1, dist.get_rank() - 1)
         comm.barrier()
+        # A program that makes a new group over the same ranks again and again (and
+        # destroys it) gets distckpt's side group, background group and splits of the
+        # first one: no new groups (each with its threads).
+        made = None
+        for again in range(4):
+            group = dist.new_group(ranks=ranks)
+            if dist.get_rank() in ranks:
+                side = TorchComm(group, timeout=11)
+                check_collectives(side, size - 1, dist.get_rank() - 1)
+                side.background().barrier()
+                side.split(0)
+                count = len(torch_dist._OWN_GROUPS)
+                if made is None:
+                    made = count
+                elif count != made:
+                    fail_here(
+                        f"{count} groups of distckpt's after group {again}, {made} after the first"
+                    )
+            if dist.get_rank() in ranks:
+                dist.destroy_process_group(group)
+            comm.barrier()
         # Ranks 0 and 1 now belong to different numbers of groups (rank 0 is not in
         # ``sub``), as in Megatron-LM's layouts: a split of the world still agrees on
         # its groups' names (a name derived from each rank's own count would hang).
