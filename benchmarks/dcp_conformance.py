@@ -51,7 +51,9 @@ test.
 
 Each file runs in its own pytest process per mode (``-p no:cacheprovider``, a per-test
 ``--timeout`` from pytest-timeout, a JUnit XML report for the outcomes) with
-``OMP_NUM_THREADS=1``, ``GLOO_SOCKET_IFNAME=lo``, ``TMPDIR`` a fresh folder, and this
+``OMP_NUM_THREADS=1``, ``GLOO_SOCKET_IFNAME=lo``, ``TMPDIR`` a fresh folder,
+``DISTRIBUTED_TESTS_DEFAULT_TIMEOUT`` (the limit of torch's multi-process tests, 300 s of
+its own) nine tenths of ``--timeout`` unless it is set already, and this
 checkout first on ``PYTHONPATH`` (so the distckpt tested is this checkout's, in the ranks
 the tests spawn too). Tests that need CUDA skip themselves. Printed: per file, the tests
 passed / failed / skipped in each mode (an error counts as failed), then every test whose
@@ -400,6 +402,11 @@ class Setup:
             DCPCONF_ADAPT="1" if self.adapt else "0",
             DCPCONF_EVENTS=str(events),
         )
+        # torch's multi-process tests stop a test after their own limit (300 s unless
+        # DISTRIBUTED_TESTS_DEFAULT_TIMEOUT says otherwise), whatever --timeout says: on a
+        # loaded machine every mode then fails them alike. Theirs ends a little before
+        # pytest-timeout's, so the report is torch's.
+        env.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", str(max(1, int(self.timeout * 0.9))))
         return env
 
     def prepare(self) -> None:
