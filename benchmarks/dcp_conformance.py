@@ -70,16 +70,15 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
-import xml.etree.ElementTree as ET
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import harness as h
+from harness import FileRun
 
 MODES = ("dcp", "bridge", "compat")
 NAMES = {"FileSystemWriter": "DistckptWriter", "FileSystemReader": "DistckptReader"}
@@ -199,10 +198,6 @@ print(json.dumps({"torch": torch.__version__, "distckpt": os.path.dirname(distck
                   "default_writer": s.FileSystemWriter.__module__}))
 """
 
-EXCEPTION_LINE = re.compile(
-    r"^(?:(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failed|Failure)\b"
-    r"(?::.*)?|(?:[a-z_]\w*\.)+[A-Z]\w*: .*)$"
-)
 # Exceptions that only carry another one (the one worth showing comes later in the text).
 WRAPPERS = (
     re.compile(r"^(?:[\w.]*\.)?CheckpointException\b"),
@@ -211,25 +206,9 @@ WRAPPERS = (
 
 
 @dataclass
-class TestOutcome:
-    outcome: str  # passed, failed, error, skipped
-    error: str = ""
+class TestOutcome(h.TestOutcome):
     swaps: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
-
-
-@dataclass
-class FileRun:
-    returncode: int | None
-    seconds: float
-    tests: dict[str, TestOutcome]
-    note: str = ""
-
-    def counts(self) -> dict[str, int]:
-        counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-        for test in self.tests.values():
-            counts[test.outcome] += 1
-        return counts
 
 
 def find_tests(paths: list[Path]) -> tuple[Path, list[Path]]:
@@ -298,75 +277,10 @@ def rewrite(source: str) -> tuple[str, int]:
     return "".join(out), len(sites)
 
 
-def exception_lines(text: str) -> list[str]:
-    """The lines of ``text`` that name an exception and its message, wrappers left out."""
-    found = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line.startswith("E ") or line == "E":
-            line = line[1:].strip()  # pytest's mark of an exception's lines
-        if EXCEPTION_LINE.match(line) and not any(w.match(line) for w in WRAPPERS):
-            found.append(line)
-    return found
-
-
-def error_line(text: str, output: str = "") -> str:
-    """The first meaningful line of a failure: the innermost exception's type and message.
-    A rank that died without reporting its exception to the test (``Expected exit code 0
-    but got 1``) printed it: the first one in the test's captured ``output`` is taken."""
-    found = exception_lines(text)
-    chosen = found[-1] if found else ""
-    if output and (not found or "Expected exit code" in text):
-        printed = exception_lines(output)
-        chosen = printed[0] if printed else chosen
-    if not chosen:
-        chosen = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return chosen if len(chosen) <= 300 else f"{chosen[:200]} ... {chosen[-95:]}"
-
-
-def read_junit(path: Path, rel: Path) -> dict[str, TestOutcome]:
-    """Each test case of the JUnit XML report ``path`` (one file's run), by pytest node id."""
-    module = rel.with_suffix("").as_posix().replace("/", ".")
-    tests: dict[str, TestOutcome] = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        classname, name = case.get("classname", ""), case.get("name", "")
-        if classname == module:
-            test = f"{rel.as_posix()}::{name}"
-        elif classname.startswith(module + "."):
-            test = f"{rel.as_posix()}::{classname[len(module) + 1 :].replace('.', '::')}::{name}"
-        else:  # a collection error and the like
-            test = f"{rel.as_posix()}::{classname or '<collection>'}::{name}"
-        outcome = TestOutcome("passed")
-        for tag in ("failure", "error", "skipped"):
-            element = case.find(tag)
-            if element is None:
-                continue
-            message = element.get("message", "")
-            if tag == "skipped":
-                outcome = TestOutcome("skipped", message.strip())
-                break
-            output = "\n".join(
-                part.text or "" for part in case if part.tag in ("system-out", "system-err")
-            )
-            text = f"{message}\n{element.text or ''}"
-            outcome = TestOutcome(
-                "failed" if tag == "failure" else "error", error_line(text, output)
-            )
-            break
-        tests[test] = outcome
-    return tests
-
-
 def read_events(path: Path) -> dict[str, tuple[set[str], set[str]]]:
     """Per test: the swaps its bridge objects came through, and the arguments dropped."""
     seen: dict[str, tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
-    if not path.exists():
-        return seen
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a process killed mid-write
+    for event in h.json_lines(path):
         swaps, dropped = seen[event["test"]]
         swaps.add(f"{event['swap']} {event['role']}")
         dropped.update(event["dropped"])
@@ -386,22 +300,14 @@ class Setup:
     explicit_sites: dict[str, int] = field(default_factory=dict)
 
     def env(self, mode: str, tmpdir: Path, events: Path) -> dict[str, str]:
-        env = dict(os.environ)
-        paths = [str(CHECKOUT)]
-        if mode != "dcp":
-            paths.append(str(self.root / "site"))
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        env.update(
-            PYTHONPATH=os.pathsep.join(paths),
-            OMP_NUM_THREADS="1",
-            GLOO_SOCKET_IFNAME="lo",
-            PYTORCH_PRINT_REPRO_ON_FAILURE="0",
-            TMPDIR=str(tmpdir),
-            DCPCONF_MODE=mode,
-            DCPCONF_ADAPT="1" if self.adapt else "0",
-            DCPCONF_EVENTS=str(events),
-        )
+        paths = [CHECKOUT] + ([self.root / "site"] if mode != "dcp" else [])
+        extra = {
+            "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
+            "DCPCONF_MODE": mode,
+            "DCPCONF_ADAPT": "1" if self.adapt else "0",
+            "DCPCONF_EVENTS": str(events),
+        }
+        env = h.conformance_env(paths, tmpdir, extra)
         # torch's multi-process tests stop a test after their own limit (300 s unless
         # DISTRIBUTED_TESTS_DEFAULT_TIMEOUT says otherwise), whatever --timeout says: on a
         # loaded machine every mode then fails them alike. Theirs ends a little before
@@ -461,97 +367,34 @@ class Setup:
         work = self.root / "work" / f"{mode}-{index}"
         tmpdir = work / "tmp"
         tmpdir.mkdir(parents=True)
-        junit, events = work / "junit.xml", work / "events.jsonl"
-        command = [
+        events = work / "events.jsonl"
+        run = h.run_pytest_file(
             self.python,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rN",
-            f"--timeout={self.timeout:g}",
-            f"--junitxml={junit}",
-            "-o",
-            "junit_logging=all",  # what a rank printed: the exception it could not report
-            "--rootdir",
-            str(folder),
-            rel.as_posix(),
-        ]
-        if self.keyword:
-            command += ["-k", self.keyword]
-        started = time.monotonic()
-        with (work / "output.txt").open("w", encoding="utf-8") as log:
-            process = subprocess.Popen(
-                command,
-                cwd=folder,
-                env=self.env(mode, tmpdir, events),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            note = ""
-            try:
-                returncode: int | None = process.wait(timeout=self.file_timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the run and the ranks it spawned
-                process.wait()
-                returncode, note = None, f"killed after {self.file_timeout:g} s"
-        seconds = time.monotonic() - started
-        tests: dict[str, TestOutcome] = {}
-        if junit.exists():
-            try:
-                tests = read_junit(junit, rel)
-            except ET.ParseError as exc:
-                note = note or f"unreadable JUnit report: {exc}"
-        elif not note:
-            tail = (work / "output.txt").read_text(encoding="utf-8", errors="replace")
-            note = "no JUnit report: " + error_line(tail[-4000:])
+            rel,
+            cwd=folder,
+            env=self.env(mode, tmpdir, events),
+            work=work,
+            timeout=self.timeout,
+            file_timeout=self.file_timeout,
+            keyword=self.keyword,
+            options=["--rootdir", str(folder)],
+            make=TestOutcome,
+            wrappers=WRAPPERS,
+        )
+        tests = run.tests
         for test, (swaps, dropped) in read_events(events).items():
             if test in tests:
                 tests[test].swaps = sorted(swaps)
                 tests[test].dropped = sorted(dropped)
         shutil.rmtree(tmpdir, ignore_errors=True)
-        return FileRun(returncode, seconds, tests, note)
-
-
-def summary_cell(run: FileRun | None) -> str:
-    if run is None:
-        return "-"
-    counts = run.counts()
-    cell = f"{counts['passed']}/{counts['failed'] + counts['error']}/{counts['skipped']}"
-    return cell + (" !" if run.note else "")
+        return run
 
 
 def print_report(setup: Setup, modes: list[str], runs: dict[str, dict[str, FileRun]]) -> None:
-    width = max(len(rel.as_posix()) for rel in setup.files)
-    width = max(width, len("file"))
-    print()
-    print(f"{'file':<{width}}  " + "  ".join(f"{m + ' p/f/s':>15}" for m in modes))
-    totals = {mode: [0, 0, 0] for mode in modes}
-    for rel in setup.files:
-        name = rel.as_posix()
-        cells = []
-        for mode in modes:
-            run = runs[mode].get(name)
-            cells.append(f"{summary_cell(run):>15}")
-            if run is not None:
-                counts = run.counts()
-                totals[mode][0] += counts["passed"]
-                totals[mode][1] += counts["failed"] + counts["error"]
-                totals[mode][2] += counts["skipped"]
-        print(f"{name:<{width}}  " + "  ".join(cells))
-    print(
-        f"{'total':<{width}}  "
-        + "  ".join(f"{'/'.join(map(str, totals[mode])):>15}" for mode in modes)
-    )
-    for mode in modes:
-        for name, run in runs[mode].items():
-            if run.note:
-                print(f"  ! {mode} {name}: {run.note}")
+    h.print_file_table([rel.as_posix() for rel in setup.files], modes, runs)
     if "dcp" not in modes:
         return
-    differences = list(find_differences(modes, runs))
+    differences = list(h.find_differences("dcp", modes, runs))
     print()
     if not differences:
         print("every test has the outcome it has in mode dcp")
@@ -564,28 +407,6 @@ def print_report(setup: Setup, modes: list[str], runs: dict[str, dict[str, FileR
         swaps = ", ".join(item["swaps"]) or "no bridge object made"
         dropped = f"; dropped: {', '.join(item['dropped'])}" if item["dropped"] else ""
         print(f"      swaps: {swaps}{dropped}")
-
-
-def find_differences(modes: list[str], runs: dict[str, dict[str, FileRun]]) -> Any:
-    for mode in modes:
-        if mode == "dcp":
-            continue
-        for name, run in runs[mode].items():
-            baseline = runs["dcp"].get(name)
-            base_tests = baseline.tests if baseline else {}
-            for test, outcome in run.tests.items():
-                before = base_tests.get(test)
-                was = before.outcome if before else "absent"
-                if was != outcome.outcome:
-                    yield {
-                        "mode": mode,
-                        "test": test,
-                        "dcp": was,
-                        "outcome": outcome.outcome,
-                        "error": outcome.error,
-                        "swaps": outcome.swaps,
-                        "dropped": outcome.dropped,
-                    }
 
 
 def to_json(
@@ -633,7 +454,7 @@ def to_json(
         "per_test_timeout_s": setup.timeout,
         "files": files,
         "tests": dict(sorted(tests.items())),
-        "differences": list(find_differences(modes, runs)) if "dcp" in modes else [],
+        "differences": list(h.find_differences("dcp", modes, runs)) if "dcp" in modes else [],
     }
 
 
@@ -646,20 +467,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mode", action="append", choices=MODES, help="dcp, bridge, compat (repeatable)"
     )
-    parser.add_argument("--json", type=Path, help="write every test's outcome here")
-    parser.add_argument("-k", dest="keyword", help="pytest's -k expression")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds a test may take")
-    parser.add_argument(
-        "--file-timeout", type=float, default=4 * 3600, help="seconds one file's run may take"
-    )
-    parser.add_argument("--python", default=sys.executable, help="the interpreter of the tests")
+    h.conformance_args(parser)
     parser.add_argument(
         "--adapt",
         action="store_true",
         help="pass on only path, overwrite and thread_count of FileSystemWriter/Reader's "
         "arguments (the others dropped and recorded)",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     return parser.parse_args(argv)
 
 
@@ -667,18 +481,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     modes = list(dict.fromkeys(args.mode or MODES))
     base, files = find_tests(args.tests)
-    root = Path(tempfile.mkdtemp(prefix="dcp_conformance-"))
-    setup = Setup(
-        python=args.python,
-        root=root,
-        base=base,
-        files=files,
-        timeout=args.timeout,
-        file_timeout=args.file_timeout,
-        keyword=args.keyword,
-        adapt=args.adapt,
-    )
-    try:
+    with h.work_dir("dcp_conformance-", args.keep) as root:
+        setup = Setup(
+            python=args.python,
+            root=root,
+            base=base,
+            files=files,
+            timeout=args.timeout,
+            file_timeout=args.file_timeout,
+            keyword=args.keyword,
+            adapt=args.adapt,
+        )
         setup.prepare()
         found: dict[str, Any] = {}
         for mode in modes:
@@ -693,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = setup.run(mode, index, rel)
                 runs[mode][rel.as_posix()] = run
                 print(
-                    f"[{mode}] {rel.as_posix()}: p/f/s {summary_cell(run)} "
+                    f"[{mode}] {rel.as_posix()}: p/f/s {run.cell()} "
                     f"in {run.seconds:.0f} s{'  ' + run.note if run.note else ''}",
                     flush=True,
                 )
@@ -702,11 +515,6 @@ def main(argv: list[str] | None = None) -> int:
             document = to_json(setup, modes, runs, found)
             args.json.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
             print(f"\nwrote {args.json}")
-    finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

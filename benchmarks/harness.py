@@ -11,7 +11,10 @@
   running to serve requests (:meth:`Driver.start_peer`, :func:`serve`), the results JSON
   and ``--report``;
 * timed sections: :func:`timed` on a torchrun rank (:class:`RankWorker`) or in one process
-  (:data:`SOLO`).
+  (:data:`SOLO`);
+* conformance runs (another project's own tests through distckpt): the tests' environment,
+  a run stopped with its spawned processes past its time, JUnit reports and error lines,
+  the per-file table.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import operator
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -882,3 +886,315 @@ def settle_rank_args(args: Any, dirs: list[str]) -> Any:
     if not args.dir:
         args.dir = list(dirs)
     return args
+
+
+# --------------------------------------------------------------------------- conformance runs
+# The conformance drivers (dcp_conformance, megatron_conformance, deepspeed_conformance) run
+# another project's own tests through distckpt, one pytest run per file and mode.
+
+#: The outcomes a conformance run tells apart, the worst first.
+OUTCOMES = ("failed", "error", "killed", "passed", "skipped")
+EXCEPTION_LINE = re.compile(
+    r"^(?:(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failed|Failure)\b"
+    r"(?::.*)?|(?:[a-z_]\w*\.)+[A-Z]\w*: .*)$"
+)
+
+
+@dataclass
+class TestOutcome:
+    """One test's outcome in one mode: passed, failed, error, skipped, or killed (started,
+    never finished), with the first meaningful line of its error or skip reason."""
+
+    outcome: str
+    error: str = ""
+
+
+@dataclass
+class FileRun:
+    """One test file's run in one mode: its exit code (None: killed), its time, its tests
+    by pytest node id, and a note on what went wrong with the run itself."""
+
+    returncode: int | None
+    seconds: float
+    tests: dict[str, Any]
+    note: str = ""
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for test in self.tests.values():
+            counts[test.outcome] += 1
+        return counts
+
+    def cell(self) -> str:
+        """passed/failed/skipped (error and killed count as failed), ``!`` after a note."""
+        c = self.counts()
+        text = f"{c['passed']}/{c['failed'] + c['error'] + c['killed']}/{c['skipped']}"
+        return text + (" !" if self.note else "")
+
+
+def clip(line: str, width: int = 300) -> str:
+    """``line``, its middle cut out if it is longer than ``width`` characters."""
+    if len(line) <= width:
+        return line
+    head = (width * 2) // 3
+    return f"{line[:head]} ... {line[-(width - head - 5) :]}"
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a file written one line each by the tests' processes (none if
+    it is absent; a line cut short by a process killed mid-write is passed over)."""
+    found = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return found
+
+
+def exception_lines(text: str, wrappers: Sequence[re.Pattern[str]] = ()) -> list[str]:
+    """The lines of ``text`` that name an exception and its message, ``wrappers`` (those
+    that only carry another exception) left out."""
+    found = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("E ") or line == "E":
+            line = line[1:].strip()  # pytest's mark of an exception's lines
+        if EXCEPTION_LINE.match(line) and not any(w.match(line) for w in wrappers):
+            found.append(line)
+    return found
+
+
+def error_line(text: str, output: str = "", wrappers: Sequence[re.Pattern[str]] = ()) -> str:
+    """The first meaningful line of a failure: the innermost exception's type and message.
+    A rank that died without reporting its exception to the test (``Expected exit code 0
+    but got 1``) printed it: the first one in the test's captured ``output`` is taken."""
+    found = exception_lines(text, wrappers)
+    chosen = found[-1] if found else ""
+    if output and (not found or "Expected exit code" in text):
+        printed = exception_lines(output, wrappers)
+        chosen = printed[0] if printed else chosen
+    if not chosen:
+        chosen = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return clip(chosen)
+
+
+def read_junit(
+    path: Path,
+    rel: Path,
+    make: Callable[[str, str], Any] = TestOutcome,
+    wrappers: Sequence[re.Pattern[str]] = (),
+) -> dict[str, Any]:
+    """Each test case of the JUnit XML report ``path`` of one file's run (``rel``, relative
+    to pytest's root), by pytest node id: ``make(outcome, error line)``."""
+    import xml.etree.ElementTree as ET
+
+    module = rel.with_suffix("").as_posix().replace("/", ".")
+    tests: dict[str, Any] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        if classname == module:
+            test = f"{rel.as_posix()}::{name}"
+        elif classname.startswith(module + "."):
+            test = f"{rel.as_posix()}::{classname[len(module) + 1 :].replace('.', '::')}::{name}"
+        else:  # a collection error and the like
+            test = f"{rel.as_posix()}::{classname or '<collection>'}::{name}"
+        outcome = make("passed", "")
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is None:
+                continue
+            message = element.get("message", "")
+            if tag == "skipped":
+                outcome = make("skipped", clip(message.strip()))
+                break
+            output = "\n".join(
+                part.text or "" for part in case if part.tag in ("system-out", "system-err")
+            )
+            text = f"{message}\n{element.text or ''}"
+            kind = "failed" if tag == "failure" else "error"
+            outcome = make(kind, error_line(text, output, wrappers))
+            break
+        tests[test] = outcome
+    return tests
+
+
+def conformance_env(
+    paths: Sequence[str | Path], tmpdir: Path, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a conformance run's tests: this one with ``paths`` first on
+    ``PYTHONPATH`` (the distckpt tested, in every process the tests start too), one thread
+    per process, gloo over loopback, ``TMPDIR`` a fresh folder, then ``extra``."""
+    env = dict(os.environ)
+    parts = [str(p) for p in paths]
+    if env.get("PYTHONPATH"):
+        parts.append(env["PYTHONPATH"])
+    env.update({k: v for k, v in TORCHRUN_ENV.items() if v is not None})
+    env.update(PYTHONPATH=os.pathsep.join(parts), TMPDIR=str(tmpdir))
+    env.update(extra or {})
+    return env
+
+
+def run_logged(
+    command: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    log: Path,
+    timeout: float,
+    grace: float = 0,
+) -> int | None:
+    """Run ``command`` in a session of its own, its output to ``log``; its exit code, or
+    None once past ``timeout``: then it is stopped with SIGTERM (if ``grace``: a launcher
+    that stops its own workers, given ``grace`` seconds) and its whole process group with
+    SIGKILL (the processes the tests spawned too)."""
+    import signal
+
+    with log.open("w", encoding="utf-8") as out:
+        process = subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            return process.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            if grace:
+                process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=grace)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return None
+
+
+def conformance_args(parser: argparse.ArgumentParser) -> None:
+    """The options every conformance driver has."""
+    parser.add_argument("--json", type=Path, help="write every test's outcome here")
+    parser.add_argument("-k", dest="keyword", help="pytest's -k expression")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a test may take")
+    parser.add_argument(
+        "--file-timeout", type=float, default=4 * 3600, help="seconds one file's run may take"
+    )
+    parser.add_argument("--python", default=sys.executable, help="the interpreter of the tests")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str, keep: bool) -> Iterator[Path]:
+    """A fresh temporary directory for a conformance run, removed afterwards unless
+    ``keep``."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield root
+    finally:
+        if keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def print_file_table(
+    files: Sequence[str], modes: Sequence[str], runs: Mapping[str, Mapping[str, FileRun]]
+) -> None:
+    """Per file and mode: passed/failed/skipped, and the totals; then the notes."""
+    width = max([len(name) for name in files] + [len("file")])
+    print()
+    print(f"{'file':<{width}}  " + "  ".join(f"{m + ' p/f/s':>15}" for m in modes))
+    totals = {mode: [0, 0, 0] for mode in modes}
+    for name in files:
+        cells = []
+        for mode in modes:
+            run = runs[mode].get(name)
+            cells.append(f"{run.cell() if run else '-':>15}")
+            if run is not None:
+                c = run.counts()
+                totals[mode][0] += c["passed"]
+                totals[mode][1] += c["failed"] + c["error"] + c["killed"]
+                totals[mode][2] += c["skipped"]
+        print(f"{name:<{width}}  " + "  ".join(cells))
+    print(
+        f"{'total':<{width}}  "
+        + "  ".join(f"{'/'.join(map(str, totals[mode])):>15}" for mode in modes)
+    )
+    for mode in modes:
+        for name, run in runs[mode].items():
+            if run.note:
+                print(f"  ! {mode} {name}: {run.note}")
+
+
+def run_pytest_file(
+    python: str,
+    rel: Path,
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    work: Path,
+    timeout: float,
+    file_timeout: float,
+    keyword: str | None = None,
+    options: Sequence[str] = (),
+    make: Callable[[str, str], Any] = TestOutcome,
+    wrappers: Sequence[re.Pattern[str]] = (),
+) -> FileRun:
+    """One test file's pytest run in a process of its own (``-p no:cacheprovider``, a
+    per-test ``--timeout`` from pytest-timeout, ``options``, a JUnit XML report for the
+    outcomes, what a test printed in it), its output in ``work/output.txt``; past
+    ``file_timeout`` the run and every process it spawned are killed."""
+    import xml.etree.ElementTree as ET
+
+    junit = work / "junit.xml"
+    command = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN"]
+    command += [f"--timeout={timeout:g}", f"--junitxml={junit}"]
+    command += ["-o", "junit_logging=all"]  # what a rank printed: the exception it could not report
+    command += [*options, rel.as_posix()]
+    if keyword:
+        command += ["-k", keyword]
+    started = time.monotonic()
+    log = work / "output.txt"
+    returncode = run_logged(command, cwd=cwd, env=env, log=log, timeout=file_timeout)
+    seconds = time.monotonic() - started
+    note = "" if returncode is not None else f"killed after {file_timeout:g} s"
+    tests: dict[str, Any] = {}
+    if junit.exists():
+        try:
+            tests = read_junit(junit, rel, make, wrappers)
+        except ET.ParseError as exc:
+            note = note or f"unreadable JUnit report: {exc}"
+    elif not note:
+        tail = log.read_text(encoding="utf-8", errors="replace")
+        note = "no JUnit report: " + error_line(tail[-4000:], wrappers=wrappers)
+    return FileRun(returncode, seconds, tests, note)
+
+
+def find_differences(
+    baseline: str, modes: Sequence[str], runs: Mapping[str, Mapping[str, FileRun]]
+) -> Iterator[dict[str, Any]]:
+    """Every test whose outcome in a mode differs from its outcome in mode ``baseline``
+    (``absent``: not run there): the mode, the test, both outcomes (the baseline's under
+    the baseline's name), the error line, and the other fields of the test's outcome."""
+    import dataclasses
+
+    for mode in modes:
+        if mode == baseline:
+            continue
+        for name, run in runs[mode].items():
+            before_run = runs[baseline].get(name)
+            base_tests = before_run.tests if before_run else {}
+            for test, outcome in run.tests.items():
+                before = base_tests.get(test)
+                was = before.outcome if before else "absent"
+                if was != outcome.outcome:
+                    fields = dataclasses.asdict(outcome)
+                    yield {
+                        "mode": mode,
+                        "test": test,
+                        baseline: was,
+                        "outcome": fields.pop("outcome"),
+                        "error": fields.pop("error"),
+                        **fields,
+                    }

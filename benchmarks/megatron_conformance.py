@@ -44,15 +44,15 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import harness as h
+from harness import FileRun, json_lines
 
 MODES = ("torch_dist", "distckpt")
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -79,30 +79,9 @@ RANK_OUTCOMES = {"failed": 3, "error": 3, "killed": 2, "passed": 1, "skipped": 0
 
 
 @dataclass
-class TestOutcome:
-    outcome: str  # passed, failed, error, skipped, killed (started, never finished)
-    error: str = ""
+class TestOutcome(h.TestOutcome):
     rank: int | None = None  # the first rank that failed
     strategies: list[str] = field(default_factory=list)
-
-
-@dataclass
-class FileRun:
-    returncode: int | None
-    seconds: float
-    tests: dict[str, TestOutcome]
-    note: str = ""
-
-
-def json_lines(path: Path) -> list[dict[str, Any]]:
-    """The records of one of the plugin's files (none if it is absent)."""
-    found = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a rank killed mid-write
-    return found
 
 
 def rank_outcomes(path: Path) -> dict[str, tuple[str, str]]:
@@ -148,8 +127,7 @@ def gather(folder: Path) -> dict[str, TestOutcome]:
 
 def first_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    line = lines[0] if lines else ""
-    return line if len(line) <= 240 else f"{line[:160]} ... {line[-75:]}"
+    return h.clip(lines[0] if lines else "", 240)
 
 
 @dataclass
@@ -180,20 +158,8 @@ class Setup:
         return tree
 
     def env(self, mode: str, out: Path, tmpdir: Path) -> dict[str, str]:
-        env = dict(os.environ)
-        paths = [str(self.distckpt), str(CHECKOUT / "benchmarks")]
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        env.update(self.extra_env)
-        env.update(
-            PYTHONPATH=os.pathsep.join(paths),
-            OMP_NUM_THREADS="1",
-            GLOO_SOCKET_IFNAME="lo",
-            TMPDIR=str(tmpdir),
-            MLMCONF_MODE=mode,
-            MLMCONF_OUT=str(out),
-        )
-        return env
+        extra = {**self.extra_env, "MLMCONF_MODE": mode, "MLMCONF_OUT": str(out)}
+        return h.conformance_env([self.distckpt, CHECKOUT / "benchmarks"], tmpdir, extra)
 
     def run(self, mode: str, index: int, rel: Path) -> FileRun:
         """One file's tests in ``mode``. A test that brings the ranks down (one rank's
@@ -230,26 +196,11 @@ class Setup:
             command += ["-k", self.keyword]
         env = self.env(mode, work / "out", work / "tmp")
         env["MLMCONF_DONE"] = str(work / "done.txt")
-        with (work / f"output-{attempt}.txt").open("w", encoding="utf-8") as log:
-            process = subprocess.Popen(
-                command,
-                cwd=self.root / "tree",
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                return process.wait(timeout=max(limit, 1))
-            except subprocess.TimeoutExpired:
-                # torchrun stops its ranks on SIGTERM (they run in sessions of their own).
-                process.terminate()
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                return None
+        # torchrun stops its ranks on SIGTERM (they run in sessions of their own).
+        log = work / f"output-{attempt}.txt"
+        return h.run_logged(
+            command, cwd=self.root / "tree", env=env, log=log, timeout=limit, grace=60
+        )
 
 
 def records(out: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -350,13 +301,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--mode", action="append", choices=MODES, help="repeatable")
     parser.add_argument("--ranks", type=int, default=8, help="CPU ranks (default 8)")
-    parser.add_argument("--json", type=Path, help="write every test's outcome here")
-    parser.add_argument("-k", dest="keyword", help="pytest's -k expression")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds a test may take")
-    parser.add_argument(
-        "--file-timeout", type=float, default=4 * 3600, help="seconds one file's run may take"
-    )
-    parser.add_argument("--python", default=sys.executable, help="the interpreter of the tests")
+    h.conformance_args(parser)
     parser.add_argument(
         "--distckpt",
         type=Path,
@@ -366,7 +311,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE", help="set in every rank"
     )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
     if not args.megatron:
         parser.error("give a Megatron-LM checkout, or set MEGATRON_LM")
@@ -378,13 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     megatron = Path(args.megatron).resolve()
     modes = list(dict.fromkeys(args.mode or MODES))
     files = find_files(megatron, args.tests)
-    root = Path(tempfile.mkdtemp(prefix="megatron_conformance-"))
-    setup = Setup(
-        args.python, root, megatron, args.ranks, args.timeout, args.file_timeout, args.keyword
-    )
-    setup.distckpt = args.distckpt.resolve()
-    setup.extra_env = dict(item.split("=", 1) for item in args.env)
-    try:
+    with h.work_dir("megatron_conformance-", args.keep) as root:
+        setup = Setup(
+            args.python, root, megatron, args.ranks, args.timeout, args.file_timeout, args.keyword
+        )
+        setup.distckpt = args.distckpt.resolve()
+        setup.extra_env = dict(item.split("=", 1) for item in args.env)
         setup.prepare()
         print(f"distckpt from {setup.distckpt}, tests from {megatron / SUITE}, {args.ranks} ranks")
         print(f"work directory: {root}", flush=True)
@@ -413,11 +356,6 @@ def main(argv: list[str] | None = None) -> int:
             }
             args.json.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
             print(f"\nwrote {args.json}")
-    finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -42,6 +42,7 @@ from distckpt import settings
 from distckpt.comm import Communicator
 from distckpt.comm.base import scatter
 from distckpt.comm.outcome import Failure, coordinate
+from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
 from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
 from distckpt.planning.validate import check_contents, raise_inconsistent
@@ -97,6 +98,7 @@ class Offer:
     digest: bytes  # of the schema
     values: dict[str, Any]
     checksums: dict[str, int]
+    destination: str = ""  # where this rank was asked to save (every rank's must agree)
 
 
 @dataclass
@@ -144,12 +146,16 @@ def agree(
     plan: Callable[[Sequence[RankDesc]], SavePlan],
     begin: Callable[[str], Any],
     local_error: BaseException | None,
+    destination: str = "",
 ) -> Agreed:
     """Steps 1-2 on every rank. ``descs`` are this rank's descriptions without checksums
     (or its failure); ``checksum(names)`` computes the crc32c of those replicated tensors;
     ``plan`` and ``begin(token)`` (which returns the save's transaction) run on the
-    coordinator, which caches plans under ``options``. Raises on every rank the first
-    failure of any rank."""
+    coordinator, which caches plans under ``options``. ``destination`` is where this rank
+    was asked to save: the coordinator refuses the save, before beginning it, unless every
+    rank names the same one (each rank writes its pieces under its own destination, and
+    only the coordinator's is committed). Raises on every rank the first failure of any
+    rank."""
     offer: Offer | Failure
     mine: RankDesc | None = None
     replicated: list[str] = []
@@ -165,7 +171,12 @@ def agree(
             checked = _sample(replicated, cached, comm.size)
             mine.checksums = checksum(checked)
             offer = Offer(
-                cached.plan_id if cached else None, own, mine.digest, mine.values, mine.checksums
+                cached.plan_id if cached else None,
+                own,
+                mine.digest,
+                mine.values,
+                mine.checksums,
+                destination,
             )
         except Exception as exc:
             local_error, offer = exc, Failure.capture(exc, comm.rank)
@@ -174,6 +185,7 @@ def agree(
     try:
 
         def reuse_or_describe(gathered: list[Any]) -> Any:
+            check_destinations(gathered)
             offers.extend(gathered)
             decision, agreed = decide(offers, options, begin)
             if agreed is not None:
@@ -223,6 +235,19 @@ def agree(
         for agreed in begun:
             agreed.begun.abort()
         raise
+
+
+def check_destinations(offers: Sequence[Offer]) -> None:
+    """Coordinator: refuse a save whose ranks were given different places to save to."""
+    first = offers[0].destination
+    others = [(rank, o.destination) for rank, o in enumerate(offers) if o.destination != first]
+    if others:
+        shown = "; ".join(f"rank {rank}: {where!r}" for rank, where in others[:4])
+        more = f" (and {len(others) - 4} more ranks)" if len(others) > 4 else ""
+        raise ValidationError(
+            f"cannot save: every rank must save to the same place; rank 0 (the "
+            f"coordinator) was given {first!r}, but {shown}{more}"
+        )
 
 
 def _finish(begun: list[Agreed], work: RankWork, *, reused: bool) -> Agreed:

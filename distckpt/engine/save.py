@@ -169,6 +169,7 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
             ),
             lambda token: begin(self.final, token, comm.size, overwrite=opts.overwrite),
             error,
+            destination=self.final.url,
         )
         self.staging = agreed.begun
         self.known_base = None if self.base is None else reuse.check_base(comm, self.base)

@@ -44,6 +44,16 @@ def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path, stage, others)
         launch(nprocs, "resume", str(tmp_path), str(stage))
 
 
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_ranks_saving_to_different_tags_are_refused_and_nothing_is_committed(tmp_path):
+    """DeepSpeed lets each rank name its own tag (its tag check only warns by default) and
+    its torch.save engine writes each rank's files there. One distckpt checkpoint per save
+    cannot: every rank gets a ValidationError naming the places, nothing is committed or
+    left staged (before, each rank wrote its arrays under its own tag, and the coordinator
+    committed its tag without them), and a save with one tag loads back bit for bit."""
+    launch(2, "tags", str(tmp_path), "1")
+
+
 def test_deepspeed_objects_are_typed_values_not_pickles():
     """What DeepSpeed puts in its dicts besides tensors and plain values is stored as
     typed values of a closed table and rebuilt from it, each with its own type."""

@@ -10,6 +10,9 @@ number of processes (also the 2 steps after), or on another one, the model alway
 optimizer where DeepSpeed allows it (stage 0: it is in the model states file; stages 1
 and 2: DeepSpeed refuses it, checked, and the model loads without it; stage 3: refused
 too, and a load without it is distckpt's ConversionError on any number of processes).
+``tags ROOT STAGE``: each rank asks save_checkpoint for a tag of its own (DeepSpeed only
+warns): every rank gets distckpt's ValidationError naming both places, and nothing is
+committed or left staged; a save with one tag then loads back bit for bit.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from distckpt import ConversionError
+from distckpt import ConversionError, ValidationError
 from distckpt.integrations.deepspeed import DistckptCheckpointEngine, use_distckpt
 
 SAVED_WORLD = 2
@@ -120,6 +123,30 @@ def main() -> None:
             refs.mkdir(exist_ok=True)
         torch.distributed.barrier()
         torch.save({"saved": saved, "after": after}, refs / f"rank{rank}.pt")
+    elif mode == "tags":
+        engine = make(stage, seed=0)
+        train(engine, 2, first=0)
+        use_distckpt(engine)
+        try:  # DeepSpeed's torch.save engine writes each rank's files under its own tag
+            engine.save_checkpoint(str(root / "ds"), tag=f"tag-{rank}")
+        except ValidationError as exc:
+            assert "same place" in str(exc), exc
+            assert all(str(root / "ds" / f"tag-{r}") in str(exc) for r in range(world)), exc
+        else:
+            raise AssertionError("ranks saving to different tags were not refused")
+        torch.distributed.barrier()
+        scripts = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them first
+        files = [p for p in root.rglob("*") if p.is_file() and p.name not in scripts]
+        assert files == [], files  # no index, no array, no stub, no `latest`
+        staged = [p for p in root.rglob("*") if "staging" in p.name]
+        assert staged == [], staged
+        saved = snapshot(engine)
+        engine.save_checkpoint(str(root / "ds"), tag=TAG)
+        fresh = make(stage, seed=1)
+        use_distckpt(fresh)
+        fresh.load_checkpoint(str(root / "ds"), tag=TAG)
+        assert_same(fresh.module.state_dict(), saved["model"], "model")
+        assert_same(snapshot(fresh)["optimizer"], saved["optimizer"], "optimizer")
     else:
         engine = make(stage, seed=1)
         use_distckpt(engine)
