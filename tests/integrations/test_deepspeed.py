@@ -194,6 +194,42 @@ def test_a_saved_tag_is_replaced_only_when_asked(tmp_path):
         )
 
 
+def test_a_save_hashes_nothing_for_a_later_save_and_reads_back_bit_for_bit(tmp_path):
+    """The engine never builds a save on an earlier one, so its saves compute no content
+    digests (the index names no digest algorithm), even with options asking for
+    ``incremental``; the values, a tensor of several inner chunks among them, come back
+    bit for bit."""
+    import json
+
+    import torch
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    import distckpt
+    from distckpt.integrations.deepspeed import DistckptCheckpointEngine
+
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False)
+    path = str(tmp_path / "t" / "mp_rank_00_model_states.pt")
+    g = torch.Generator().manual_seed(7)
+    state = {
+        "module": {"w": torch.randn(1000, 700, generator=g), "b": torch.randn(5, generator=g)},
+        "step": 3,
+    }
+    options = distckpt.CheckpointOptions(incremental=True, inner_bytes=1 << 16)
+    engine = DistckptCheckpointEngine(options=options)
+    engine.create(info)
+    engine.save(state, path)
+    engine.commit(info)
+    index = json.loads((tmp_path / "t" / "zarr.json").read_text())
+    assert "digests" not in json.dumps(index)
+    back = DistckptCheckpointEngine().load(path)
+    assert back["step"] == 3
+    for name, want in state["module"].items():
+        got = back["module"][name]
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(torch.int32), want.view(torch.int32)
+        )
+
+
 def test_a_file_declaring_more_than_memory_is_refused_before_allocating(tmp_path):
     """A checkpoint whose index (checksums recomputed) declares a tensor larger than this
     machine's memory: ``load`` refuses the file before allocating anything, naming it."""

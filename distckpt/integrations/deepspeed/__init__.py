@@ -152,7 +152,9 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     committed distckpt checkpoint (see the module docstring). ``options`` (a
     :class:`distckpt.CheckpointOptions`) applies to its saves and loads. A tag that already
     holds a committed checkpoint is not saved again (:class:`distckpt.CheckpointExists`)
-    unless ``overwrite=True`` (or, when ``overwrite`` is not given, ``options.overwrite``)."""
+    unless ``overwrite=True`` (or, when ``overwrite`` is not given, ``options.overwrite``).
+    Its saves never build on an earlier checkpoint, so they hash nothing for a later save
+    to compare with (``options.incremental`` is not used); checksums are as always."""
 
     def __init__(
         self,
@@ -207,8 +209,10 @@ class DistckptCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         for name, tree in pending.items():
             state[name] = _shards(tree)
             state[name + STRUCTURE_SUFFIX] = trees.structure(tree)
-        # DeepSpeed made the folder, empty, for its files: distckpt commits into it.
-        options = self.options
+        # DeepSpeed made the folder, empty, for its files: distckpt commits into it. No
+        # save of this engine builds on an earlier one (it names no base), so none hashes
+        # what it writes for a later save to compare with (``incremental``).
+        options = dataclasses.replace(self.options, incremental=False)
         if self.overwrite is not None:
             options = dataclasses.replace(options, overwrite=self.overwrite)
         distckpt.save(state, folder, options=options)
