@@ -186,6 +186,59 @@ def test_a_tensor_that_allows_a_shape_mismatch_loads_what_overlaps(tmp_path: Pat
         load(ShardedTensor.from_rank_offsets("emb", torch.zeros(8, 4)))
 
 
+def test_a_leaf_the_checkpoint_lacks_raises_what_torch_dist_raises(tmp_path: Path) -> None:
+    """One process, the strategies alone: a load asking for a tensor and an object the
+    checkpoint does not hold (what Megatron's ``StrictHandling.ASSUME_OK_UNEXPECTED``
+    leaves to the strategy) raises torch's ``CheckpointException``, as megatron-core's
+    ``torch_dist`` load does (Megatron-LM's
+    ``test_unexpected_keys_handling_during_validation``), which is also megatron-core's
+    ``CheckpointingException`` and distckpt's ``MissingVariablesError``, and travels
+    between ranks intact; without them the same leaves load bit for bit."""
+    import pickle
+
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint import CheckpointException
+
+    import distckpt
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    weight = torch.randn(3, 5, dtype=torch.float64)
+    (tmp_path / "ckpt").mkdir()
+    saved = {
+        "TenA": ShardedTensor.from_rank_offsets("TenA", weight),
+        "ObjA": ShardedObject("ObjA", [1, 2.5, "x"], (1,), (0,)),
+    }
+    DistckptSaveStrategy().save(saved, tmp_path / "ckpt")
+
+    def asked() -> dict[str, Any]:
+        return {
+            "TenA": ShardedTensor.from_rank_offsets("TenA", torch.full((3, 5), torch.nan).double()),
+            "ObjA": ShardedObject("ObjA", None, (1,), (0,)),
+        }
+
+    extra = asked()
+    extra["TenD"] = ShardedTensor.from_rank_offsets("UnexpectedTenD", torch.zeros(3))
+    extra["ObjD"] = ShardedObject("UnexpectedObjD", None, (1,), (0,))
+    with pytest.raises(CheckpointException) as caught:
+        DistckptLoadStrategy().load(extra, tmp_path / "ckpt")
+    error = caught.value
+    assert isinstance(error, CheckpointingException)
+    assert isinstance(error, distckpt.MissingVariablesError)
+    assert error.missing == ["objects/UnexpectedObjD%2Fshard_0_1", "tensors/UnexpectedTenD"]
+    assert "UnexpectedTenD" in str(error) and "UnexpectedObjD" in str(error)
+    assert list(error.failures) == [0] and isinstance(error.failures[0][0], KeyError)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and str(again) == str(error)
+    assert again.missing == error.missing and list(again.failures) == [0]
+
+    loaded = DistckptLoadStrategy().load(asked(), tmp_path / "ckpt")
+    assert loaded["TenA"].dtype == torch.float64
+    assert torch.equal(loaded["TenA"].view(torch.int64), weight.view(torch.int64))
+    assert loaded["ObjA"] == [1, 2.5, "x"]
+
+
 def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> None:
     """A checkpoint's names as storage may hold them: a stacked tensor's layer that is not
     named by its offsets, layers naming different numbers of axes, or a layer's offset

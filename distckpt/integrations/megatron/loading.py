@@ -11,10 +11,12 @@ asking for it, so no rank stops before a collective the others are in.
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 import distckpt
 from distckpt.engine.inspect import index_variables
@@ -45,6 +47,28 @@ class MegatronShapeMismatchError(distckpt.ShapeMismatchError, CheckpointingExcep
     """A requested tensor does not fit the stored one: distckpt's
     :class:`~distckpt.ShapeMismatchError`, and the ``CheckpointingException`` megatron-core's
     callers catch."""
+
+
+class MegatronMissingKeysError(
+    distckpt.MissingVariablesError, CheckpointingException, CheckpointException
+):
+    """Leaves asked for that the checkpoint does not hold (under Megatron's
+    ``StrictHandling.ASSUME_OK_UNEXPECTED``, which leaves the check to the strategy):
+    distckpt's :class:`~distckpt.MissingVariablesError`, megatron-core's
+    ``CheckpointingException``, and the ``torch.distributed.checkpoint``
+    ``CheckpointException`` that megatron-core's ``torch_dist`` load raises there, so
+    code written against either backend catches it. ``missing``: the stored names asked
+    for; ``failures``: this rank's error, as torch's exception gives it."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(message, missing, unexpected)
+        self._failures = {_rank(): (KeyError(message), traceback.StackSummary())}
+
+
+def _rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class _Key:
@@ -150,8 +174,8 @@ def load_state(
         if name.startswith(f"{TENSORS}/") or name.startswith(f"{_OBJECTS}/")
     ]
     if missing:
-        raise CheckpointingException(
-            f"not in the checkpoint at {checkpoint_dir}: {sorted(missing)}"
+        raise MegatronMissingKeysError(
+            f"not in the checkpoint at {checkpoint_dir}: {sorted(missing)}", sorted(missing), []
         )
     problems = [key.plan.problem for key in keys.values() if key.plan.problem]
     if problems:
