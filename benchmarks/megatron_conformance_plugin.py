@@ -125,7 +125,7 @@ def _install_cuda() -> None:
         setattr(cuda, name, lambda *args, **kwargs: 0)
     cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    cuda.manual_seed = cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    cuda.manual_seed = cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
     from megatron.core.tensor_parallel import random as megatron_random
@@ -293,6 +293,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             message = str(report.longrepr)[-2000:]
     when = getattr(report, "when", "collect")
     record = {"test": report.nodeid, "when": when, "outcome": report.outcome}
+    record["duration"] = round(getattr(report, "duration", 0.0) or 0.0, 3)
     if message:
         record["message"] = message[:2000]
     _write(f"outcomes-{RANK}.jsonl", record)
