@@ -13,7 +13,9 @@ the suite, written for 8 GPUs with NCCL, run on CPU ranks:
   ``.cuda()``, ``.to("cuda")``) into the CPU and makes ``pin_memory`` a no-op;
   ``torch.cuda``'s device calls answer as for ``WORLD_SIZE`` devices (``set_device``,
   ``synchronize``, ``empty_cache`` do nothing, ``current_device`` is 0) and its random
-  number generator is the CPU's (megatron-core's RNG tracker too).
+  number generator is the CPU's (megatron-core's RNG tracker too). Megatron's persistent
+  async worker, a process it spawns, imports this plugin too (its target is a function
+  of this module).
 * **megatron.training**: absent from the megatron-core wheel, it is a stub package whose
   every name, when called, skips the test ("needs megatron.training").
 * **the swap** (``distckpt`` mode): megatron-core's registry answers
@@ -135,6 +137,26 @@ def _install_cuda() -> None:
     CpuForCuda().__enter__()  # for the whole process (the mode stack is per thread)
 
 
+# --- Megatron's persistent async worker -------------------------------------------------
+
+
+def _worker_loop(*args: Any, **kwargs: Any) -> Any:
+    """``PersistentAsyncCaller.async_loop`` in the worker process megatron-core spawns: a
+    fresh interpreter, which imports this module (and so its CUDA-on-the-CPU) when it
+    unpickles this function as the process's target."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    return PersistentAsyncCaller.__dict__["_conformance_loop"](*args, **kwargs)
+
+
+def _install_worker() -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    if "_conformance_loop" not in PersistentAsyncCaller.__dict__:
+        PersistentAsyncCaller._conformance_loop = PersistentAsyncCaller.async_loop  # type: ignore[attr-defined]
+        PersistentAsyncCaller.async_loop = staticmethod(_worker_loop)  # type: ignore[assignment]
+
+
 # --- no Transformer Engine ------------------------------------------------------------
 
 
@@ -252,6 +274,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # and initialise process groups, and are loaded before pytest_configure runs.
 _install_gloo()
 _install_cuda()
+_install_worker()
 _install_no_te()
 _install_training_stubs()
 _install_strategies()
