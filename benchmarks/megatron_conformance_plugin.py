@@ -7,7 +7,9 @@ Loaded in every rank (``torchrun ... -m pytest -p megatron_conformance_plugin``)
 the suite, written for 8 GPUs with NCCL, run on CPU ranks:
 
 * **gloo for NCCL**: ``init_process_group`` / ``new_group`` asked for ``nccl`` get
-  ``gloo`` (NCCL's options and ``device_id`` dropped); ``barrier`` drops ``device_ids``.
+  ``gloo`` (NCCL's options and ``device_id`` dropped); ``barrier`` drops ``device_ids``;
+  ``destroy_model_parallel`` destroys the groups ``initialize_model_parallel`` made (as
+  gloo groups, each has threads of its own).
 * **CUDA on the CPU**: a torch function mode, entered for the whole process, turns every
   CUDA device given to a torch function or tensor method (``device="cuda"``, an int,
   ``.cuda()``, ``.to("cuda")``) into the CPU and makes ``pin_memory`` a no-op;
@@ -87,6 +89,43 @@ def _install_gloo() -> None:
         return barrier(*args, **kwargs)
 
     dist.barrier = no_device_barrier
+
+
+def _alive_groups() -> list[Any]:
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _install_group_release() -> None:
+    """``destroy_model_parallel`` destroys every group ``initialize_model_parallel`` made:
+    megatron-core destroys only its gloo groups and leaves the NCCL ones to NCCL, but here
+    they are gloo groups too, each with threads of its own: the suite's hundreds of
+    initialisations left thousands of threads per rank, spinning."""
+    from megatron.core import parallel_state
+
+    made: list[Any] = []
+    initialize, destroy = (
+        parallel_state.initialize_model_parallel,
+        parallel_state.destroy_model_parallel,
+    )
+
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        before = set(_alive_groups())
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            made.extend(group for group in _alive_groups() if group not in before)
+
+    def destroy_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        result = destroy(*args, **kwargs)
+        alive = set(_alive_groups())
+        for group in made:
+            if group in alive and group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        made.clear()
+        return result
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+    parallel_state.destroy_model_parallel = destroy_model_parallel
 
 
 # --- CUDA on the CPU -----------------------------------------------------------------
@@ -273,6 +312,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # On import, not in pytest_configure: the suite's conftest files import megatron.training
 # and initialise process groups, and are loaded before pytest_configure runs.
 _install_gloo()
+_install_group_release()
 _install_cuda()
 _install_worker()
 _install_no_te()
