@@ -239,6 +239,40 @@ def test_a_leaf_the_checkpoint_lacks_raises_what_torch_dist_raises(tmp_path: Pat
     assert loaded["ObjA"] == [1, 2.5, "x"]
 
 
+def test_a_view_of_a_large_tensor_saves_its_elements_alone(tmp_path: Path) -> None:
+    """One process, the strategies alone: leaves that are small views of a 4 MB tensor
+    write their own elements, not the storage they view (what Megatron-LM's
+    ``test_cpu_tensors_dont_take_too_much_space`` checks of ``torch_dist``'s files), and
+    load back bit for bit."""
+    import os
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    large = torch.randn(1_000_000)
+    (tmp_path / "ckpt").mkdir()
+    saved = {
+        "a": ShardedTensor.from_rank_offsets("keyA", large[:10]),
+        "b": ShardedTensor.from_rank_offsets("keyB", large[500_000:500_010]),
+    }
+    DistckptSaveStrategy().save(saved, tmp_path / "ckpt")
+    written = sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(tmp_path / "ckpt")
+        for name in names
+    )
+    assert written < 10_000, written
+    asked = {
+        "a": ShardedTensor.from_rank_offsets("keyA", torch.full((10,), torch.nan)),
+        "b": ShardedTensor.from_rank_offsets("keyB", torch.full((10,), torch.nan)),
+    }
+    loaded = DistckptLoadStrategy().load(asked, tmp_path / "ckpt")
+    assert torch.equal(loaded["a"].view(torch.int32), large[:10].view(torch.int32))
+    assert torch.equal(loaded["b"].view(torch.int32), large[500_000:500_010].view(torch.int32))
+
+
 def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> None:
     """A checkpoint's names as storage may hold them: a stacked tensor's layer that is not
     named by its offsets, layers naming different numbers of axes, or a layer's offset
