@@ -166,7 +166,8 @@ def _install_cuda() -> None:
         setattr(cuda, name, lambda *args, **kwargs: 0)
     cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    cuda.manual_seed = cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment]
+    # torch.manual_seed seeds CUDA too (through cuda.manual_seed_all): the CPU generator alone
+    cuda.manual_seed = cuda.manual_seed_all = torch.default_generator.manual_seed  # type: ignore[assignment]
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
     from megatron.core.tensor_parallel import random as megatron_random
