@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core")
 
 RUNNER = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_conformance.py"
 
-UTILITIES = '''
+UTILITIES = """
 import os
 
 import torch
@@ -45,9 +45,9 @@ class Utils:
     def destroy_model_parallel():
         torch.distributed.barrier()
         parallel_state.destroy_model_parallel()
-'''
+"""
 
-UNIT_CONFTEST = '''
+UNIT_CONFTEST = """
 import os
 from pathlib import Path
 
@@ -66,9 +66,9 @@ def cleanup():
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-'''
+"""
 
-SUITE_CONFTEST = '''
+SUITE_CONFTEST = """
 from unittest import mock
 
 import pytest
@@ -86,9 +86,9 @@ def set_default_dist_ckpt_strategy():
         new=torch_dist,
     ) as patched:
         yield patched
-'''
+"""
 
-TESTS = '''
+TESTS = """
 import pytest
 import torch
 from megatron.core import dist_checkpointing, parallel_state
@@ -133,7 +133,9 @@ class TestTiny:
         dist_checkpointing.save(state, path)
         columns = torch.full((8, 3), torch.nan, device="cuda", dtype=torch.float64)
         asked = {
-            "w": ShardedTensor.from_rank_offsets("w", columns, (1, Utils.rank % 2, 2), replica_id=1),
+            "w": ShardedTensor.from_rank_offsets(
+                "w", columns, (1, Utils.rank % 2, 2), replica_id=1
+            ),
             "o": ShardedObject("o", None, (1,), (0,), replica_id=1),
         }
         loaded = dist_checkpointing.load(asked, path)
@@ -176,7 +178,7 @@ class TestTiny:
         from megatron.training.arguments import parse_args
 
         parse_args()
-'''
+"""
 
 
 def _checkout(root: Path) -> Path:
