@@ -134,9 +134,9 @@ class TestTiny:
         columns = torch.full((8, 3), torch.nan, device="cuda", dtype=torch.float64)
         asked = {
             "w": ShardedTensor.from_rank_offsets(
-                "w", columns, (1, Utils.rank % 2, 2), replica_id=1
+                "w", columns, (1, Utils.rank % 2, 2), replica_id=Utils.rank // 2
             ),
-            "o": ShardedObject("o", None, (1,), (0,), replica_id=1),
+            "o": ShardedObject("o", None, (1,), (0,), replica_id=Utils.rank),
         }
         loaded = dist_checkpointing.load(asked, path)
         expected = WHOLE[:, 3 * (Utils.rank % 2) : 3 * (Utils.rank % 2) + 3]
@@ -148,8 +148,11 @@ class TestTiny:
         path = ckpt_dir(tmp_path_dist_ckpt, "unexpected")
         state = {"a": ShardedTensor.from_rank_offsets("a", torch.arange(3), replica_id=Utils.rank)}
         dist_checkpointing.save(state, path)
-        state = {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(3, dtype=torch.int64))}
-        state["d"] = ShardedTensor.from_rank_offsets("UnexpectedD", torch.zeros(3))
+        asked = torch.zeros(3, dtype=torch.int64)
+        state = {"a": ShardedTensor.from_rank_offsets("a", asked, replica_id=Utils.rank)}
+        state["d"] = ShardedTensor.from_rank_offsets(
+            "UnexpectedD", torch.zeros(3), replica_id=Utils.rank
+        )
         with pytest.raises(CheckpointException):
             dist_checkpointing.load(state, path, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
 
