@@ -167,7 +167,12 @@ def load_state(
     for key in keys.values():
         key.state(tensors)
     state = {TENSORS: tensors, _OBJECTS: objects}
-    result = load_indexed(state, run, index, comm, refused=refused)
+    try:
+        result = load_indexed(state, run, index, comm, refused=refused)
+    except MegatronShapeMismatchError:
+        raise
+    except distckpt.ShapeMismatchError as exc:  # megatron-core's callers catch its own
+        raise MegatronShapeMismatchError(str(exc)) from exc
     missing = [
         name
         for name in result.missing
