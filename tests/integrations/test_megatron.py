@@ -279,6 +279,48 @@ def test_a_view_of_a_large_tensor_saves_its_elements_alone(tmp_path: Path) -> No
     assert torch.equal(loaded["b"].view(torch.int32), large[500_000:500_010].view(torch.int32))
 
 
+def test_a_tensor_asked_for_in_another_dtype_loads_cast(tmp_path: Path) -> None:
+    """One process, the strategies alone: a tensor stored as int64 or float64 and asked for
+    as float32 (whole, as rows of a padded shape with ``allow_shape_mismatch``, as two
+    boxes) loads cast to float32, as megatron-core's ``torch_dist`` load copies into the
+    leaf's tensor (Megatron-LM's ``test_tensor_shape_mismatch``): bit for bit what
+    ``Tensor.to`` gives."""
+    import dataclasses
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    stored = {
+        "ints": torch.arange(24).reshape(6, 4),
+        "doubles": torch.randn(6, 4, dtype=torch.float64),
+    }
+    (tmp_path / "ckpt").mkdir()
+    DistckptSaveStrategy().save(
+        {k: ShardedTensor.from_rank_offsets(k, v) for k, v in stored.items()}, tmp_path / "ckpt"
+    )
+    for key, value in stored.items():
+        want = value.to(torch.float32)
+        whole = ShardedTensor.from_rank_offsets(key, torch.full((6, 4), torch.nan))
+        halves = [
+            ShardedTensor.from_rank_offsets(key, torch.full((3, 4), torch.nan), (0, i, 2))
+            for i in range(2)
+        ]
+        padded = dataclasses.replace(
+            ShardedTensor.from_rank_offsets(key, torch.full((8, 4), torch.nan)),
+            allow_shape_mismatch=True,
+        )
+        got = DistckptLoadStrategy().load({"whole": whole, "halves": halves}, tmp_path / "ckpt")
+        got.update(DistckptLoadStrategy().load({"padded": padded}, tmp_path / "ckpt"))
+        assert got["whole"].dtype == torch.float32
+        assert torch.equal(got["whole"].view(torch.int32), want.view(torch.int32)), key
+        joined = torch.cat(got["halves"])
+        assert torch.equal(joined.view(torch.int32), want.view(torch.int32)), key
+        assert torch.equal(got["padded"][:6].view(torch.int32), want.view(torch.int32)), key
+        assert torch.equal(got["padded"][6:], torch.zeros(2, 4)), key
+
+
 def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> None:
     """A checkpoint's names as storage may hold them: a stacked tensor's layer that is not
     named by its offsets, layers naming different numbers of axes, or a layer's offset

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import distckpt
+from distckpt import dtypes
 from distckpt.engine.inspect import index_variables
 from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.engine.options import LOAD, merge_or_refuse, resolve_run
@@ -77,6 +78,9 @@ class _Key:
     def __init__(self, leaves: list[ShardedTensor], stored: Layout | None) -> None:
         first = leaves[0]
         self.leaves = leaves
+        # Read in the stored dtype, then cast to each leaf's, as torch_dist's load copies
+        # into the leaf's tensor (an int64 tensor asked for as float32 loads).
+        self.dtype = dtypes.torch_dtype(stored.dtype) if stored is not None else first.dtype
         shape = tuple(int(n) for n in first.global_shape)
         others = {tuple(leaf.global_shape) for leaf in leaves} - {shape}
         self.plan = (
@@ -98,13 +102,14 @@ class _Key:
                 users.setdefault(part.path, []).append(i)
         for i, (leaf, parts) in enumerate(zip(leaves, self.plan.parts)):
             if len(parts) == 1 and users[parts[0].path] == [i]:
-                own = own_tensor(leaf) if parts[0].where == full_box(leaf) else None
+                fits = parts[0].where == full_box(leaf) and leaf.dtype == self.dtype
+                own = own_tensor(leaf) if fits else None
                 if own is not None:  # read straight into it, as Megatron's own do
                     self.tensors[parts[0].path] = own.view(parts[0].stored.lengths)
                     self.in_place.add(i)
         for path, (_, box) in self.plan.reads.items():
             if path not in self.tensors:
-                self.tensors[path] = torch.empty(box.lengths, dtype=first.dtype)
+                self.tensors[path] = torch.empty(box.lengths, dtype=self.dtype)
 
     def state(self, tensors: dict[str, Any]) -> None:
         """Put this key's reads into the state ``tensors`` that the load fills."""
@@ -127,7 +132,7 @@ class _Key:
             for read in [self.plan.reads[part.path][1]]
         ]
         if len(pieces) == 1 and pieces[0][0].where == box:
-            loaded = pieces[0][1].reshape(tuple(leaf.local_shape))
+            loaded = pieces[0][1].reshape(tuple(leaf.local_shape)).to(leaf.dtype)
         else:
             covered = sum(part.where.numel for part in parts) == box.numel
             loaded = (torch.empty if covered else torch.zeros)(box.lengths, dtype=leaf.dtype)
