@@ -58,7 +58,7 @@ MODES = ("torch_dist", "distckpt")
 CHECKOUT = Path(__file__).resolve().parents[1]
 SUITE = Path("tests/unit_tests/dist_checkpointing")
 # What the suite imports beside its own folder (from tests/).
-HELPERS = ("__init__.py", "unit_tests/__init__.py", "unit_tests/conftest.py")
+HELPERS: tuple[str, ...] = ("__init__.py", "unit_tests/__init__.py", "unit_tests/conftest.py")
 HELPERS += ("unit_tests/test_utilities.py",)
 DOWNLOAD_STUB = '''\
 """Written by benchmarks/megatron_conformance.py: the conformance run reaches no network."""
@@ -82,14 +82,18 @@ RANK_OUTCOMES = {"failed": 3, "error": 3, "killed": 2, "passed": 1, "skipped": 0
 class TestOutcome(h.TestOutcome):
     rank: int | None = None  # the first rank that failed
     strategies: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # setup, call and teardown, on the slowest rank
 
 
-def rank_outcomes(path: Path) -> dict[str, tuple[str, str]]:
-    """One rank's outcome of each test from the plugin's records: (outcome, message)."""
+def rank_outcomes(path: Path) -> tuple[dict[str, tuple[str, str]], dict[str, float]]:
+    """One rank's outcome of each test from the plugin's records, (outcome, message), and
+    the seconds its phases took."""
     outcomes: dict[str, tuple[str, str]] = {}
+    seconds: dict[str, float] = defaultdict(float)
     for record in json_lines(path):
         test, when, outcome = record["test"], record["when"], record["outcome"]
         message = record.get("message", "")
+        seconds[test] += record.get("duration", 0.0)
         if when == "start":
             outcomes.setdefault(test, ("killed", "started, never finished"))
         elif outcome == "failed":
@@ -99,23 +103,26 @@ def rank_outcomes(path: Path) -> dict[str, tuple[str, str]]:
             outcomes[test] = ("skipped", message)
         elif when == "call":
             outcomes[test] = ("passed", "")
-    return outcomes
+    return outcomes, seconds
 
 
 def gather(folder: Path) -> dict[str, TestOutcome]:
     """Each test's outcome over the ranks, and the strategies that saved and loaded in it."""
     per_rank: dict[str, dict[int, tuple[str, str]]] = defaultdict(dict)
+    took: dict[str, float] = defaultdict(float)
     for path in sorted(folder.glob("outcomes-*.jsonl")):
         rank = int(path.stem.rsplit("-", 1)[1])
-        for test, outcome in rank_outcomes(path).items():
-            per_rank[test][rank] = outcome
+        outcomes, seconds = rank_outcomes(path)
+        for test, pair in outcomes.items():
+            per_rank[test][rank] = pair
+            took[test] = max(took[test], seconds[test])
     tests: dict[str, TestOutcome] = {}
     for test, ranks in per_rank.items():
         rank, (outcome, message) = max(
             sorted(ranks.items()), key=lambda item: RANK_OUTCOMES[item[1][0]]
         )
         failing = outcome in ("failed", "error", "killed")
-        tests[test] = TestOutcome(outcome, message, rank if failing else None)
+        tests[test] = TestOutcome(outcome, message, rank if failing else None, seconds=took[test])
     strategies: dict[str, set[str]] = defaultdict(set)
     for record in json_lines(folder / "strategies.jsonl"):
         strategies[record["test"]].add(f"{record['action']}:{record['strategy']}")
@@ -161,9 +168,10 @@ class Setup:
         extra = {**self.extra_env, "MLMCONF_MODE": mode, "MLMCONF_OUT": str(out)}
         return h.conformance_env([self.distckpt, CHECKOUT / "benchmarks"], tmpdir, extra)
 
-    def run(self, mode: str, index: int, rel: Path) -> FileRun:
-        """One file's tests in ``mode``. A test that brings the ranks down (one rank's
-        time-out ends them all) ends a run: the next run leaves out the tests started."""
+    def run(self, mode: str, index: int, rels: list[Path]) -> FileRun:
+        """The tests of the files ``rels``, in one pytest session per attempt, in ``mode``.
+        A test that brings the ranks down (one rank's time-out ends them all) ends an
+        attempt: the next leaves out the tests started."""
         work = self.root / "work" / f"{mode}-{index}"
         out, tmpdir, done = work / "out", work / "tmp", work / "done.txt"
         tmpdir.mkdir(parents=True)
@@ -172,7 +180,7 @@ class Setup:
         for attempt in range(1, 1000):
             before = started_tests(out)
             done.write_text("".join(f"{test}\n" for test in sorted(before)), encoding="utf-8")
-            returncode = self.attempt(mode, rel, work, attempt, deadline - time.monotonic())
+            returncode = self.attempt(mode, rels, work, attempt, deadline - time.monotonic())
             if returncode is None:
                 note = f"killed after {self.file_timeout:g} s"
                 break
@@ -185,13 +193,18 @@ class Setup:
         shutil.rmtree(tmpdir, ignore_errors=True)
         return FileRun(returncode, seconds, tests, note)
 
-    def attempt(self, mode: str, rel: Path, work: Path, attempt: int, limit: float) -> int | None:
-        """One torchrun of the file's tests not yet started; its exit code (None: killed)."""
+    def attempt(
+        self, mode: str, rels: list[Path], work: Path, attempt: int, limit: float
+    ) -> int | None:
+        """One torchrun of the files' tests not yet started; its exit code (None: killed)."""
         command = [self.python, "-m", "torch.distributed.run", "--standalone"]
         command += [f"--nproc-per-node={self.ranks}", "--log-dir", str(work / f"logs-{attempt}")]
         command += ["--redirects", "3", "-m", "pytest", "-p", "megatron_conformance_plugin"]
         command += ["-p", "no:cacheprovider", "-q", f"--timeout={self.timeout:g}"]
-        command += ["--timeout-method=thread", str(SUITE / rel)]
+        # One module that fails to import (test_fp8.py without Transformer Engine) must not
+        # stop the session's other files.
+        command += ["--continue-on-collection-errors"]
+        command += ["--timeout-method=thread", *(str(SUITE / rel) for rel in rels)]
         if self.keyword:
             command += ["-k", self.keyword]
         env = self.env(mode, work / "out", work / "tmp")
@@ -221,6 +234,21 @@ def unfinished_tests(out: Path) -> set[tuple[int, str]]:
     seen = {(rank, record["test"]) for rank, record in records(out) if record["when"] == "start"}
     ended = {(rank, r["test"]) for rank, r in records(out) if r["when"] == "teardown"}
     return seen - ended
+
+
+def split(run: FileRun, rels: list[Path]) -> dict[str, FileRun]:
+    """A run of several files as one run per file: each file's tests, and the seconds they
+    took (the session's start-up, shared, is left out)."""
+    if len(rels) == 1:
+        return {rels[0].as_posix(): run}
+    runs = {}
+    for rel in rels:
+        module = (SUITE / rel).as_posix()
+        tests = {t: o for t, o in run.tests.items() if t.split("::", 1)[0] == module}
+        seconds = sum(outcome.seconds for outcome in tests.values())
+        note = run.note or ("" if tests else "no test reported")
+        runs[rel.as_posix()] = FileRun(run.returncode, seconds, tests, note)
+    return runs
 
 
 def find_files(megatron: Path, names: list[str]) -> list[Path]:
@@ -311,6 +339,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE", help="set in every rank"
     )
+    parser.add_argument(
+        "--per-file",
+        action="store_true",
+        help="one pytest session per file (default: one per mode for all the files, as "
+        "Megatron-LM's CI runs the folder: each session starts 8 ranks that import torch "
+        "and megatron-core, minutes on a small machine)",
+    )
     args = parser.parse_args(argv)
     if not args.megatron:
         parser.error("give a Megatron-LM checkout, or set MEGATRON_LM")
@@ -332,15 +367,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distckpt from {setup.distckpt}, tests from {megatron / SUITE}, {args.ranks} ranks")
         print(f"work directory: {root}", flush=True)
         runs: dict[str, dict[str, FileRun]] = {mode: {} for mode in modes}
-        for index, (rel, mode) in enumerate((r, m) for r in files for m in modes):
-            run = setup.run(mode, index, rel)
-            runs[mode][rel.as_posix()] = run
-            total = dict.fromkeys(RANK_OUTCOMES, 0)
-            for test in run.tests.values():
-                total[test.outcome] += 1
-            summary = ", ".join(f"{n} {what}" for what, n in total.items() if n) or "nothing"
-            note = f"  {run.note}" if run.note else ""
-            print(f"[{mode}] {rel.as_posix()}: {summary} in {run.seconds:.0f} s{note}", flush=True)
+        groups = [[rel] for rel in files] if args.per_file else [files]
+        for index, (group, mode) in enumerate((g, m) for g in groups for m in modes):
+            whole = setup.run(mode, index, group)
+            if len(group) > 1:
+                print(f"[{mode}] {len(group)} files in one session: {whole.seconds:.0f} s")
+            for name, run in split(whole, group).items():
+                runs[mode][name] = run
+                total = dict.fromkeys(RANK_OUTCOMES, 0)
+                for test in run.tests.values():
+                    total[test.outcome] += 1
+                summary = ", ".join(f"{n} {what}" for what, n in total.items() if n) or "nothing"
+                note = f"  {run.note}" if run.note else ""
+                print(f"[{mode}] {name}: {summary} in {run.seconds:.0f} s{note}", flush=True)
         print_report(modes, runs)
         if args.json:
             document = {

@@ -7,13 +7,17 @@ Loaded in every rank (``torchrun ... -m pytest -p megatron_conformance_plugin``)
 the suite, written for 8 GPUs with NCCL, run on CPU ranks:
 
 * **gloo for NCCL**: ``init_process_group`` / ``new_group`` asked for ``nccl`` get
-  ``gloo`` (NCCL's options and ``device_id`` dropped); ``barrier`` drops ``device_ids``.
+  ``gloo`` (NCCL's options and ``device_id`` dropped); ``barrier`` drops ``device_ids``;
+  ``destroy_model_parallel`` destroys the groups ``initialize_model_parallel`` made (as
+  gloo groups, each has threads of its own).
 * **CUDA on the CPU**: a torch function mode, entered for the whole process, turns every
   CUDA device given to a torch function or tensor method (``device="cuda"``, an int,
   ``.cuda()``, ``.to("cuda")``) into the CPU and makes ``pin_memory`` a no-op;
   ``torch.cuda``'s device calls answer as for ``WORLD_SIZE`` devices (``set_device``,
   ``synchronize``, ``empty_cache`` do nothing, ``current_device`` is 0) and its random
-  number generator is the CPU's (megatron-core's RNG tracker too).
+  number generator is the CPU's (megatron-core's RNG tracker too). Megatron's persistent
+  async worker, a process it spawns, imports this plugin too (its target is a function
+  of this module).
 * **megatron.training**: absent from the megatron-core wheel, it is a stub package whose
   every name, when called, skips the test ("needs megatron.training").
 * **the swap** (``distckpt`` mode): megatron-core's registry answers
@@ -87,6 +91,43 @@ def _install_gloo() -> None:
     dist.barrier = no_device_barrier
 
 
+def _alive_groups() -> list[Any]:
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _install_group_release() -> None:
+    """``destroy_model_parallel`` destroys every group ``initialize_model_parallel`` made:
+    megatron-core destroys only its gloo groups and leaves the NCCL ones to NCCL, but here
+    they are gloo groups too, each with threads of its own: the suite's hundreds of
+    initialisations left thousands of threads per rank, spinning."""
+    from megatron.core import parallel_state
+
+    made: list[Any] = []
+    initialize, destroy = (
+        parallel_state.initialize_model_parallel,
+        parallel_state.destroy_model_parallel,
+    )
+
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        before = set(_alive_groups())
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            made.extend(group for group in _alive_groups() if group not in before)
+
+    def destroy_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        result = destroy(*args, **kwargs)
+        alive = set(_alive_groups())
+        for group in made:
+            if group in alive and group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        made.clear()
+        return result
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+    parallel_state.destroy_model_parallel = destroy_model_parallel
+
+
 # --- CUDA on the CPU -----------------------------------------------------------------
 
 
@@ -125,7 +166,8 @@ def _install_cuda() -> None:
         setattr(cuda, name, lambda *args, **kwargs: 0)
     cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    cuda.manual_seed = cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    # torch.manual_seed seeds CUDA too (through cuda.manual_seed_all): the CPU generator alone
+    cuda.manual_seed = cuda.manual_seed_all = torch.default_generator.manual_seed  # type: ignore[assignment]
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
     from megatron.core.tensor_parallel import random as megatron_random
@@ -133,6 +175,26 @@ def _install_cuda() -> None:
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     CpuForCuda().__enter__()  # for the whole process (the mode stack is per thread)
+
+
+# --- Megatron's persistent async worker -------------------------------------------------
+
+
+def _worker_loop(*args: Any, **kwargs: Any) -> Any:
+    """``PersistentAsyncCaller.async_loop`` in the worker process megatron-core spawns: a
+    fresh interpreter, which imports this module (and so its CUDA-on-the-CPU) when it
+    unpickles this function as the process's target."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    return PersistentAsyncCaller.__dict__["_conformance_loop"](*args, **kwargs)
+
+
+def _install_worker() -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    if "_conformance_loop" not in PersistentAsyncCaller.__dict__:
+        PersistentAsyncCaller._conformance_loop = PersistentAsyncCaller.async_loop  # type: ignore[attr-defined]
+        PersistentAsyncCaller.async_loop = staticmethod(_worker_loop)  # type: ignore[assignment]
 
 
 # --- no Transformer Engine ------------------------------------------------------------
@@ -251,7 +313,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # On import, not in pytest_configure: the suite's conftest files import megatron.training
 # and initialise process groups, and are loaded before pytest_configure runs.
 _install_gloo()
+_install_group_release()
 _install_cuda()
+_install_worker()
 _install_no_te()
 _install_training_stubs()
 _install_strategies()
@@ -293,6 +357,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             message = str(report.longrepr)[-2000:]
     when = getattr(report, "when", "collect")
     record = {"test": report.nodeid, "when": when, "outcome": report.outcome}
+    record["duration"] = round(getattr(report, "duration", 0.0) or 0.0, 3)
     if message:
         record["message"] = message[:2000]
     _write(f"outcomes-{RANK}.jsonl", record)

@@ -184,6 +184,141 @@ def test_a_tensor_that_allows_a_shape_mismatch_loads_what_overlaps(tmp_path: Pat
     assert torch.equal(cut, weight[:4])
     with pytest.raises(distckpt.ShapeMismatchError, match="tensors/emb.*does not match"):
         load(ShardedTensor.from_rank_offsets("emb", torch.zeros(8, 4)))
+    # megatron-core's callers catch its own exception (Megatron-LM's test_tensor_shape_mismatch)
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    for rows in (4, 8):
+        with pytest.raises(CheckpointingException, match="tensors/emb.*does not match"):
+            load(ShardedTensor.from_rank_offsets("emb", torch.zeros(rows, 4)))
+
+
+def test_a_leaf_the_checkpoint_lacks_raises_what_torch_dist_raises(tmp_path: Path) -> None:
+    """One process, the strategies alone: a load asking for a tensor and an object the
+    checkpoint does not hold (what Megatron's ``StrictHandling.ASSUME_OK_UNEXPECTED``
+    leaves to the strategy) raises torch's ``CheckpointException``, as megatron-core's
+    ``torch_dist`` load does (Megatron-LM's
+    ``test_unexpected_keys_handling_during_validation``), which is also megatron-core's
+    ``CheckpointingException`` and distckpt's ``MissingVariablesError``, and travels
+    between ranks intact; without them the same leaves load bit for bit."""
+    import pickle
+
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint import CheckpointException
+
+    import distckpt
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    weight = torch.randn(3, 5, dtype=torch.float64)
+    (tmp_path / "ckpt").mkdir()
+    saved = {
+        "TenA": ShardedTensor.from_rank_offsets("TenA", weight),
+        "ObjA": ShardedObject("ObjA", [1, 2.5, "x"], (1,), (0,)),
+    }
+    DistckptSaveStrategy().save(saved, tmp_path / "ckpt")
+
+    def asked() -> dict[str, Any]:
+        return {
+            "TenA": ShardedTensor.from_rank_offsets("TenA", torch.full((3, 5), torch.nan).double()),
+            "ObjA": ShardedObject("ObjA", None, (1,), (0,)),
+        }
+
+    extra = asked()
+    extra["TenD"] = ShardedTensor.from_rank_offsets("UnexpectedTenD", torch.zeros(3))
+    extra["ObjD"] = ShardedObject("UnexpectedObjD", None, (1,), (0,))
+    with pytest.raises(CheckpointException) as caught:
+        DistckptLoadStrategy().load(extra, tmp_path / "ckpt")
+    error = caught.value
+    assert isinstance(error, CheckpointingException)
+    assert isinstance(error, distckpt.MissingVariablesError)
+    assert error.missing == ["objects/UnexpectedObjD%2Fshard_0_1", "tensors/UnexpectedTenD"]
+    assert "UnexpectedTenD" in str(error) and "UnexpectedObjD" in str(error)
+    assert list(error.failures) == [0] and isinstance(error.failures[0][0], KeyError)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and str(again) == str(error)
+    assert again.missing == error.missing and list(again.failures) == [0]
+
+    loaded = DistckptLoadStrategy().load(asked(), tmp_path / "ckpt")
+    assert loaded["TenA"].dtype == torch.float64
+    assert torch.equal(loaded["TenA"].view(torch.int64), weight.view(torch.int64))
+    assert loaded["ObjA"] == [1, 2.5, "x"]
+
+
+def test_a_view_of_a_large_tensor_saves_its_elements_alone(tmp_path: Path) -> None:
+    """One process, the strategies alone: leaves that are small views of a 4 MB tensor
+    write their own elements, not the storage they view (what Megatron-LM's
+    ``test_cpu_tensors_dont_take_too_much_space`` checks of ``torch_dist``'s files), and
+    load back bit for bit."""
+    import os
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    large = torch.randn(1_000_000)
+    (tmp_path / "ckpt").mkdir()
+    saved = {
+        "a": ShardedTensor.from_rank_offsets("keyA", large[:10]),
+        "b": ShardedTensor.from_rank_offsets("keyB", large[500_000:500_010]),
+    }
+    DistckptSaveStrategy().save(saved, tmp_path / "ckpt")
+    written = sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(tmp_path / "ckpt")
+        for name in names
+    )
+    assert written < 10_000, written
+    asked = {
+        "a": ShardedTensor.from_rank_offsets("keyA", torch.full((10,), torch.nan)),
+        "b": ShardedTensor.from_rank_offsets("keyB", torch.full((10,), torch.nan)),
+    }
+    loaded = DistckptLoadStrategy().load(asked, tmp_path / "ckpt")
+    assert torch.equal(loaded["a"].view(torch.int32), large[:10].view(torch.int32))
+    assert torch.equal(loaded["b"].view(torch.int32), large[500_000:500_010].view(torch.int32))
+
+
+def test_a_tensor_asked_for_in_another_dtype_loads_cast(tmp_path: Path) -> None:
+    """One process, the strategies alone: a tensor stored as int64 or float64 and asked for
+    as float32 (whole, as rows of a padded shape with ``allow_shape_mismatch``, as two
+    boxes) loads cast to float32, as megatron-core's ``torch_dist`` load copies into the
+    leaf's tensor (Megatron-LM's ``test_tensor_shape_mismatch``): bit for bit what
+    ``Tensor.to`` gives."""
+    import dataclasses
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from distckpt.integrations.megatron import DistckptLoadStrategy, DistckptSaveStrategy
+
+    stored = {
+        "ints": torch.arange(24).reshape(6, 4),
+        "doubles": torch.randn(6, 4, dtype=torch.float64),
+    }
+    (tmp_path / "ckpt").mkdir()
+    DistckptSaveStrategy().save(
+        {k: ShardedTensor.from_rank_offsets(k, v) for k, v in stored.items()}, tmp_path / "ckpt"
+    )
+    for key, value in stored.items():
+        want = value.to(torch.float32)
+        whole = ShardedTensor.from_rank_offsets(key, torch.full((6, 4), torch.nan))
+        halves = [
+            ShardedTensor.from_rank_offsets(key, torch.full((3, 4), torch.nan), (0, i, 2))
+            for i in range(2)
+        ]
+        padded = dataclasses.replace(
+            ShardedTensor.from_rank_offsets(key, torch.full((8, 4), torch.nan)),
+            allow_shape_mismatch=True,
+        )
+        got = DistckptLoadStrategy().load({"whole": whole, "halves": halves}, tmp_path / "ckpt")
+        got.update(DistckptLoadStrategy().load({"padded": padded}, tmp_path / "ckpt"))
+        assert got["whole"].dtype == torch.float32
+        assert torch.equal(got["whole"].view(torch.int32), want.view(torch.int32)), key
+        joined = torch.cat(got["halves"])
+        assert torch.equal(joined.view(torch.int32), want.view(torch.int32)), key
+        assert torch.equal(got["padded"][:6].view(torch.int32), want.view(torch.int32)), key
+        assert torch.equal(got["padded"][6:], torch.zeros(2, 4)), key
 
 
 def test_stored_layer_names_that_are_not_offsets_are_refused(tmp_path: Path) -> None:

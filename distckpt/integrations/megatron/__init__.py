@@ -48,7 +48,8 @@ format) are refused by megatron-core 0.16 itself when a ShardedTensor is made; o
 still carries a flattened range is refused here with a clear error.
 
 A load reads a tensor asked for in one box straight into the leaf's own tensor (its data,
-detached: the same memory), as Megatron's own strategies do. A leaf with
+detached: the same memory), as Megatron's own strategies do. A leaf of another dtype
+than the stored tensor gets the stored values cast to its dtype, as with ``torch_dist``. A leaf with
 ``allow_shape_mismatch`` (Megatron-LM's padded vocabularies, whose padding depends on the
 tensor-parallel size) whose stored tensor has another shape gets the part of its box the
 stored tensor holds, and zeros elsewhere, as with Megatron's own strategies.

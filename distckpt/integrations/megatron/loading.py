@@ -11,12 +11,15 @@ asking for it, so no rank stops before a collective the others are in.
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 import distckpt
+from distckpt import dtypes
 from distckpt.engine.inspect import index_variables
 from distckpt.engine.load import load_indexed, read_shared_index
 from distckpt.engine.options import LOAD, merge_or_refuse, resolve_run
@@ -47,12 +50,37 @@ class MegatronShapeMismatchError(distckpt.ShapeMismatchError, CheckpointingExcep
     callers catch."""
 
 
+class MegatronMissingKeysError(
+    distckpt.MissingVariablesError, CheckpointingException, CheckpointException
+):
+    """Leaves asked for that the checkpoint does not hold (under Megatron's
+    ``StrictHandling.ASSUME_OK_UNEXPECTED``, which leaves the check to the strategy):
+    distckpt's :class:`~distckpt.MissingVariablesError`, megatron-core's
+    ``CheckpointingException``, and the ``torch.distributed.checkpoint``
+    ``CheckpointException`` that megatron-core's ``torch_dist`` load raises there, so
+    code written against either backend catches it. ``missing``: the stored names asked
+    for; ``failures``: this rank's error, as torch's exception gives it."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(message, missing, unexpected)
+        self._failures = {_rank(): (KeyError(message), traceback.StackSummary())}
+
+
+def _rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class _Key:
     """This rank's leaves of one key, their plan, and the tensors their reads fill."""
 
     def __init__(self, leaves: list[ShardedTensor], stored: Layout | None) -> None:
         first = leaves[0]
         self.leaves = leaves
+        # Read in the stored dtype, then cast to each leaf's, as torch_dist's load copies
+        # into the leaf's tensor (an int64 tensor asked for as float32 loads).
+        self.dtype = dtypes.torch_dtype(stored.dtype) if stored is not None else first.dtype
         shape = tuple(int(n) for n in first.global_shape)
         others = {tuple(leaf.global_shape) for leaf in leaves} - {shape}
         self.plan = (
@@ -74,13 +102,14 @@ class _Key:
                 users.setdefault(part.path, []).append(i)
         for i, (leaf, parts) in enumerate(zip(leaves, self.plan.parts)):
             if len(parts) == 1 and users[parts[0].path] == [i]:
-                own = own_tensor(leaf) if parts[0].where == full_box(leaf) else None
+                fits = parts[0].where == full_box(leaf) and leaf.dtype == self.dtype
+                own = own_tensor(leaf) if fits else None
                 if own is not None:  # read straight into it, as Megatron's own do
                     self.tensors[parts[0].path] = own.view(parts[0].stored.lengths)
                     self.in_place.add(i)
         for path, (_, box) in self.plan.reads.items():
             if path not in self.tensors:
-                self.tensors[path] = torch.empty(box.lengths, dtype=first.dtype)
+                self.tensors[path] = torch.empty(box.lengths, dtype=self.dtype)
 
     def state(self, tensors: dict[str, Any]) -> None:
         """Put this key's reads into the state ``tensors`` that the load fills."""
@@ -103,7 +132,7 @@ class _Key:
             for read in [self.plan.reads[part.path][1]]
         ]
         if len(pieces) == 1 and pieces[0][0].where == box:
-            loaded = pieces[0][1].reshape(tuple(leaf.local_shape))
+            loaded = pieces[0][1].reshape(tuple(leaf.local_shape)).to(leaf.dtype)
         else:
             covered = sum(part.where.numel for part in parts) == box.numel
             loaded = (torch.empty if covered else torch.zeros)(box.lengths, dtype=leaf.dtype)
@@ -143,15 +172,20 @@ def load_state(
     for key in keys.values():
         key.state(tensors)
     state = {TENSORS: tensors, _OBJECTS: objects}
-    result = load_indexed(state, run, index, comm, refused=refused)
+    try:
+        result = load_indexed(state, run, index, comm, refused=refused)
+    except MegatronShapeMismatchError:
+        raise
+    except distckpt.ShapeMismatchError as exc:  # megatron-core's callers catch its own
+        raise MegatronShapeMismatchError(str(exc)) from exc
     missing = [
         name
         for name in result.missing
         if name.startswith(f"{TENSORS}/") or name.startswith(f"{_OBJECTS}/")
     ]
     if missing:
-        raise CheckpointingException(
-            f"not in the checkpoint at {checkpoint_dir}: {sorted(missing)}"
+        raise MegatronMissingKeysError(
+            f"not in the checkpoint at {checkpoint_dir}: {sorted(missing)}", sorted(missing), []
         )
     problems = [key.plan.problem for key in keys.values() if key.plan.problem]
     if problems:
