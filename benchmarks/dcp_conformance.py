@@ -431,17 +431,8 @@ def to_json(
         entry: dict[str, Any] = {
             "file": name,
             "explicit_sites": setup.explicit_sites.get(name, 0),
-            "runs": {},
+            "runs": h.file_runs(name, modes, runs),
         }
-        for mode in modes:
-            done = runs[mode].get(name)
-            if done is not None:
-                entry["runs"][mode] = {
-                    "returncode": done.returncode,
-                    "seconds": round(done.seconds, 1),
-                    "counts": done.counts(),
-                    "note": done.note,
-                }
         files.append(entry)
     return {
         "command": [sys.executable, *sys.argv],

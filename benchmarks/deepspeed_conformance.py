@@ -242,17 +242,7 @@ def to_json(
                 }
     files = []
     for rel in setup.files:
-        entry: dict[str, Any] = {"file": rel.as_posix(), "runs": {}}
-        for mode in modes:
-            done = runs[mode].get(rel.as_posix())
-            if done is not None:
-                entry["runs"][mode] = {
-                    "returncode": done.returncode,
-                    "seconds": round(done.seconds, 1),
-                    "counts": done.counts(),
-                    "note": done.note,
-                }
-        files.append(entry)
+        files.append({"file": rel.as_posix(), "runs": h.file_runs(rel.as_posix(), modes, runs)})
     return {
         "command": [sys.executable, *sys.argv],
         "python": setup.python,

@@ -932,6 +932,24 @@ class FileRun:
         return text + (" !" if self.note else "")
 
 
+def file_runs(
+    name: str, modes: Sequence[str], runs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The results JSON's record of file ``name`` in each mode it ran in (``runs``: mode ->
+    file name -> :class:`FileRun`)."""
+    found = {}
+    for mode in modes:
+        done = runs[mode].get(name)
+        if done is not None:
+            found[mode] = {
+                "returncode": done.returncode,
+                "seconds": round(done.seconds, 1),
+                "counts": done.counts(),
+                "note": done.note,
+            }
+    return found
+
+
 def clip(line: str, width: int = 300) -> str:
     """``line``, its middle cut out if it is longer than ``width`` characters."""
     if len(line) <= width:
