@@ -13,9 +13,12 @@ own checkpoint path, on the same model, ranks and directory.
   checkpoint's ``metadata.json``) onto the same layout.
 * ``deepspeed`` (one launch of ``--world`` ranks, ``DS_ACCELERATOR=cpu``): an MLP of
   ``--ds-layers`` square linear layers of ``--ds-width``, Adam, ZeRO stage ``--ds-stage``.
-  Contenders: ``torch``, ``engine.save_checkpoint`` / ``load_checkpoint`` with DeepSpeed's
-  ``TorchCheckpointEngine``, against ``distckpt``, the engine of ``use_distckpt(engine)``
-  (``engine.checkpoint_engine`` switched before each operation).
+  Contenders: ``torch``, ``engine.save_checkpoint`` / ``load_checkpoint`` with the engine
+  ``deepspeed.initialize`` made (a ``TorchCheckpointEngine`` of the config: ``torch.save``'s
+  zip format, DeepSpeed's default ``checkpoint_serialization``), ``torch-legacy``
+  (``TorchCheckpointEngine()`` made without a config, as DeepSpeed's own tools do:
+  ``torch.save``'s older format, no zip and no CRC-32), and ``distckpt``, the engine of
+  ``use_distckpt(engine)`` (``engine.checkpoint_engine`` switched before each operation).
 
 Per launch: an untimed warm-up round, then ``--rounds`` rounds; in each, the contenders
 save in that round's order (``harness.rotations``), each into a fresh directory, then
@@ -43,8 +46,11 @@ from typing import Any
 
 import harness as h
 
-#: Per stack: the framework's own path, then distckpt.
-CONTENDERS = {"megatron": ("torch_dist", "distckpt"), "deepspeed": ("torch", "distckpt")}
+#: Per stack: the framework's own paths, then distckpt (compared with each of them).
+CONTENDERS = {
+    "megatron": ("torch_dist", "distckpt"),
+    "deepspeed": ("torch", "torch-legacy", "distckpt"),
+}
 TAG = "t"
 
 
@@ -230,7 +236,13 @@ class Worker(h.RankWorker):
         loss = engine(torch.randn(2, width, generator=g)).pow(2).mean()
         engine.backward(loss)
         engine.step()  # Adam's moments, with values
-        engines = {"torch": TorchCheckpointEngine(), "distckpt": use_distckpt(engine)}
+        own = engine.checkpoint_engine  # the config's: torch.save's zip format by default
+        assert isinstance(own, TorchCheckpointEngine), type(own)
+        engines = {
+            "torch": own,
+            "torch-legacy": TorchCheckpointEngine(),
+            "distckpt": use_distckpt(engine),
+        }
 
         def owned() -> list[Any]:
             out = [p.data for p in engine.module.parameters()]
@@ -311,16 +323,19 @@ class Driver(h.Driver):
 
 def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[str, Any]:
     rows, ratios = [], []
-    for stack, (own, ours) in CONTENDERS.items():
+    for stack, contenders in CONTENDERS.items():
+        ours = contenders[-1]
         for op in ("save", "load"):
             mine = [e for e in events if e["stack"] == stack and e["op"] == op]
             if not mine:
                 continue
             series = {
-                who: {e["round"]: e["span"] for e in mine if e["who"] == who} for who in (own, ours)
+                who: {e["round"]: e["span"] for e in mine if e["who"] == who} for who in contenders
             }
-            for who in (own, ours):
+            for who in contenders:
                 es = [e for e in mine if e["who"] == who]
+                if not es:  # a results file from before this contender
+                    continue
                 sizes = [e["bytes"] for e in es if e["bytes"]]
                 rows.append(
                     {
@@ -333,11 +348,12 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
                         "oth": h.med([e["foreign_cpu"] for e in es]),
                     }
                 )
-            q = h.ratio(series[ours], series[own])
-            if q is not None:
-                label = f"{stack} {op} {ours}/{own}"
-                goal = h.target(q["paired_median"], None)
-                ratios.append({"label": label, "fs": mine[0]["fs"], **q, **goal})
+            for own in contenders[:-1]:
+                q = h.ratio(series[ours], series[own])
+                if q is not None:
+                    label = f"{stack} {op} {ours}/{own}"
+                    goal = h.target(q["paired_median"], None)
+                    ratios.append({"label": label, "fs": mine[0]["fs"], **q, **goal})
     return {"rows": rows, "ratios": ratios}
 
 

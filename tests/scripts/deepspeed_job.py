@@ -106,7 +106,8 @@ def main() -> None:
     if mode == "save":
         engine = make(stage, seed=0)
         train(engine, 3, first=0)
-        engine.checkpoint_engine = TorchCheckpointEngine()
+        own = engine.checkpoint_engine  # DeepSpeed's, of its config (torch.save's zip format)
+        assert isinstance(own, TorchCheckpointEngine), type(own)
         engine.save_checkpoint(str(root / "torch"), tag=TAG)
         ours = use_distckpt(engine)
         assert isinstance(engine.checkpoint_engine, DistckptCheckpointEngine)
