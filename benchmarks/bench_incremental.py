@@ -10,8 +10,10 @@ for r = 16. Each step adds to the adapters and their moments, never to the base.
 Contenders, alternated within every round (the order rotated each round), each on its own
 directory of ``--dir``:
 
-* ``incremental``: a ``CheckpointManager(max_to_keep=2)`` (incremental by default): each
-  save builds on the previous one and takes the unchanged pieces by hard link;
+* ``incremental``: a ``CheckpointManager(max_to_keep=2, delete_in_background=True)``
+  (incremental by default): each save builds on the previous one and takes the unchanged
+  pieces by hard link; the checkpoint that falls out is removed off the save path
+  (``--delete-inline``: on it, as before 2026-11-29);
 * ``full``: the same manager with ``incremental=False``: every byte written;
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same state (a new directory each
   save, the previous one removed).
@@ -97,7 +99,12 @@ def worker(args: argparse.Namespace) -> None:
     for name in ("incremental", "full"):
         ckpt = distckpt.Checkpoint(model=Holder())
         managers[name] = distckpt.CheckpointManager(
-            ckpt, root / name, max_to_keep=2, comm=comm, incremental=name == "incremental"
+            ckpt,
+            root / name,
+            max_to_keep=2,
+            comm=comm,
+            incremental=name == "incremental",
+            delete_in_background=not args.delete_inline,
         )
 
     def step(everything: bool) -> None:
@@ -162,7 +169,7 @@ def launch(world: int, directory: str, args: argparse.Namespace) -> dict[str, An
     root = tempfile.mkdtemp(prefix="incr-", dir=directory)
     job = [
         "--root", root, "--rounds", str(args.rounds), "--layers", str(args.layers),
-        "--rank", str(args.r),
+        "--rank", str(args.r), *(["--delete-inline"] if args.delete_inline else []),
     ]  # fmt: skip
     try:
         return dict(h.run_rank_job(world, __file__, job, args.timeout))
@@ -178,6 +185,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16, help="4096 x 4096 fp32 each")
     parser.add_argument("--r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument(
+        "--delete-inline",
+        action="store_true",
+        help="the managers delete retired checkpoints on the save path (default: in the "
+        "background, as DCP's removal of its previous directory is not timed either)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)

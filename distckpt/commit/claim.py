@@ -43,6 +43,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from distckpt.commit.lease import STALE_SECONDS, Lease, describe, pid_dead, read_lease
@@ -138,12 +139,22 @@ def retire(checkpoint: Store) -> None:
     """Delete a committed checkpoint: mark it (a claim that says so), delete its index, so
     nobody opens it again, then its data, then the mark. If this stops half way, the mark
     goes stale and :func:`collect_garbage` finishes the job."""
+    withdraw(checkpoint)()
+
+
+def withdraw(checkpoint: Store) -> Callable[[], None]:
+    """Mark ``checkpoint`` for deletion and delete its index (nobody opens it again);
+    return the deletion of its data, then of the mark."""
     doc = {"token": "retire", "deleting": True, "host": socket.gethostname(), "pid": os.getpid()}
     key = claim_key(checkpoint.name)
     checkpoint.parent.write(key, seal.encode({**doc, "beat": time.time()}))
     checkpoint.delete(ZARR_JSON)
-    checkpoint.delete_tree()
-    checkpoint.parent.delete(key)
+
+    def remove() -> None:
+        checkpoint.delete_tree()
+        checkpoint.parent.delete(key)
+
+    return remove
 
 
 def retiring(checkpoint: Store) -> bool:
@@ -236,6 +247,9 @@ class ClaimStrategy:
 
     def retire(self, checkpoint: Store) -> None:
         retire(checkpoint)
+
+    def withdraw(self, checkpoint: Store) -> Callable[[], None]:
+        return withdraw(checkpoint)
 
     def retiring(self, checkpoint: Store) -> bool:
         return retiring(checkpoint)

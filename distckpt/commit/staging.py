@@ -42,6 +42,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -420,23 +421,34 @@ class RenameStrategy:
 
     def retire(self, checkpoint: Store) -> None:
         """Mark ``checkpoint``, rename it out of sight, then remove it."""
+        self.withdraw(checkpoint)()
+
+    def withdraw(self, checkpoint: Store) -> Callable[[], None]:
+        """Mark ``checkpoint`` and rename it out of sight; return the removal of what is
+        left (a trash directory, which any later save removes if that never runs)."""
         parent, name = renaming(checkpoint.parent), checkpoint.name
         if not parent.is_dir(name):
             if parent.exists(name):  # not a checkpoint of this directory: never through it
                 raise UnsafePathError(
                     f"{checkpoint.url} is not a directory (a link?), not a checkpoint; left alone"
                 )
-            return
+            return lambda: None
         # The mark keeps collect_garbage from restoring it as an interrupted commit. It is
         # written below the parent, where the name is never followed if it became a link.
         parent.child(name).write(OWNER_FILE, seal.encode({"deleting": True}))
         trash = trash_name(name, uuid.uuid4().hex[:16])
         parent.rename(name, trash)
         parent.persist([name])
-        try:
-            parent.delete_tree(trash)
-        except OSError as exc:
-            log.warning("could not remove %s (collect_garbage will): %s", parent.where(trash), exc)
+
+        def remove() -> None:
+            try:
+                parent.delete_tree(trash)
+            except OSError as exc:
+                log.warning(
+                    "could not remove %s (collect_garbage will): %s", parent.where(trash), exc
+                )
+
+        return remove
 
     def retiring(self, checkpoint: Store) -> bool:
         return checkpoint.exists(OWNER_FILE)

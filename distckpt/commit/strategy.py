@@ -75,7 +75,13 @@ class CommitStrategy(Protocol):
         it, and start the save (coordinator)."""
 
     def retire(self, checkpoint: Store) -> None:
-        """Delete a committed checkpoint so that no reader ever sees half of it."""
+        """Delete a committed checkpoint so that no reader ever sees half of it.
+
+        A strategy may also have ``withdraw(checkpoint) -> Callable[[], None]``, the first
+        part of it: from then on nobody opens or adopts ``checkpoint``; it returns the
+        rest of the deletion (which a later :meth:`collect_garbage` finishes if it never
+        runs). Background retention runs that rest off the save path; without
+        ``withdraw``, all of :meth:`retire` is the rest."""
 
     def retiring(self, checkpoint: Store) -> bool:
         """Whether ``checkpoint`` was being deleted by a retention that did not finish."""

@@ -16,6 +16,7 @@ Call order (the coordinator makes every call but :func:`save_root`)::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import cast
 
 from distckpt.commit.claim import CLAIM
@@ -37,6 +38,7 @@ __all__ = [
     "save_root",
     "skipped",
     "strategy",
+    "withdraw",
 ]
 
 
@@ -84,6 +86,18 @@ def retire(checkpoint: Store) -> None:
     system mark it, rename it out of sight, then remove it; on an object store delete its
     index first, then its data."""
     strategy(checkpoint).retire(checkpoint)
+
+
+def withdraw(checkpoint: Store) -> Callable[[], None]:
+    """The first part of :func:`retire`: once it returns nobody opens or adopts
+    ``checkpoint``; it returns the rest of the deletion (see
+    :meth:`~distckpt.commit.strategy.CommitStrategy.retire`)."""
+    found = strategy(checkpoint)
+    first = getattr(found, "withdraw", None)
+    if first is None:  # a plug-in's strategy without it: all of retire is the rest
+        return lambda: found.retire(checkpoint)
+    rest: Callable[[], None] = first(checkpoint)
+    return rest
 
 
 def retiring(checkpoint: Store) -> bool:

@@ -41,10 +41,14 @@ import logging
 import os
 import secrets
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from distckpt import settings
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import announce
 from distckpt.commit.transaction import collect_garbage
@@ -96,6 +100,13 @@ class CheckpointManager:
     persistent ones go to each node's own storage, copied to peers on other nodes, and
     :meth:`restore_or_initialize` prefers a newer whole local step (see
     :mod:`distckpt.training.tiers`).
+    ``delete_in_background=True`` takes the deletion of checkpoints that fall out of the
+    list off the save path: the save still withdraws each of them (marks it and renames
+    it out of sight, or deletes its index on an object store: it is never listed,
+    adopted or restored again), and a thread of rank 0 removes the rest while training
+    goes on; :meth:`sync` (which the next save, a restore and :meth:`close` call) waits
+    for it. A removal cut short (a crash) leaves a leftover that the next save's garbage
+    collection finishes.
     ``comm`` defaults to :func:`distckpt.comm.auto`; ``clock`` (seconds, default
     ``time.time``) is read on rank 0 only. Collective.
 
@@ -122,6 +133,7 @@ class CheckpointManager:
         options: CheckpointOptions | None = None,
         prepare_async: bool = False,
         local: LocalTier | None = None,
+        delete_in_background: bool = False,
         **keywords: Unpack[ManagerKeywords],
     ) -> None:
         self._options = merge(options, keywords, MANAGER, "CheckpointManager")
@@ -145,6 +157,7 @@ class CheckpointManager:
         self._clock = clock
         self._closed = False
         self._pending: AsyncSave | None = None
+        self._deletions = Deletions() if delete_in_background else None
         self._local: LocalSaves | None = None
         self.restored: Restored | None = None
         #: This rank's :class:`~distckpt.SaveResult` of the last save that succeeded
@@ -330,8 +343,14 @@ class CheckpointManager:
 
         def after_commit() -> None:  # rank 0, once the checkpoint is committed
             self._kept.write_pointer(decision["state"])
-            for old in decision["doomed"]:  # only now that the pointer no longer names them
-                self._kept.delete(old)
+            # Only now that the pointer no longer names them: out of sight at once, the
+            # rest of each deletion here or in the background.
+            rests = [self._kept.withdraw(old) for old in decision["doomed"]]
+            if self._deletions is not None:
+                self._deletions.start(rests)
+            else:
+                for rest in rests:
+                    rest()
 
         def committed() -> None:
             self._kept.set_state(decision["state"])
@@ -378,13 +397,18 @@ class CheckpointManager:
         return handle
 
     def sync(self) -> None:
-        """Wait for this manager's background save, if any; raise its error. Local."""
+        """Wait for this manager's background save, if any, and raise its error; then for
+        the deletions of ``delete_in_background`` (which never raise). Local."""
         handle, self._pending = self._pending, None
-        if handle is not None:
-            try:
-                handle.wait()
-            finally:
-                background.finish_pending()
+        try:
+            if handle is not None:
+                try:
+                    handle.wait()
+                finally:
+                    background.finish_pending()
+        finally:
+            if self._deletions is not None:
+                self._deletions.wait()
 
     # ------------------------------------------------------------ restoring
 
@@ -445,6 +469,8 @@ class CheckpointManager:
         try:
             self.sync()
         finally:
+            if self._deletions is not None:
+                self._deletions.close()
             self._own.release()
 
     def __enter__(self) -> CheckpointManager:
@@ -458,3 +484,40 @@ class CheckpointManager:
             f"CheckpointManager({self._directory!r}, max_to_keep={self._kept.max_to_keep}, "
             f"checkpoints={self._kept.managed})"
         )
+
+
+class Deletions:
+    """The rest of each deletion of ``delete_in_background``, run by one thread (rank 0)."""
+
+    def __init__(self) -> None:
+        self._runner: ThreadPoolExecutor | None = None
+        self._running: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def start(self, rests: list[Callable[[], None]]) -> None:
+        with self._lock:
+            if self._runner is None:
+                self._runner = ThreadPoolExecutor(1, thread_name_prefix="distckpt-delete")
+            self._running += [self._runner.submit(rest) for rest in rests]
+
+    def wait(self) -> None:
+        """Wait for the deletions started so far, for at most ``DISTCKPT_TIMEOUT``
+        seconds (then log and go on: a later save's garbage collection finishes them)."""
+        with self._lock:
+            running, self._running = self._running, []
+        if running:
+            limit = settings.TIMEOUT.value()
+            _, late = futures.wait(running, timeout=limit)
+            if late:
+                log.warning(
+                    "%d deletions of old checkpoints still running after %.0f s; going on",
+                    len(late),
+                    limit,
+                )
+
+    def close(self) -> None:
+        self.wait()
+        with self._lock:
+            runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.shutdown(wait=False)

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from distckpt.commit.transaction import retire, retiring
+from distckpt.commit.transaction import retiring, withdraw
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from distckpt.format.index import read_index
 from distckpt.numbering import numbered
@@ -269,7 +269,23 @@ class Retention:
 
     def delete(self, name: str) -> None:
         """Rank 0: delete the checkpoint ``name`` so that no reader sees half of it."""
+        self.withdraw(name)()
+
+    def withdraw(self, name: str) -> Callable[[], None]:
+        """Rank 0: the first part of :meth:`delete` (from now on nobody opens or adopts
+        ``name``); returns the rest, which never raises (a failure is logged, and a later
+        save's garbage collection finishes the deletion)."""
+        where = self.store.where(name)
         try:
-            retire(self.store.child(name))
+            rest = withdraw(self.store.child(name))
         except OSError as exc:
-            log.warning("could not retire checkpoint %s: %s", self.store.where(name), exc)
+            log.warning("could not retire checkpoint %s: %s", where, exc)
+            return lambda: None
+
+        def finish() -> None:
+            try:
+                rest()
+            except Exception as exc:  # off the save path: reported, finished by a later GC
+                log.warning("could not finish deleting checkpoint %s: %s", where, exc)
+
+        return finish

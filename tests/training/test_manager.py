@@ -16,7 +16,9 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -526,3 +528,56 @@ def test_retention_across_ranks(backend: Backend) -> None:
     older, _ = sr.manager_checkpoint()
     older.restore(f"{run}/ckpt-3", COMM).assert_consumed()
     assert torch.equal(older.w, sr.manager_values(3)[1])
+
+
+def test_delete_in_background_withdraws_at_once_and_removes_off_the_save_path(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delete_in_background=True``: the save returns while the removal of the checkpoint
+    it retired is still held back, that checkpoint already out of sight (never listed,
+    adopted or restored); the removal ends by ``sync`` (which a newer manager of the
+    directory also calls before taking it over); a second save in the background waits
+    for both. On every store."""
+    from distckpt.training import retention
+
+    entered, gate = threading.Event(), threading.Event()
+    real = retention.Retention.withdraw
+
+    def held_back(self: retention.Retention, name: str) -> Callable[[], None]:
+        rest = real(self, name)
+
+        def later() -> None:
+            entered.set()
+            assert gate.wait(60), "the test never let the removal go on"
+            rest()
+
+        return later
+
+    monkeypatch.setattr(retention.Retention, "withdraw", held_back)
+    run = f"{backend.url}/run"
+    ckpt = _ckpt(1.0)
+    manager = CheckpointManager(ckpt, run, max_to_keep=1, comm=COMM, delete_in_background=True)
+    try:
+        manager.save()
+        ckpt.w.fill_(2.0)
+        assert manager.save() == f"{run}/ckpt-2"
+        assert entered.wait(30)  # the removal of ckpt-1 runs now, held back
+        assert _names(manager.checkpoints) == ["ckpt-2"]
+        assert latest_checkpoint(run) == f"{run}/ckpt-2"
+        # Withdrawn before the save returned: no index under its name, so nothing opens
+        # or adopts it (a manager adopts committed checkpoints only).
+        assert not index_mod.is_committed(f"{run}/ckpt-1")
+        gate.set()
+        manager.sync()
+        assert not [k for k in backend.keys(run) if k.startswith(("ckpt-1", ".ckpt-1"))]
+        ckpt.w.fill_(3.0)
+        handle = manager.save(async_save=True)
+        manager.sync()  # the background save, then the removal of ckpt-2
+        assert handle.done()
+        assert not [k for k in backend.keys(run) if k.startswith(("ckpt-2", ".ckpt-2"))]
+        restored = _ckpt()
+        restored.restore(latest_checkpoint(run), COMM).assert_consumed()
+        assert torch.equal(restored.w, torch.full((3,), 3.0))
+    finally:
+        gate.set()
+        manager.close()
