@@ -32,6 +32,15 @@ Timing: :func:`harness.timed` in one process (on CUDA each operation ends with a
 the caller waits for). On a disk (not tmpfs) the contender's files are evicted from the
 page cache before each timed load (``--cache warm`` keeps them).
 
+Evidence (``--evidence``, needs ``py-spy``): after the rounds, one more untimed save and
+load of each contender, each with ``py-spy record --gil`` attached to this process
+(samples of the thread holding the GIL, at ``--gil-rate`` per second): the seconds per
+GiB some thread of the process held the GIL (its Python work, which no other thread can
+do meanwhile), and the share of the I/O workers' time they sat idle while the operation
+still had bytes to move (``distckpt.transfer.workers.USAGE``; raw's own pool the same
+way). py-spy counts about 10% low; the process is slowed by the sampling, so these runs
+are not timed.
+
 Correctness: element k of tensor i holds the low bits of a hash of (i, k) (sign and top
 exponent bit clear: finite values). Targets are filled with all-ones bits before every load; after
 it the first, the last and two random rows of every tensor and one whole tensor
@@ -47,7 +56,10 @@ import os
 import random
 import resource
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -184,6 +196,7 @@ class Bench(h.PatternTensors):
             self.io = {"distckpt": {}, "distckpt-1": {}}
         self.io["distckpt-async"] = self.io["distckpt"]
         self.pool = ThreadPoolExecutor(args.workers, thread_name_prefix="raw")
+        self.raw_usage = {"busy_s": 0.0, "capacity_s": 0.0}  # raw's pool, as USAGE counts
         shape = (self.rows, self.cols)
         # host buffers: pinned (CUDA: raw's staging and the copy anchor) or touched (CPU copy)
         self.host = [torch.zeros(shape, dtype=self.dtype, pin_memory=self.cuda) for _ in self.names]
@@ -228,18 +241,32 @@ class Bench(h.PatternTensors):
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, tensors)]
         crc = who == "raw-crc-1"
         if who == "raw":
-            list(self.pool.map(lambda f: write_file(*f), files))
+            self.on_pool(write_file, files)
         else:  # one thread: the calling one, as distckpt-1 writes
             for f in files:
                 write_file(*f, crc=crc)
         fsync_dir(path)
+
+    def on_pool(self, fn: Callable[..., None], files: list[tuple[Path, memoryview]]) -> None:
+        """``fn(*f)`` for every f on raw's T threads, their busy time counted."""
+        busy = []
+
+        def run(f: tuple[Path, memoryview]) -> None:
+            t = time.perf_counter()
+            fn(*f)
+            busy.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        list(self.pool.map(run, files))
+        self.raw_usage["busy_s"] += sum(busy)
+        self.raw_usage["capacity_s"] += (time.perf_counter() - t0) * self.workers
 
     def raw_load(self, path: Path, who: str = "raw") -> None:
         targets = self.host if self.cuda else list(self.dst.values())
         files = [(path / f"{n}.bin", self.bytes_of(t)) for n, t in zip(self.names, targets)]
         crc = who == "raw-crc-1"
         if who == "raw":
-            list(self.pool.map(lambda f: read_file(*f), files))
+            self.on_pool(read_file, files)
         else:
             for f in files:
                 read_file(*f, crc=crc)
@@ -294,6 +321,46 @@ class Bench(h.PatternTensors):
             got = self.torch.load(path / "state.pt", map_location=self.device, weights_only=True)
         self.sync()
         return timings, got
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+class GilProbe:
+    """``py-spy record --gil`` attached to this process while the ``with`` block runs:
+    ``gil_s``, the seconds some thread held the GIL (samples / rate), and ``wall_s``."""
+
+    def __init__(self, rate: int) -> None:
+        found = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        if not os.path.exists(found):
+            raise SystemExit("--evidence needs py-spy (pip install py-spy)")
+        self.spy, self.rate = found, rate
+        self.gil_s = self.wall_s = 0.0
+
+    def __enter__(self) -> GilProbe:
+        fd, self.out = tempfile.mkstemp(suffix=".raw")
+        os.close(fd)
+        command = [self.spy, "record", "--gil", "--nonblocking", "--format", "raw"]
+        command += ["-r", str(self.rate), "-p", str(os.getpid()), "-o", self.out]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()  # "Sampling process ...": attached
+        if "Sampling" not in first:
+            self.proc.kill()
+            raise SystemExit(f"py-spy did not attach: {first.strip()}")
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall_s = time.perf_counter() - self.t0
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.communicate(timeout=120)
+        with open(self.out) as f:  # "stack;frames count" per line
+            samples = sum(int(line.rsplit(" ", 1)[1]) for line in f if line.strip())
+        os.unlink(self.out)
+        self.gil_s = samples / self.rate
 
 
 # --------------------------------------------------------------------------- driver
@@ -415,6 +482,53 @@ class Driver(h.Driver):
                 if times:
                     print(f" r{rnd} {op:5} {times}", flush=True)
             print(f" r{rnd} other CPU before {tag['busy_before_round']:.0%}, timed max {oth:.0%}")
+        if a.evidence:
+            self.evidence(bench, d, fs, paths)
+
+    def evidence(self, bench: Bench, d: Path, fs: str, paths: dict[str, Path]) -> None:
+        """One untimed save and load per contender under the GIL probe (see the module
+        docstring); an ``evidence`` event each."""
+        from distckpt.transfer.workers import USAGE
+
+        for who in (w for w in self.args.contenders if w != "copy"):
+            ops: list[tuple[str, Callable[[], Any]]] = [
+                ("save", lambda w=who: [f() for f in self.untimed(bench, w, paths[w])])
+            ]
+            if who in LOADERS and not self.args.saves_only:
+                ops.append(("load", lambda w=who: bench.load(w, paths[w])))
+            for what, op in ops:
+                if what == "load":
+                    bench.reset()
+                usage = USAGE if who.startswith("distckpt") else None
+                before = usage.snapshot() if usage else dict(bench.raw_usage)
+                with GilProbe(self.args.gil_rate) as probe:
+                    op()
+                after = usage.snapshot() if usage else dict(bench.raw_usage)
+                capacity = after["capacity_s"] - before["capacity_s"]
+                busy = after["busy_s"] - before["busy_s"]
+                idle = 1 - busy / capacity if capacity > 0 else None
+                self.events.append(
+                    {
+                        "dir": str(d),
+                        "fs": fs,
+                        "op": "evidence",
+                        "what": what,
+                        "who": who,
+                        "gil_s_per_GiB": probe.gil_s * h.GiB / bench.nbytes,
+                        "idle_share": idle,
+                        "wall_s": probe.wall_s,
+                    }
+                )
+
+    def untimed(self, bench: Bench, who: str, path: Path) -> list[Callable[[], Any]]:
+        """``who``'s save steps as plain calls (the async save's wait takes the handle)."""
+        shutil.rmtree(path, ignore_errors=True)
+        steps = bench.steps(who, path)
+        if len(steps) == 1:
+            return steps
+        first, wait = steps
+        held: list[Any] = []
+        return [lambda: held.append(first()), lambda: wait(held[0])]
 
     def save(self, bench: Bench, who: str, path: Path, rnd: int) -> list[dict[str, Any]]:
         """Delete ``who``'s previous files, then its timed save; its events."""
@@ -459,8 +573,10 @@ RATIOS: list[tuple[str, str, tuple[str, float] | None]] = [
 def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (dir, op, contender): the spread of the times and GB/s; the ratios."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    evidence = [e for e in events if e["op"] == "evidence"]
     for e in events:
-        groups.setdefault((e["dir"], e["op"], e["who"]), []).append(e)
+        if e["op"] != "evidence":
+            groups.setdefault((e["dir"], e["op"], e["who"]), []).append(e)
     rows = []
     for (d, op, who), es in groups.items():
         spans = [e["span"] for e in es]
@@ -503,7 +619,7 @@ def summarize(args: argparse.Namespace, events: list[dict[str, Any]]) -> dict[st
                     | dict.fromkeys(("paired_median", "paired_min", "paired_max"), value)
                     | h.target(value, ("<=", 1.3))
                 )
-    return {"rows": rows, "ratios": ratios}
+    return {"rows": rows, "ratios": ratios, "evidence": evidence}
 
 
 def print_report(summary: dict[str, Any]) -> None:
@@ -525,6 +641,15 @@ def print_report(summary: dict[str, Any]) -> None:
             print(
                 f"  {r['fs'][:6]:6} {r['who']:14} user {r['user_median_s']:.3f}  "
                 f"sys {r['sys_median_s']:.3f}  sys of the slowest {r['sys_of_slowest_s']:.3f}"
+            )
+    if summary.get("evidence"):
+        print("\nevidence (one untimed save and load each, under py-spy --gil)")
+        print(f"  {'fs':6} {'op':5} {'who':14} {'GIL s/GiB':>9} {'workers idle':>12}")
+        for e in summary["evidence"]:
+            idle = "" if e["idle_share"] is None else f"{100 * e['idle_share']:11.0f}%"
+            print(
+                f"  {e['fs'][:6]:6} {e['what']:5} {e['who']:14} {e['gil_s_per_GiB']:9.3f} "
+                f"{idle:>12}"
             )
     print()
     h.print_fs_ratios(summary["ratios"])
@@ -567,6 +692,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="time the saves only (loads are verified in the warm-up): no load, no check "
         "between two saves allocates and frees memory (see the steadiness section)",
     )
+    p.add_argument(
+        "--evidence",
+        action="store_true",
+        help="after the rounds, one untimed save and load each under py-spy --gil: GIL-held "
+        "seconds per GiB and the I/O workers' idle share",
+    )
+    p.add_argument("--gil-rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 2 rounds, tmpfs only")
     return h.settle_rank_args(
         p.parse_args(argv), ["/dev/shm/distckpt-bench", "/tmp/distckpt-bench"]

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -165,6 +166,34 @@ def _release(key: PoolKey) -> None:
             _users[key] -= 1
 
 
+class Usage:
+    """How busy the I/O workers were, over every task group of this process so far:
+    ``busy_s``, the seconds the tasks ran; ``capacity_s``, the workers' seconds (workers x
+    the time from a group's first task to the end of its last). ``1 - busy_s /
+    capacity_s`` is the share of the workers' time spent waiting while a group still had
+    bytes to move (``benchmarks/bench_rank.py`` reports it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.tasks = 0
+        self.busy_s = 0.0
+        self.capacity_s = 0.0
+
+    def add(self, tasks: int, busy_s: float, capacity_s: float) -> None:
+        with self._lock:
+            self.tasks += tasks
+            self.busy_s += busy_s
+            self.capacity_s += capacity_s
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {"tasks": self.tasks, "busy_s": self.busy_s, "capacity_s": self.capacity_s}
+
+
+#: The process's :class:`Usage` of its I/O workers.
+USAGE = Usage()
+
+
 class TaskGroup:
     """Tasks of one save or load on the I/O pool; :meth:`wait` raises the first failure.
 
@@ -198,6 +227,8 @@ class TaskGroup:
         self._lock = threading.Lock()
         self._on_bytes = on_bytes
         self.cancelled = threading.Event()
+        self._first: float | None = None  # when the first task of this round was submitted
+        self._busy = 0.0  # seconds the tasks of this round ran (summed under ``_lock``)
 
     def submit(
         self,
@@ -207,6 +238,8 @@ class TaskGroup:
     ) -> Future[Any]:
         """Run ``fn(*args)`` on a worker; ``release()`` runs after it, or instead of it
         when the task is skipped, in every case (it frees what the task held)."""
+        if self._first is None:
+            self._first = time.perf_counter()
         if self.inline:
             future: Future[Any] = Future()
             try:
@@ -228,14 +261,16 @@ class TaskGroup:
         args: tuple[Any, ...],
         release: Callable[[], None] | None,
     ) -> int | None:
+        start = time.perf_counter()
         try:
             try:
                 n = None if self.cancelled.is_set() else fn(*args)
             finally:
                 if release is not None:
                     release()
-            if n and self._on_bytes is not None:
-                with self._lock:
+            with self._lock:
+                self._busy += time.perf_counter() - start
+                if n and self._on_bytes is not None:
                     self._on_bytes(n)
         except BaseException:
             self.cancelled.set()
@@ -277,6 +312,11 @@ class TaskGroup:
                 self.cancelled.set()
                 interrupted = interrupted or exc
         done, self._futures = self._futures, []
+        if self._first is not None:
+            span = time.perf_counter() - self._first
+            with self._lock:
+                busy, self._busy, self._first = self._busy, 0.0, None
+            USAGE.add(len(done), busy, span * (1 if self.inline else self.workers))
         if self._held:
             _release(self._key)
             self._held = False
