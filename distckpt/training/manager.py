@@ -41,14 +41,10 @@ import logging
 import os
 import secrets
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from distckpt import settings
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import announce
 from distckpt.commit.transaction import collect_garbage
@@ -62,7 +58,7 @@ from distckpt.storage.registry import is_remote, open_store
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.lock import STALE_SECONDS
 from distckpt.training.ownership import Ownership
-from distckpt.training.retention import Retention
+from distckpt.training.retention import Deletions, Retention
 from distckpt.training.schedule import LOCAL, PERSISTENT, Schedule
 from distckpt.training.tiers import LocalSaves, Restored, run_identity
 
@@ -484,40 +480,3 @@ class CheckpointManager:
             f"CheckpointManager({self._directory!r}, max_to_keep={self._kept.max_to_keep}, "
             f"checkpoints={self._kept.managed})"
         )
-
-
-class Deletions:
-    """The rest of each deletion of ``delete_in_background``, run by one thread (rank 0)."""
-
-    def __init__(self) -> None:
-        self._runner: ThreadPoolExecutor | None = None
-        self._running: list[Future[None]] = []
-        self._lock = threading.Lock()
-
-    def start(self, rests: list[Callable[[], None]]) -> None:
-        with self._lock:
-            if self._runner is None:
-                self._runner = ThreadPoolExecutor(1, thread_name_prefix="distckpt-delete")
-            self._running += [self._runner.submit(rest) for rest in rests]
-
-    def wait(self) -> None:
-        """Wait for the deletions started so far, for at most ``DISTCKPT_TIMEOUT``
-        seconds (then log and go on: a later save's garbage collection finishes them)."""
-        with self._lock:
-            running, self._running = self._running, []
-        if running:
-            limit = settings.TIMEOUT.value()
-            _, late = futures.wait(running, timeout=limit)
-            if late:
-                log.warning(
-                    "%d deletions of old checkpoints still running after %.0f s; going on",
-                    len(late),
-                    limit,
-                )
-
-    def close(self) -> None:
-        self.wait()
-        with self._lock:
-            runner, self._runner = self._runner, None
-        if runner is not None:
-            runner.shutdown(wait=False)

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from distckpt import settings
 from distckpt.commit.transaction import retiring, withdraw
 from distckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from distckpt.format.index import read_index
@@ -289,3 +293,40 @@ class Retention:
                 log.warning("could not finish deleting checkpoint %s: %s", where, exc)
 
         return finish
+
+
+class Deletions:
+    """The rest of each deletion of ``delete_in_background``, run by one thread (rank 0)."""
+
+    def __init__(self) -> None:
+        self._runner: ThreadPoolExecutor | None = None
+        self._running: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def start(self, rests: list[Callable[[], None]]) -> None:
+        with self._lock:
+            if self._runner is None:
+                self._runner = ThreadPoolExecutor(1, thread_name_prefix="distckpt-delete")
+            self._running += [self._runner.submit(rest) for rest in rests]
+
+    def wait(self) -> None:
+        """Wait for the deletions started so far, for at most ``DISTCKPT_TIMEOUT``
+        seconds (then log and go on: a later save's garbage collection finishes them)."""
+        with self._lock:
+            running, self._running = self._running, []
+        if running:
+            limit = settings.TIMEOUT.value()
+            _, late = futures.wait(running, timeout=limit)
+            if late:
+                log.warning(
+                    "%d deletions of old checkpoints still running after %.0f s; going on",
+                    len(late),
+                    limit,
+                )
+
+    def close(self) -> None:
+        self.wait()
+        with self._lock:
+            runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.shutdown(wait=False)
