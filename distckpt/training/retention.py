@@ -13,7 +13,9 @@ update) is adopted by :meth:`Retention.recover`.
 new list does rank 0 delete what fell out of it (:meth:`Retention.delete`, through
 :func:`~distckpt.commit.transaction.retire`: marked, renamed out of sight or withdrawn
 index first, then removed). A crash leaves at worst a leftover that the next save's
-garbage collection removes; a checkpoint marked for deletion is never adopted.
+garbage collection removes; a checkpoint marked for deletion is never adopted. With
+``delete_in_background`` the save only withdraws (:meth:`Retention.withdraw`: marked and
+out of sight) and :class:`Deletions` runs the rest on a thread of rank 0.
 
 Rank 0 reads and writes the pointer and deletes; every rank holds the same list (set
 from what rank 0 broadcast).
