@@ -289,7 +289,8 @@ def _unowned_alive(staging: Store, stale_seconds: float) -> bool:
     A save removes its owner file only after writing the index, just before the rename: a
     directory with an index is a commit under way (or interrupted), judged by its age.
     One without an index belongs to no running save, except in the instant between the
-    coordinator making it and writing the owner file, when it is empty. Anything else is
+    coordinator making it and writing the owner file, when it is empty (or holds the owner
+    file by the time it is listed: the save began between the two looks). Anything else is
     what a dead save left: files a rank wrote after its coordinator removed the
     directory (recreating it), or a removal cut short."""
     try:
@@ -299,10 +300,12 @@ def _unowned_alive(staging: Store, stale_seconds: float) -> bool:
     if is_committed(staging):
         return _committing(staging, age, stale_seconds)
     try:
-        empty = not staging.list()
+        entries = staging.list()
     except OSError:
         return False
-    return empty and age < HEARTBEAT_SECONDS
+    if OWNER_FILE in entries:  # written since it was looked for: a save that just began
+        return True
+    return not entries and age < HEARTBEAT_SECONDS
 
 
 def _committing(staging: Store, age: float, stale_seconds: float) -> bool:

@@ -75,3 +75,38 @@ def test_two_jobs_save_one_name(backend: Backend, tmp_path: Path) -> None:
         assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
         assert claim_mod.read_claim(open_store(path)) is None
     assert len(set(winners)) == 2, f"one process won every round: {winners}"
+
+
+def test_a_save_that_begins_while_garbage_collection_judges_it_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Garbage collection of a directory (every save's coordinator runs it on the parent)
+    looks for the owner file of a staging directory a save has just made, finds none, and
+    lists the directory after the save wrote it: that save is live, and its directory
+    stays. The interleaving is forced: the first look fails the moment the owner file is
+    written. Before, a listing that was not empty, without an index, read as a dead save's
+    leftover, and a save into a sibling path removed a live save's staging directory (3
+    ranks saving alone into replica-0, -1 and -2 of one directory)."""
+    from distckpt.commit import staging as staging_mod
+
+    parent = open_store(tmp_path)
+    entry = staging_mod.staging_name("replica-2", "ab12cd34")
+    (tmp_path / entry).mkdir()  # the save has made its directory, not yet its owner file
+    live = parent.child(entry)
+    store_type = type(live)
+    real_age = store_type.age
+    owner = {"host": staging_mod.socket.gethostname(), "pid": staging_mod.os.getpid()}
+
+    def age(self: Any, key: str = "") -> float:
+        if key == staging_mod.OWNER_FILE and self.url == live.url:
+            try:
+                return float(real_age(self, key))
+            except FileNotFoundError:
+                # The save writes its owner file just after this look found none.
+                live.write(key, staging_mod.seal.encode(owner))
+                raise
+        return float(real_age(self, key))
+
+    monkeypatch.setattr(store_type, "age", age)
+    assert staging_mod.collect(parent) == []
+    assert (tmp_path / entry / staging_mod.OWNER_FILE).exists()
