@@ -374,48 +374,37 @@ class PieceReader:
         if out.shape[1:] != inner[1:] or any(c.lengths != inner for c in chunks):
             return None
         chunk_bytes = math.prod(inner) * self.dtype.itemsize
-        step = chunk_bytes + 4
-        # The run's checks for all of its chunks at once (NumPy, not a loop per chunk):
-        # stored back to back, each whole, filling consecutive rows of ``out``.
-        linears = np.fromiter((c.linear for c in chunks), dtype=np.intp, count=n)
-        rows = np.fromiter((c.part[0] for c in chunks), dtype=np.int64, count=n)
-        where = header.index[linears]
-        first = int(where[0, 0])
-        ks = np.arange(n, dtype=np.uint64)
-        row = int(rows[0]) - src.offsets[0]
-        if (
-            np.any(where[:, 0] != first + ks * step)
-            or np.any(where[:, 1] != step)
-            or np.any(rows - rows[0] != np.arange(n, dtype=np.int64) * inner[0])
-        ):
-            return None
+        first = int(header.index[chunks[0].linear][0])
+        row = chunks[0].part[0] - src.offsets[0]
+        for k, chunk in enumerate(chunks):
+            offset, length = (int(v) for v in header.index[chunk.linear])
+            if (
+                offset != first + k * (chunk_bytes + 4)
+                or length != chunk_bytes + 4
+                or chunk.part[0] - src.offsets[0] != row + k * inner[0]
+            ):
+                return None
         index_start = header.size - (len(header.index) * 16 + 4)
-        if first < header.head or first + n * step > index_start:
+        if first < header.head or first + n * (chunk_bytes + 4) > index_start:
             return None  # (not where chunks can be: read one by one, and refused there)
         flat = as_bytes(out)
         start = row * (chunk_bytes // inner[0])
-        region = flat[start : start + n * chunk_bytes].data
-        places = [region[k * chunk_bytes : (k + 1) * chunk_bytes] for k in range(n)]
+        places = [flat[start + k * chunk_bytes : start + (k + 1) * chunk_bytes] for k in range(n)]
         tails = np.empty((n, 4), dtype=np.uint8)
         buffers: list[Any] = [b for k in range(n) for b in (places[k], tails[k])]
         got = fd.readinto(buffers, first)
-        whole = min(n, got // step)
-        crcs = np.fromiter((_crc.crc32c(p) for p in places[:whole]), dtype="<u4", count=whole)
-        stored = tails[:whole].reshape(-1).view("<u4")
-        bad = (stored != header.table[linears[:whole]]) | (crcs != stored)
-        if whole < n or np.any(bad):
-            k = int(np.argmax(bad)) if np.any(bad) else whole
-            chunk = chunks[k]
+        for k, chunk in enumerate(chunks):
             coord = tuple(o // i for o, i in zip(chunk.offsets, inner, strict=True))
-            if k == whole:
+            if got < (k + 1) * (chunk_bytes + 4):
                 raise self._corrupt(f"inner chunk {coord} is truncated")
-            raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
-        if header.hashes is not None:  # (a reader that checks a signed checkpoint's)
-            for k, chunk in enumerate(chunks):
-                coord = tuple(o // i for o, i in zip(chunk.offsets, inner, strict=True))
+            stored = int.from_bytes(tails[k].tobytes(), "little")
+            expected = int(header.table[chunk.linear])
+            if stored != expected or _crc.crc32c(places[k].data) != stored:
+                raise self._corrupt(f"inner chunk {coord} fails its crc32c checksum")
+            if header.hashes is not None:  # (a reader that checks a signed checkpoint's)
                 want = header.hash_of(chunk.linear)
                 self._check_hash(want, f"inner chunk {coord}", places[k], tails[k])
-        return n * step
+        return n * (chunk_bytes + 4)
 
     def read_sharded(
         self, block: Sequence[int], inner: Sequence[int], src: Box, out: np.ndarray

@@ -266,26 +266,19 @@ class ShardFile:
         slots = [self._slot[linear] for linear, _ in chunks]
         if self.codec is not None or any(b != a + 1 for a, b in zip(slots, slots[1:])):
             return sum(self.write(linear, raw) for linear, raw in chunks)  # one at a time
-        # Per chunk only what must be: its crc32c (first: the digest and the write then
-        # find it in the cache) and, when asked, its digest and hash; the tails, the
-        # table and the index are filled for the whole run at once.
-        views = [_view(raw) for _, raw in chunks]
-        crcs = np.fromiter((_crc.crc32c(v) for v in views), dtype="<u4", count=len(views))
-        linears = np.fromiter((linear for linear, _ in chunks), dtype=np.intp, count=len(views))
-        tails = crcs.view(np.uint8).reshape(-1, 4)
-        if self.digests is not None:
-            for (linear, _), v in zip(chunks, views, strict=True):
-                self.digests[linear] = digests.chunk_digest(v)
-        if self._hasher is not None:
-            for k, (linear, raw) in enumerate(chunks):
-                self._hash(linear, raw, tails[k].tobytes())
-        buffers: list[Any] = [b for k, v in enumerate(views) for b in (v, tails[k])]
-        self.table[linears] = crcs
-        step = self.chunk_bytes + 4
-        offset = self.head + slots[0] * step
+        buffers: list[np.ndarray | bytes] = []
+        for linear, raw in chunks:
+            crc = crc32c(raw)  # first: the digest and the write then find it in the cache
+            if self.digests is not None:
+                self.digests[linear] = digests.chunk_digest(raw)
+            tail = struct.pack("<I", crc)
+            self._hash(linear, raw, tail)
+            buffers += [raw, tail]
+            self.table[linear] = crc
+        offset = self.head + slots[0] * (self.chunk_bytes + 4)
         length = self.handle.write(buffers, offset)
-        self.index[linears, 0] = offset + step * np.arange(len(views), dtype="<u8")
-        self.index[linears, 1] = step
+        for k, (linear, _) in enumerate(chunks):
+            self.index[linear] = (offset + k * (self.chunk_bytes + 4), self.chunk_bytes + 4)
         return length
 
     def _hash(self, linear: int, stored: Any, tail: bytes) -> None:

@@ -225,20 +225,16 @@ def _will_need(fd: ReadHandle, header: ShardHeader, chunks: list[ChunkRead]) -> 
     reading them now, an object store fetches each run in one request; the task then
     reads them a chunk at a time (checksumming each while it is in the CPU cache).
     Entries that cannot be right are left to the read to report."""
-    linears = np.fromiter((c.linear for c in chunks), dtype=np.intp, count=len(chunks))
-    spans = header.index[linears]
-    starts, lengths = spans[:, 0], spans[:, 1]
-    fits = (starts != EMPTY) & (lengths <= header.size) & (starts <= header.size - lengths)
-    order = np.argsort(starts[fits], kind="stable")
-    starts, ends = starts[fits][order], (starts + lengths)[fits][order]
-    if not len(starts):
-        return
-    # A run begins where a span does not start at the previous one's end.
-    begins = np.flatnonzero(np.r_[True, starts[1:] != ends[:-1]])
-    last = np.r_[begins[1:] - 1, len(starts) - 1]
-    fd.will_need(
-        [(int(a), int(b) - int(a)) for a, b in zip(starts[begins], ends[last], strict=True)]
-    )
+    spans = sorted((int(header.index[c.linear][0]), int(header.index[c.linear][1])) for c in chunks)
+    runs: list[list[int]] = []
+    for offset, length in spans:
+        if offset == EMPTY or offset + length > header.size:
+            continue
+        if runs and runs[-1][1] == offset:
+            runs[-1][1] = offset + length
+        else:
+            runs.append([offset, offset + length])
+    fd.will_need([(first, end - first) for first, end in runs])
 
 
 def _read_chunks(

@@ -447,13 +447,7 @@ def _write_run(
 ) -> int:
     buf = scratch(shard.chunk_bytes, 0)
     together: list[tuple[int, np.ndarray]] = []  # whole chunks read in place: one request
-    # A whole chunk that is one run of C-contiguous data is a slice of its bytes: no
-    # array view to make per chunk.
-    flat = shard_io.as_bytes(data) if data.flags.c_contiguous else None
     for part in run:
-        if part.whole and flat is not None and part.start is not None:
-            together.append((part.linear, flat[part.start : part.start + part.nbytes]))
-            continue
         values = data[part.slices]
         if part.whole and values.flags.c_contiguous:
             together.append((part.linear, shard_io.as_bytes(values)))
