@@ -194,6 +194,8 @@ class Bench(h.PatternTensors):
         self.io = {"distckpt": {"io_workers": args.workers}, "distckpt-1": {"io_workers": 1}}
         if not keyword:  # the library has no io_workers= yet
             self.io = {"distckpt": {}, "distckpt-1": {}}
+        # Save-only keywords of the distckpt contenders.
+        self.shape_io = {} if not args.inner_mib else {"inner_bytes": int(args.inner_mib * 2**20)}
         self.io["distckpt-async"] = self.io["distckpt"]
         self.pool = ThreadPoolExecutor(args.workers, thread_name_prefix="raw")
         self.raw_usage = {"busy_s": 0.0, "capacity_s": 0.0}  # raw's pool, as USAGE counts
@@ -287,7 +289,7 @@ class Bench(h.PatternTensors):
         dcp, io = self.dcp, self.io.get(who, {})
         if who == "distckpt-async":
             return [
-                lambda: self.distckpt.save(self.src, path, async_save=True, **io),
+                lambda: self.distckpt.save(self.src, path, async_save=True, **io, **self.shape_io),
                 lambda handle: handle.wait().timings,
             ]
         ops: dict[str, Callable[[], Any]] = {
@@ -295,7 +297,7 @@ class Bench(h.PatternTensors):
             "raw-1": lambda: self.raw_save(path, "raw-1"),
             "raw-crc-1": lambda: self.raw_save(path, "raw-crc-1"),
             "copy": self.copy_out,
-            "distckpt": lambda: self.distckpt.save(self.src, path, **io).timings,
+            "distckpt": lambda: self.distckpt.save(self.src, path, **io, **self.shape_io).timings,
             "dcp": lambda: dcp.save(self.src, checkpoint_id=str(path), no_dist=True),
             "dcp-T": lambda: dcp.save(
                 self.src,
@@ -700,6 +702,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gil-rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 2 rounds, tmpfs only")
+    p.add_argument(
+        "--inner-mib",
+        type=float,
+        default=None,
+        help="distckpt's inner chunk size in MiB (default: the library's)",
+    )
     return h.settle_rank_args(
         p.parse_args(argv), ["/dev/shm/distckpt-bench", "/tmp/distckpt-bench"]
     )

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
+#: Bytes in a mebibyte.
 MiB = 1 << 20
 
 
@@ -117,7 +118,8 @@ IO_WORKERS: Setting[int] = Setting(
     _whole("DISTCKPT_IO_WORKERS"),
     None,
     "I/O threads per rank (`io_workers=` wins).",
-    "the rank's share of the cores, at most 32; at least 8 against an object store",
+    "the rank's share of the cores, at most 32; at most 8 for GPU tensors; at least 8 "
+    "against an object store or a network file system",
 )
 SLAB_MIB: Setting[int] = Setting(
     "DISTCKPT_SLAB_MIB",

@@ -172,9 +172,14 @@ class _Indexed(RestoreKind[Prepared]):
         if self.refused is not None:
             raise self.refused
         assert self.index is not None
-        return prepare(
+        matched = prepare(
             state, self.index, result, comm.rank, comm.size, self.options, store=self.run.store
         )
+        if matched is not None:
+            self.run = self.run.for_tensors(t.tensor for t in matched.reads)
+        result.io_workers = self.run.io_workers
+        result.io_workers_reason = self.run.workers.reason
+        return matched
 
     def offer(self, comm: Communicator, matched: Prepared) -> Any:
         """Whether this rank shares reads, and the digests of what it restores
@@ -187,7 +192,7 @@ class _Indexed(RestoreKind[Prepared]):
         self, comm: Communicator, matched: Prepared, offers: list[Any], result: LoadResult
     ) -> None:
         groups = self._groups(comm, offers)
-        _read(comm, self.run.store, matched, groups, result, self.run.io_workers, self.auth)
+        _read(comm, self.run, matched, groups, result, self.auth)
 
     def _groups(self, comm: Communicator, offers: list[Any]) -> list[exchange.Group]:
         """Collective: the exchange groups this rank belongs to, made from every rank's
@@ -207,11 +212,10 @@ class _Indexed(RestoreKind[Prepared]):
 
 def _read(
     comm: Communicator,
-    store: Store,
+    run: Resolved,
     prepared: Prepared,
     groups: list[exchange.Group],
     result: LoadResult,
-    workers: int,
     auth: str | None = None,
 ) -> None:
     """Read every prepared target: each rank its own, and a share of those it restores
@@ -227,9 +231,10 @@ def _read(
     error: BaseException | None = None
     total = sum(t.box.numel * dtypes.itemsize(t.entry["dtype"]) for t in mine)
     try:
-        with progress(f"loading {store.name} (rank 0's share)", total, rank=comm.rank) as bar:
+        label = f"loading {run.store.name} (rank 0's share, {run.workers})"
+        with progress(label, total, rank=comm.rank) as bar:
             result.bytes_read = read_targets(
-                store, mine, workers=workers, on_bytes=bar.update, auth=auth
+                run.store, mine, workers=run.io_workers, on_bytes=bar.update, auth=auth
             )
     except Exception as exc:
         error = exc

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
+from distckpt import settings
 from distckpt.format import codecs, wellformed
 from distckpt.format.codecs import Compression
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
@@ -228,11 +229,34 @@ def merge_or_refuse(
 @dataclass(frozen=True)
 class Resolved:
     """What one save or load runs with: its options, its store, and the I/O workers of
-    this rank (resolved once, where the operation starts)."""
+    this rank (resolved once, where the operation starts; :meth:`for_tensors` narrows
+    them once the tensors are known)."""
 
     options: CheckpointOptions
     store: Store
-    io_workers: int
+    workers: transfer_workers.WorkerChoice
+    local: int | None = None  # the ranks on this node, when the start had to find them
+
+    @property
+    def io_workers(self) -> int:
+        return self.workers.count
+
+    def for_tensors(self, tensors: Iterable[Any]) -> Resolved:
+        """The same run, its default worker count chosen for ``tensors`` (at most
+        :data:`~distckpt.transfer.workers.DEVICE_WORKERS` when any is on an
+        accelerator). Not collective."""
+        if self.options.io_workers is not None or not transfer_workers.on_device(tensors):
+            return self
+        return replace(self, workers=_choose(self.options, self.store, self.local, device=True))
+
+
+def _choose(
+    options: CheckpointOptions, store: Store, local: int | None, *, device: bool = False
+) -> transfer_workers.WorkerChoice:
+    path = getattr(store, "path", None) if store.capabilities.local_files else None
+    return transfer_workers.choose_io_workers(
+        options.io_workers, local, network=is_remote(store), device=device, path=path
+    )
 
 
 def resolve_run(
@@ -240,9 +264,10 @@ def resolve_run(
 ) -> Resolved:
     """The store at ``location`` and this rank's I/O workers for ``options`` (which may ask
     ``comm`` how many ranks share the node: call it on every rank); at least
-    :data:`~distckpt.transfer.workers.NETWORK_WORKERS` against an object store."""
+    :data:`~distckpt.transfer.workers.NETWORK_WORKERS` against an object store or a
+    network file system."""
     store = open_store(location)
-    workers = transfer_workers.resolve_io_workers(
-        options.io_workers, comm, network=is_remote(store)
-    )
-    return Resolved(options, store, workers)
+    local = None
+    if options.io_workers is None and not settings.IO_WORKERS.is_set():
+        local = transfer_workers.local_ranks(comm)
+    return Resolved(options, store, _choose(options, store, local), local)

@@ -20,6 +20,8 @@ class SaveResult:
     bytes_reused: int = 0  # stored bytes of the pieces taken from the base
     pieces_reused: int = 0
     save_id: str | None = None  # this save's identity, recorded in its index
+    io_workers: int = 0  # this rank's I/O threads
+    io_workers_reason: str = ""  # what chose that count (see distckpt.transfer.workers)
 
 
 @dataclass
@@ -41,3 +43,5 @@ class LoadResult:
     bytes_read: int = 0
     bytes_exchanged: int = 0  # received from ranks that read them (see transfer.exchange)
     timings: dict[str, float] = field(default_factory=dict)
+    io_workers: int = 0  # this rank's I/O threads
+    io_workers_reason: str = ""  # what chose that count (see distckpt.transfer.workers)

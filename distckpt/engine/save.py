@@ -131,6 +131,9 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
 
     def capture(self, state: dict[str, Any]) -> LocalState:
         leaves, values = gather_leaves(state, self.options.allow_pickle)
+        self.run = self.run.for_tensors(leaf.tensor for leaf in leaves)
+        self.result.io_workers = self.run.io_workers
+        self.result.io_workers_reason = self.run.workers.reason
         sources = {
             leaf.name: self.source_of(leaf.tensor, leaf.name)
             for leaf in leaves
@@ -273,7 +276,8 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         keys = [job.key for job in jobs] + [key for key, _ in files]
         root.prepare(keys)
         total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
-        with stage.progress(f"saving {self.final.name} (rank 0's share)", total) as bar:
+        label = f"saving {self.final.name} (rank 0's share, {self.run.workers})"
+        with stage.progress(label, total) as bar:
             written = write_pieces(
                 root,
                 jobs,
@@ -360,13 +364,16 @@ def save(
     tensors must hold the same value on every rank. ``path`` must not hold a committed
     checkpoint unless ``overwrite=True``, which replaces it atomically. Other Python objects
     are refused unless ``allow_pickle=True`` (they are then stored pickled, and loading them
-    needs ``allow_pickle=True`` too). Moves no ``latest`` pointer. Example::
+    needs ``allow_pickle=True`` too). Moves no ``latest`` pointer. Returns a
+    :class:`~distckpt.SaveResult` once the checkpoint is committed; with
+    ``async_save=True``, an :class:`~distckpt.AsyncSave` at once (see below). Example::
 
         distckpt.save({"model": model.state_dict(), "step": 10}, "run/ckpt-10")
 
     ``options`` (a :class:`~distckpt.CheckpointOptions`) holds the settings; each of its
     save fields (``compression``, ``small_bytes``, ``inner_bytes``, ``overwrite``,
-    ``allow_pickle``, ``io_workers``) may also be given as a keyword argument, which wins.
+    ``allow_pickle``, ``io_workers``, ...: :class:`~distckpt.engine.options.SaveKeywords`)
+    may also be given as a keyword argument, which wins.
 
     ``base`` (a committed checkpoint, typically the previous one of the run) makes the save
     incremental: every piece whose bytes are those ``base`` stores is taken from there (a

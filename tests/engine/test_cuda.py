@@ -288,3 +288,26 @@ def test_dcp_bridge_with_gpu_tensors(tmp_path: Path) -> None:
     same_bits(got[1][0], state["w"], "same dtype")
     same_bits(got[1][1], got[0][1], "cast, as DCP's own")
     same_bits(got[1][1], state["w"].cpu().bfloat16(), "cast on the host")
+
+
+@needs_gpu
+def test_device_tensors_get_at_most_the_device_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a count from the user, a save and a load of GPU tensors use at most
+    DEVICE_WORKERS workers, and say so."""
+    from distckpt.transfer import workers
+
+    for name in (workers.ENV, *workers.LOCAL_SIZE_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4 * workers.DEVICE_WORKERS)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4 * workers.DEVICE_WORKERS)))
+    state = _state(3)
+    saved = distckpt.save(state, tmp_path / "c")
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    loaded = distckpt.load(back, tmp_path / "c")
+    for result in (saved, loaded):
+        assert result.io_workers == workers.DEVICE_WORKERS
+        assert result.io_workers_reason.startswith("at most 8 for device tensors")
+    for k, v in state.items():
+        same_bits(back[k], v, k)

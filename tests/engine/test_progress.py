@@ -126,11 +126,12 @@ def test_save_and_load_show_rank_0_progress(
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
     monkeypatch.setattr(progress_mod, "THRESHOLD", 1024)
-    distckpt.save(_state(), tmp_path / "ck", SingleComm())
-    assert "saving ck (rank 0's share): 512.0 KiB of 512.0 KiB (100%)" in tty.getvalue()
+    distckpt.save(_state(), tmp_path / "ck", SingleComm(), io_workers=2)
+    shown = "(rank 0's share, 2 I/O workers: io_workers=): 512.0 KiB of 512.0 KiB (100%)"
+    assert f"saving ck {shown}" in tty.getvalue()
     target = {"w": torch.zeros(512, 256), "step": 0}
-    distckpt.load(target, tmp_path / "ck", SingleComm())
-    assert "loading ck (rank 0's share): 512.0 KiB of 512.0 KiB (100%)" in tty.getvalue()
+    distckpt.load(target, tmp_path / "ck", SingleComm(), io_workers=2)
+    assert f"loading ck {shown}" in tty.getvalue()
     monkeypatch.setenv(progress_mod.ENV, "0")
     before = tty.getvalue()
     distckpt.load(target, tmp_path / "ck", SingleComm())

@@ -142,6 +142,54 @@ def test_default_io_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         workers.resolve_io_workers(0)
 
 
+def test_the_worker_count_is_chosen_for_the_tensors_and_the_storage(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Device tensors: at most DEVICE_WORKERS; a network file system or an object store:
+    at least NETWORK_WORKERS; a count the user gives wins; each choice says why."""
+    for name in (workers.ENV, *workers.LOCAL_SIZE_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    host = workers.choose_io_workers(None)
+    assert (host.count, host.reason) == (16, "16 cores")
+    device = workers.choose_io_workers(None, device=True)
+    assert device.count == workers.DEVICE_WORKERS == 8 and device.reason.startswith(
+        "at most 8 for device tensors"
+    )
+    shared = workers.choose_io_workers(None, 8, device=True)
+    assert (shared.count, shared.reason) == (2, "16 cores shared by 8 ranks")
+    assert workers.choose_io_workers(None, 8, network=True).count == workers.NETWORK_WORKERS
+    monkeypatch.setattr(workers, "filesystem_type", lambda path: "lustre")
+    lustre = workers.choose_io_workers(None, 16, path=tmp_path)
+    assert lustre.count == 8 and lustre.reason.startswith("at least 8 for lustre")
+    assert str(workers.choose_io_workers(3, path=tmp_path)) == "3 I/O workers: io_workers="
+    monkeypatch.setenv(workers.ENV, "5")
+    assert workers.choose_io_workers(None, device=True) == workers.WorkerChoice(
+        5, f"${workers.ENV}"
+    )
+
+
+def test_the_file_system_type_comes_from_the_mount_table(tmp_path: Path) -> None:
+    if not os.path.exists("/proc/self/mountinfo"):
+        pytest.skip("no /proc/self/mountinfo (not Linux)")
+    with open("/proc/self/mountinfo") as f:
+        root_type = next(line.split(" - ")[1].split()[0] for line in f if line.split()[4] == "/")
+    assert workers.filesystem_type("/") == root_type
+    assert workers.filesystem_type(tmp_path / "not" / "yet") == workers.filesystem_type(tmp_path)
+    if os.path.ismount("/dev/shm"):
+        assert workers.filesystem_type("/dev/shm/any") == "tmpfs"
+
+
+def test_a_save_and_a_load_report_their_workers(tmp_path: Path) -> None:
+    state = {"w": torch.arange(12.0)}
+    saved = distckpt.save(state, tmp_path / "c", io_workers=3)
+    assert (saved.io_workers, saved.io_workers_reason) == (3, "io_workers=")
+    loaded = distckpt.load({"w": torch.zeros(12)}, tmp_path / "c")
+    chosen = workers.choose_io_workers(None, path=tmp_path)
+    assert (loaded.io_workers, loaded.io_workers_reason) == (chosen.count, chosen.reason)
+
+
 def test_bad_io_workers_fails_save_and_load(tmp_path: Path) -> None:
     state = {"w": torch.arange(10.0)}
     with pytest.raises(ValueError, match="io_workers must be at least 1"):
