@@ -61,9 +61,9 @@ def _ls(args: argparse.Namespace) -> int:
     if not listing.entries:
         _say(f"{listing.directory}: no checkpoints")
         return OK
-    print(f"{'STEP':>8}  {'CREATED':<19}  {'BYTES':>12}  {'WORLD':>5}  {'STATE':<11}  NAME")
+    print(f"{'NUMBER':>8}  {'CREATED':<19}  {'BYTES':>12}  {'WORLD':>5}  {'STATE':<11}  NAME")
     for e in listing.entries:
-        step = "-" if e.step is None else str(e.step)
+        step = "-" if e.number is None else str(e.number)
         created = _when(e.created)
         world = "-" if e.world_size is None else str(e.world_size)
         mark = "  <- latest" if e.latest else ""

@@ -2,9 +2,15 @@
 
 Lists every committed checkpoint (a directory holding a distckpt index) and every
 leftover of a save that did not commit (``.NAME.staging-TOKEN`` and ``.NAME.trash-TOKEN``
-directories, see :mod:`distckpt.commit.staging`), with its step, creation time, bytes on
+directories, see :mod:`distckpt.commit.staging`), with its number, creation time, bytes on
 disk (the sum of its files' sizes), the world size that saved it, and which one the
 ``latest`` pointer names. Reads only indexes and directory listings, never tensor data.
+
+A checkpoint's number is the one its name ends in (``ckpt-10``: 10), else the
+``step`` or ``save_counter`` value its index holds. A :class:`~distckpt.CheckpointManager`
+names its checkpoints by its save counter (1, 2, 3, ...), as TensorFlow's does, unless a
+save is given ``checkpoint_number=`` (pass the training step there to number them by
+step).
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from distckpt.storage.registry import location, open_store
 from distckpt.training.pointer import read_pointer
 
 _STEP = re.compile(r"(?:^|[-_.])([0-9]+)$")  # ckpt-10, step_10, 10
-#: Index values that hold the step when a checkpoint's name does not end in a number.
+#: Index values that hold the number when a checkpoint's name does not end in one.
 STEP_VARIABLES = ("step", "save_counter")
 
+#: The state of a committed checkpoint.
 COMMITTED = "committed"
+#: The state of what a save that did not commit left (its staging or trash directory).
 UNCOMMITTED = "uncommitted"
+#: The state of a checkpoint whose index could not be read (its note says why).
 UNREADABLE = "unreadable"
 
 
@@ -39,7 +48,7 @@ class Entry:
 
     name: str
     state: str
-    step: int | None = None
+    number: int | None = None
     created: float | None = None
     bytes: int = 0
     world_size: int | None = None
@@ -47,11 +56,17 @@ class Entry:
     note: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        found = asdict(self)
+        found["step"] = self.number  # the name "number" had until 0.1 (kept for a release)
+        return found
 
 
 @dataclass
 class Listing:
+    """What :func:`list_run` finds: the run ``directory``, the name its ``latest`` pointer
+    holds, the committed checkpoints then the leftovers of saves (``entries``), and a
+    ``warning`` when the pointer could not be read."""
+
     directory: Path | str
     latest: str | None
     entries: list[Entry]
@@ -87,7 +102,7 @@ def list_run(directory: str | os.PathLike[str] | Store) -> Listing:
         entry = _committed(child, latest)
         if entry is not None:
             entries.append(entry)
-    entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
+    entries.sort(key=lambda e: (e.number is None, e.number or 0, e.name))
     entries.extend(_leftover(p) for p in pending(root))
     return Listing(location(root), latest, entries, warning)
 
@@ -103,20 +118,20 @@ def _committed(store: Store, latest: str | None) -> Entry | None:
         note = str(exc)
     name = store.name
     entry = Entry(name, COMMITTED, latest=name == latest, bytes=_disk_bytes(store))
-    entry.step = _step_from_name(name)
+    entry.number = _number_from_name(name)
     if index is None:
         entry.state, entry.note = UNREADABLE, note
         return entry
     created, world = index.get("created"), index.get("world_size")
     entry.created = float(created) if isinstance(created, (int, float)) else None
     entry.world_size = world if isinstance(world, int) else None
-    if entry.step is None:
-        entry.step = _step_from_index(index)
+    if entry.number is None:
+        entry.number = _number_from_index(index)
     return entry
 
 
 def _leftover(save: Pending) -> Entry:
-    entry = Entry(save.name, UNCOMMITTED, step=_step_from_name(save.target), bytes=save.bytes)
+    entry = Entry(save.name, UNCOMMITTED, number=_number_from_name(save.target), bytes=save.bytes)
     if save.live:
         entry.note = f"a save of {save.target} in progress"
     else:
@@ -125,12 +140,12 @@ def _leftover(save: Pending) -> Entry:
     return entry
 
 
-def _step_from_name(name: str) -> int | None:
+def _number_from_name(name: str) -> int | None:
     match = _STEP.search(name)
     return number(match[1]) if match else None
 
 
-def _step_from_index(index: dict[str, Any]) -> int | None:
+def _number_from_index(index: dict[str, Any]) -> int | None:
     for name in STEP_VARIABLES:
         entry = index["variables"].get(name)
         if isinstance(entry, dict) and entry.get("kind") == "value":

@@ -7,7 +7,9 @@ type checker or a reader has to follow is a circle.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,204 @@ def test_packaging() -> None:
     calls = [n for n in main.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
     assert guarded and not calls, "python -m distckpt runs the CLI only as __main__"
     assert distckpt.__version__
+
+
+# -- The API reference: every public name has its entry -------------------------------------
+
+REFERENCE = [ROOT / "docs" / "reference" / "api.md", *sorted(ROOT.glob("docs/reference/api/*.md"))]
+#: ``::: target`` and its indented ``options:`` block.
+DIRECTIVE = re.compile(r"^::: *([\w.]+)[ \t]*\n((?:[ \t]+\S.*\n?)*)", re.MULTILINE)
+#: Module attributes that are no API: loggers and type variables.
+NOT_API = re.compile(r"(?:logging\.)?getLogger|TypeVar|ParamSpec")
+
+
+def _top_level(body: list[ast.stmt]) -> Iterator[tuple[int, ast.stmt, list[ast.stmt]]]:
+    """The statements of a module body, those of its ``if`` and ``try`` blocks included
+    (with the block each stands in), as griffe reads them."""
+    for i, node in enumerate(body):
+        if isinstance(node, (ast.If, ast.Try)):
+            for block in (node.body, node.orelse, getattr(node, "finalbody", [])):
+                yield from _top_level(block)
+        else:
+            yield i, node, body
+
+
+class _Module:
+    """What a module defines and imports, read from its source as griffe reads it."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name, self.source = name, path.read_text()
+        self.tree = ast.parse(self.source)
+        self.lines = self.source.splitlines()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        self.defined: dict[str, tuple[ast.stmt, ast.stmt | None]] = {}  # node, next one
+        self.imported: dict[str, str] = {}
+        self.all: list[str] | None = None
+        for i, node, block in _top_level(self.tree.body):
+            after = block[i + 1] if i + 1 < len(block) else None
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.defined[node.name] = (node, after)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and target.id == "__all__":
+                        self.all = list(ast.literal_eval(node.value))  # type: ignore[arg-type]
+                    elif isinstance(target, ast.Name):
+                        self.defined[target.id] = (node, after)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                for alias in node.names:
+                    self.imported[alias.asname or alias.name] = f"{base}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        self.imported[alias.asname] = alias.name
+
+    def public(self) -> list[str]:
+        """``__all__``, else what the module defines (not imports) without a leading ``_``,
+        loggers and type variables aside."""
+        if self.all is not None:
+            return self.all
+        return [
+            name
+            for name, (node, _) in self.defined.items()
+            if not name.startswith("_")
+            and not (
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and isinstance(node.value, ast.Call)
+                and NOT_API.fullmatch(ast.unparse(node.value.func))
+            )
+        ]
+
+    def documented(self, name: str) -> bool:
+        """Whether the reference shows ``name`` when it shows this module's members: it
+        has a docstring, a ``#:`` comment (above or on its line, as Sphinx reads them and
+        docs/roles.py gives them to the reference), or is a ``Setting`` (documented by its
+        own meaning)."""
+        node, after = self.defined[name]
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            return ast.get_docstring(node) is not None  # type: ignore[arg-type]
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            return isinstance(after.value.value, str)
+        if isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Setting":
+            return True
+        above = self.lines[node.lineno - 2] if node.lineno > 1 else ""
+        return above.lstrip().startswith("#:") or "  #: " in self.lines[node.lineno - 1]
+
+
+READ: dict[str, _Module] = {}
+
+
+def _module(name: str) -> _Module:
+    if name not in READ:
+        READ[name] = _Module(name, MODULES[name])
+    return READ[name]
+
+
+def _resolve(path: str) -> str | None:
+    """The full name of what ``path`` is (a module, or a name where it is defined), imports
+    followed; None for what distckpt does not define. A package's submodule wins over a
+    name of the same that it imports, as in griffe (``distckpt.comm.auto`` is the module)."""
+    parts = path.split(".")
+    for n in range(len(parts), 0, -1):
+        module = ".".join(parts[:n])
+        if module in MODULES:
+            break
+    else:
+        return None
+    rest = parts[n:]
+    if not rest:
+        return module
+    if len(rest) > 1:
+        return None
+    found = _module(module)
+    if rest[0] in found.defined:
+        return path
+    if rest[0] in found.imported:
+        return _resolve(found.imported[rest[0]])
+    return None
+
+
+def _is_documented(full: str) -> bool:
+    if full in MODULES:
+        return ast.get_docstring(_module(full).tree) is not None
+    module, _, name = full.rpartition(".")
+    return _module(module).documented(name)
+
+
+def _reference() -> tuple[set[str], set[str]]:
+    """What the API reference shows (full names, where defined), and the modules it
+    documents (whose members it shows, unless ``members:`` says which or ``false``)."""
+    shown: set[str] = set()
+    modules: set[str] = set()
+    for page in REFERENCE:
+        for target, options in DIRECTIVE.findall(page.read_text()):
+            full = _resolve(target)
+            assert full is not None, f"{page.name}: ::: {target} names nothing in distckpt"
+            shown.add(full)
+            if full not in MODULES:
+                continue
+            modules.add(full)
+            members = re.search(r"^\s*members:\s*(.+)$", options, re.MULTILINE)
+            names = _module(full).public()
+            if members and members[1].strip() == "false":
+                names = []
+            elif members:
+                names = [m.strip(" '\"") for m in members[1].strip("[] ").split(",")]
+            for name in names:
+                member = _resolve(f"{full}.{name}")
+                if member is not None and _is_documented(member):
+                    shown.add(member)
+    return shown, modules
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    """Every name of ``distckpt.__all__``, and every public name of a module the reference
+    documents, has its entry in the reference (docs/reference/api/): a ``:::`` of its own
+    or its module's, and a docstring, without which mkdocstrings leaves it out."""
+    shown, modules = _reference()
+    wanted = {f"distckpt.{name}" for name in distckpt.__all__}
+    wanted |= {f"{module}.{name}" for module in modules for name in _module(module).public()}
+    missing = []
+    for name in sorted(wanted):
+        full = _resolve(name)
+        if full is None:
+            missing.append(f"{name}: not found in the source")
+        elif full not in shown:
+            why = "no docstring" if not _is_documented(full) else "on no page"
+            missing.append(f"{name} ({full}): {why}")
+    assert missing == [], "not in the API reference:\n" + "\n".join(missing)
+
+
+# -- The troubleshooting page: one entry per error class -----------------------------------
+
+TROUBLESHOOTING = ROOT / "docs" / "guide" / "troubleshooting.md"
+#: A fenced block (whose ``#`` lines are no headings), a heading, a class name in backticks.
+FENCED = re.compile(r"^ *(```+|~~~+).*?^ *\1 *$", re.MULTILINE | re.DOTALL)
+HEADING = re.compile(r"^#{2,6} +(.+)$", re.MULTILINE)
+CLASS_NAME = re.compile(r"`([A-Z][A-Za-z0-9]*)`")
+
+
+def test_troubleshooting_has_one_entry_per_error_class() -> None:
+    """docs/guide/troubleshooting.md has one heading for each public error class of
+    :mod:`distckpt.errors` (its message, cause and fix), and its headings name no other
+    class: a new error gets its entry, a removed one loses it."""
+    classes = {
+        name
+        for name, cls in inspect.getmembers(distckpt.errors, inspect.isclass)
+        if cls.__module__ == distckpt.errors.__name__
+        and issubclass(cls, BaseException)
+        and not name.startswith("_")
+    }
+    text = FENCED.sub("", TROUBLESHOOTING.read_text())
+    named = [name for heading in HEADING.findall(text) for name in CLASS_NAME.findall(heading)]
+    missing = sorted(classes - set(named))
+    unknown = sorted(set(named) - classes)
+    repeated = sorted({name for name in named if named.count(name) > 1})
+    assert not (missing or unknown or repeated), (
+        f"{TROUBLESHOOTING.relative_to(ROOT)}: no heading for {missing}; headings for classes "
+        f"that distckpt.errors does not define: {unknown}; more than one heading for {repeated}"
+    )

@@ -184,9 +184,9 @@ def test_ls_marks_latest_and_leftovers(tmp_path: Path, capsys: pytest.CaptureFix
     code, out, err = run(capsys, "ls", run_dir)
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "CREATED", "BYTES", "WORLD", "STATE", "NAME"]
+    assert lines[0].split() == ["NUMBER", "CREATED", "BYTES", "WORLD", "STATE", "NAME"]
     rows = [line.split() for line in lines[1:]]
-    # step, created (date and time), bytes, world size, state, name
+    # number, created (date and time), bytes, world size, state, name
     assert [r[6] for r in rows] == ["ckpt-1", "ckpt-2", "ckpt-3", ".ckpt-4.staging-0a1b2c"]
     assert [r[0] for r in rows] == ["1", "2", "3", "4"]
     assert "<- latest" in lines[3] and "latest" not in lines[1] + lines[2]
@@ -198,7 +198,8 @@ def test_ls_marks_latest_and_leftovers(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 0 and doc["latest"] == "ckpt-3"
     by_name = {e["name"]: e for e in doc["checkpoints"]}
     assert by_name["ckpt-3"]["latest"] and not by_name["ckpt-2"]["latest"]
-    assert by_name["ckpt-2"]["world_size"] == 1 and by_name["ckpt-2"]["step"] == 2
+    assert by_name["ckpt-2"]["world_size"] == 1 and by_name["ckpt-2"]["number"] == 2
+    assert by_name["ckpt-2"]["step"] == 2  # the number's old name, kept for a release
     assert by_name["ckpt-2"]["created"] > 1e9
     on_disk = sum(p.stat().st_size for p in (run_dir / "ckpt-2").rglob("*") if p.is_file())
     assert by_name["ckpt-2"]["bytes"] == on_disk > 0
