@@ -10,18 +10,18 @@ writes the index and commits atomically; restore reshards onto any world size::
 
 from __future__ import annotations
 
-from distckpt import comm  # noqa: E402
+from distckpt import comm
 from distckpt.engine.background import (
-    AsyncSave,  # noqa: E402
+    AsyncSave,
     prepare_async,
 )
-from distckpt.engine.inspect import Variable, list_variables  # noqa: E402
-from distckpt.engine.load import load  # noqa: E402
-from distckpt.engine.options import CheckpointOptions  # noqa: E402
-from distckpt.engine.remove import remove  # noqa: E402
-from distckpt.engine.results import LoadResult, SaveResult  # noqa: E402
-from distckpt.engine.save import save  # noqa: E402
-from distckpt.errors import (  # noqa: E402
+from distckpt.engine.inspect import Variable, list_variables
+from distckpt.engine.load import load
+from distckpt.engine.options import CheckpointOptions
+from distckpt.engine.remove import remove
+from distckpt.engine.results import LoadResult, SaveResult
+from distckpt.engine.save import save
+from distckpt.errors import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFoundError,
@@ -42,13 +42,13 @@ from distckpt.errors import (  # noqa: E402
     UntrustedCheckpointError,
     ValidationError,
 )
-from distckpt.hf import load_hf, save_hf  # noqa: E402
-from distckpt.items import PerRank, Shard  # noqa: E402
-from distckpt.local import LocalTier  # noqa: E402
-from distckpt.signing import SigningKey, TrustedKeys  # noqa: E402
-from distckpt.slices import Box, SliceSpec  # noqa: E402
-from distckpt.tools.export_hf import export_hf  # noqa: E402
-from distckpt.training import (  # noqa: E402
+from distckpt.hf import load_hf, save_hf
+from distckpt.items import PerRank, Shard
+from distckpt.local import LocalTier
+from distckpt.signing import SigningKey, TrustedKeys
+from distckpt.slices import Box, SliceSpec
+from distckpt.tools.export_hf import export_hf
+from distckpt.training import (
     Checkpoint,
     CheckpointManager,
     RNGState,
@@ -56,9 +56,9 @@ from distckpt.training import (  # noqa: E402
     latest_checkpoint,
     preemption,
 )
-from distckpt.training.lazy import before_change, wait_for_snapshot  # noqa: E402
-from distckpt.training.preemption import EXIT_PREEMPTED, PreemptionHandler  # noqa: E402
-from distckpt.transfer import default_io_workers, prepare_staging, set_staging  # noqa: E402
+from distckpt.training.lazy import before_change, wait_for_snapshot
+from distckpt.training.preemption import EXIT_PREEMPTED, PreemptionHandler
+from distckpt.transfer import default_io_workers, prepare_staging, set_staging
 from distckpt.version import VERSION as __version__  # noqa: F401
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 def printable(text: str) -> str:
-    """``text`` with every non-printable character escaped (see the module doc)::
+    """``text`` with every non-printable character escaped (see the module doc):
 
     >>> printable("a\\x1b[31mb\\u202ec")
     'a\\\\x1b[31mb\\\\u202ec'

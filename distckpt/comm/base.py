@@ -16,6 +16,10 @@ from distckpt.comm.outcome import share
 #: Default bound, in seconds, on how long a collective waits for a missing rank.
 DEFAULT_TIMEOUT = settings.TIMEOUT.built_in
 
+#: The rank that coordinates a save: it validates the ranks' descriptions, plans, writes
+#: the index and commits.
+COORDINATOR = 0
+
 #: Environment variable that overrides :data:`DEFAULT_TIMEOUT` (seconds, a float).
 TIMEOUT_ENV = settings.TIMEOUT.name
 
@@ -50,8 +54,11 @@ class Communicator(Protocol):
     the node-local tier copies partitions to peers and back (:mod:`distckpt.local`).
     """
 
+    #: This process's place in the group, from 0 to ``size - 1``.
     rank: int
+    #: The number of processes in the group.
     size: int
+    #: Seconds every collective waits for the other ranks.
     timeout: float
 
     def barrier(self) -> None:

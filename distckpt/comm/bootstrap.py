@@ -59,13 +59,6 @@ def init_torch_from_mpi(backend: str = "gloo", timeout: float | None = None) -> 
     5. at exit, unless the program destroyed it, every rank waits for the others (30 s
        at most) and destroys the group (:func:`~distckpt.comm.torch_dist.tear_down_at_exit`).
 
-    Args:
-        backend: torch.distributed backend (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``).
-            With NCCL, call ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))`` right
-            after this returns (NCCL communicators are created at the first collective).
-        timeout: seconds, for the rendezvous and as the process group's time-out; None
-            means ``$DISTCKPT_TIMEOUT`` or :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
-
     Example::
 
         # mpiexec -n 4 python train.py
@@ -74,6 +67,13 @@ def init_torch_from_mpi(backend: str = "gloo", timeout: float | None = None) -> 
         init_torch_from_mpi()               # every rank
         comm = TorchComm()                  # every rank, collectively
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (comm.size,))
+
+    :param backend: torch.distributed backend (``"gloo"``, ``"nccl"``,
+        ``"cpu:gloo,cuda:nccl"``). With NCCL, call
+        ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))`` right after this returns
+        (NCCL communicators are created at the first collective).
+    :param timeout: seconds, for the rendezvous and as the process group's time-out; None
+        means ``$DISTCKPT_TIMEOUT`` or :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
     """
     import torch.distributed as dist
 

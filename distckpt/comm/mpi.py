@@ -69,21 +69,19 @@ def _abort_at_exit() -> None:
 class MPIComm:
     """A :class:`~distckpt.comm.base.Communicator` over an mpi4py communicator.
 
-    Args:
-        comm: an ``mpi4py.MPI.Comm`` (an intracommunicator); ``MPI.COMM_WORLD`` if None.
-            It is used as is, not duplicated: its collectives and distckpt's must be
-            called in the same order on every rank, as always with MPI.
-        timeout: seconds a collective waits for every rank to arrive; None means
-            ``$DISTCKPT_TIMEOUT`` or :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
-
-        abort_at_exit: after a time-out, end the whole MPI job (``MPI_Abort``) when this
-            process exits, instead of letting ``MPI_Finalize`` wait for the missing rank
-            (MPICH's does, for ever if that rank hangs). The error can still be caught and
-            handled; only the process's exit is affected.
-
     Construction is local (not a collective). After a time-out the communicator is
     unusable: a barrier request is left pending, and every later call raises
     :class:`~distckpt.errors.CommTimeoutError` at once.
+
+    :param comm: an ``mpi4py.MPI.Comm`` (an intracommunicator); ``MPI.COMM_WORLD`` if
+        None. It is used as is, not duplicated: its collectives and distckpt's must be
+        called in the same order on every rank, as always with MPI.
+    :param timeout: seconds a collective waits for every rank to arrive; None means
+        ``$DISTCKPT_TIMEOUT`` or :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
+    :param abort_at_exit: after a time-out, end the whole MPI job (``MPI_Abort``) when
+        this process exits, instead of letting ``MPI_Finalize`` wait for the missing rank
+        (MPICH's does, for ever if that rank hangs). The error can still be caught and
+        handled; only the process's exit is affected.
     """
 
     def __init__(
@@ -92,8 +90,12 @@ class MPIComm:
         from mpi4py import MPI  # lazily: importing mpi4py.MPI initializes MPI
 
         self.comm = MPI.COMM_WORLD if comm is None else comm
+        #: This process's rank in ``comm``.
         self.rank: int = self.comm.Get_rank()
+        #: The size of ``comm``.
         self.size: int = self.comm.Get_size()
+        #: ``timeout``, else ``$DISTCKPT_TIMEOUT``, else
+        #: :data:`~distckpt.comm.DEFAULT_TIMEOUT`.
         self.timeout = resolve_timeout(timeout)
         self.abort_at_exit = abort_at_exit
         self._broken: str | None = None

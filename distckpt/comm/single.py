@@ -20,8 +20,12 @@ class SingleComm:
     """
 
     def __init__(self, timeout: float | None = None) -> None:
+        #: Always 0.
         self.rank = 0
+        #: Always 1.
         self.size = 1
+        #: ``timeout``, else ``$DISTCKPT_TIMEOUT``, else
+        #: :data:`~distckpt.comm.DEFAULT_TIMEOUT` (nothing waits).
         self.timeout = resolve_timeout(timeout)
 
     def __repr__(self) -> str:

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from distckpt import settings
 from distckpt.comm.base import resolve_timeout
 from distckpt.errors import CommTimeoutError
 
@@ -235,13 +236,6 @@ atexit.register(_release_groups)
 class TorchComm:
     """A :class:`~distckpt.comm.base.Communicator` over a ``torch.distributed`` group.
 
-    Args:
-        group: a process group this rank belongs to; the default (world) group if None.
-            ``rank`` and ``size`` are this process's rank in it and its size.
-        timeout: seconds a collective waits for every rank. None: a gloo ``group``'s own
-            time-out, for any other group ``$DISTCKPT_TIMEOUT`` or
-            :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
-
     The collectives run on a gloo side group of distckpt's own over the ranks of
     ``group`` (destroyed at exit, before the interpreter finalizes: see
     :func:`_release_groups`), or on a gloo subgroup itself when its time-out is the one
@@ -256,6 +250,12 @@ class TorchComm:
 
     After a collective failed with :class:`~distckpt.errors.CommTimeoutError` the
     communicator is unusable and every later call raises that error at once.
+
+    :param group: a process group this rank belongs to; the default (world) group if
+        None. ``rank`` and ``size`` are this process's rank in it and its size.
+    :param timeout: seconds a collective waits for every rank. None:
+        ``$DISTCKPT_TIMEOUT`` when set, else a gloo ``group``'s own time-out, else
+        :data:`~distckpt.comm.base.DEFAULT_TIMEOUT`.
     """
 
     def __init__(self, group: Any = None, timeout: float | None = None) -> None:
@@ -267,10 +267,15 @@ class TorchComm:
                 "(init_process_group, torchrun, or distckpt.comm.init_torch_from_mpi)"
             )
         self.group = dist.group.WORLD if group is None else group
+        #: This process's rank in ``group``.
         self.rank: int = dist.get_rank(self.group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
+        #: The size of ``group``.
         self.size: int = dist.get_world_size(self.group)
+        if timeout is None and settings.TIMEOUT.is_set():
+            timeout = settings.TIMEOUT.value()  # the user's setting wins over the group's
+        #: Seconds every collective waits for the other ranks.
         self._pg, self.timeout = _metadata_group(self.group, timeout)
         self._broken: str | None = None
         _LIVE.add(self)

@@ -40,14 +40,13 @@ import numpy as np
 
 from distckpt import settings
 from distckpt.comm import Communicator
-from distckpt.comm.base import scatter
+from distckpt.comm.base import COORDINATOR, scatter
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.errors import ValidationError
 from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
 from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
 from distckpt.planning.validate import check_contents, raise_inconsistent
 
-COORDINATOR = 0
 #: Default ``k``: each replicated tensor is checked at least once every ``k`` saves.
 REPLICA_CHECK_EVERY = settings.REPLICA_CHECK.built_in
 #: Plans kept per process (a job may alternate between a few states).
@@ -109,14 +108,20 @@ class Full:
 
 
 @dataclass
-class Reuse:
+class ReusePlan:
+    """The coordinator's decision: every rank keeps the plan ``plan_id`` it holds from an
+    earlier save, and this save's ``token``."""
+
     plan_id: str
     token: str
 
 
 @dataclass
 class Describe:
-    digest: bytes  # the coordinator's schema's
+    """The coordinator's decision: every rank describes its state (``digest``, the
+    coordinator's schema's), as for a first save."""
+
+    digest: bytes
 
 
 @dataclass
@@ -193,7 +198,7 @@ def agree(
             return decision
 
         decision = coordinate(comm, offer, reuse_or_describe, error=local_error)
-        if isinstance(decision, Reuse):
+        if isinstance(decision, ReusePlan):
             assert cached is not None and cached.plan_id == decision.plan_id
             cached.saves += 1
             work = dataclasses.replace(cached.work, token=decision.token)
@@ -287,7 +292,7 @@ def _values(plan: SavePlan, offers: Sequence[Offer]) -> dict[str, Any]:
 
 def decide(
     offers: list[Any], options: tuple[Any, ...], begin: Callable[[str], Any]
-) -> tuple[Reuse | Describe, Agreed | None]:
+) -> tuple[ReusePlan | Describe, Agreed | None]:
     """Coordinator: reuse the cached plan if every rank offers it for the fingerprints
     it was made from (checking the values and checksums offered; ``begin(token)`` then
     begins the save), else ask for descriptions."""
@@ -307,7 +312,7 @@ def decide(
     _COORDINATOR_PLANS.move_to_end(first.plan_id)  # type: ignore[arg-type]
     token = uuid.uuid4().hex[:16]
     agreed = Agreed(RankWork(token, [], [], []), True, plan, _values(plan, offers), begin(token))
-    return Reuse(first.plan_id, token), agreed  # type: ignore[arg-type]
+    return ReusePlan(first.plan_id, token), agreed  # type: ignore[arg-type]
 
 
 _NO_BOXES = np.zeros(0, dtype=np.int64)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from distckpt import dtypes
 from distckpt.comm import Communicator
+from distckpt.comm.base import COORDINATOR
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.commit.transaction import Transaction, begin, save_root
 from distckpt.engine import pipeline, reuse
@@ -73,8 +74,6 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 log = logging.getLogger("distckpt")
-
-COORDINATOR = 0
 
 
 class _CheckpointSave(SaveKind[LocalState, Agreed]):

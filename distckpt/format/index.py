@@ -91,6 +91,7 @@ from distckpt.signing.trust import check_index
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store
 
+#: The ``format`` member of every index.
 FORMAT = "distckpt"
 #: The newest version this distckpt reads and writes: a signed checkpoint, whose shards
 #: hold a hash table (:mod:`distckpt.format.shard_io`; older readers would refuse their
@@ -105,6 +106,7 @@ FORMAT_VERSION_UNCOMPRESSED = 1
 FORMAT_VERSION_COMPRESSED = 2
 #: The version of a checkpoint with a regular entry (and no binary value).
 FORMAT_VERSION_REGULAR = 3
+#: The member of the root group's ``attributes`` that holds the index.
 ATTRIBUTE = "distckpt"
 #: A save's identity as the index records it (``save_id``, optional: the save's token).
 SAVE_ID = re.compile(r"[0-9a-f]{1,64}")

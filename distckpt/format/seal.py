@@ -66,10 +66,13 @@ from distckpt.errors import CheckpointError, CorruptCheckpointError, Unsupported
 
 log = logging.getLogger(__name__)
 
+#: The member a seal is: the first of the sealed object.
 MEMBER = "checksum"
+#: The checksum's algorithm, named in the member's value.
 ALGORITHM = "crc32c"
 #: What precedes the digits, byte for byte.
 MARK = b'"checksum": "crc32c:'
+#: The number of lowercase hexadecimal digits of the checksum.
 DIGITS = 8
 _ZEROS = b"0" * DIGITS
 #: The member's value while a document is serialised, before :func:`seal` fills it in.

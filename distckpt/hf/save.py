@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator
+from distckpt.comm.base import COORDINATOR
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.engine import pipeline
 from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
@@ -73,8 +74,6 @@ if TYPE_CHECKING:
     from distckpt.engine.options import HFSaveKeywords
 
 log = logging.getLogger("distckpt")
-
-COORDINATOR = 0
 
 
 class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):

@@ -47,7 +47,9 @@ from distckpt.storage.registry import open_store
 
 log = logging.getLogger("distckpt")
 
-STATE = "distckpt"  # the checkpoint's subdirectory that holds the distckpt checkpoint
+#: The subdirectory of a Trainer checkpoint that holds the distckpt checkpoint.
+STATE = "distckpt"
+#: The Trainer's own state file: a checkpoint directory without it is incomplete.
 TRAINER_STATE = "trainer_state.json"
 
 

@@ -80,11 +80,13 @@ def _read(path: str | os.PathLike[str], what: str) -> bytes:
 
 
 class SigningKey:
-    """An Ed25519 private key that signs checkpoints (see the module docstring)::
+    """An Ed25519 private key that signs checkpoints (its files: see the module docstring).
 
-    key = distckpt.SigningKey.generate()
-    key.write("signing.pem", public="signing.pub")
-    distckpt.save(state, "run/ckpt-1", signing_key="signing.pem")
+    Make one, write it, and save with it::
+
+        key = distckpt.SigningKey.generate()
+        key.write("signing.pem", public="signing.pub")
+        distckpt.save(state, "run/ckpt-1", signing_key="signing.pem")
     """
 
     def __init__(self, private: Any, source: str = "a key in memory") -> None:

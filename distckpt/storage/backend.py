@@ -44,7 +44,8 @@ from typing import Any, Protocol, cast, runtime_checkable
 from distckpt.errors import ConditionFailed as ConditionFailed  # the seam's own error
 from distckpt.errors import StorageError, UnsafePathError
 
-Buffer = Any  # anything with the buffer protocol: bytes, bytearray, memoryview, ndarray
+#: Anything with the buffer protocol: bytes, bytearray, memoryview, a NumPy array.
+Buffer = Any
 
 
 def byte_view(data: Buffer) -> memoryview:
@@ -151,17 +152,20 @@ class ReadHandle(Protocol):
     """One object or file open for ranged reads; used by one thread at a time."""
 
     @property
-    def size(self) -> int: ...
+    def size(self) -> int:
+        """The object's size in bytes."""
 
     def readinto(self, buffers: Sequence[Buffer], offset: int) -> int:
         """Fill ``buffers`` in turn from ``offset``; return the bytes read (fewer at the end)."""
 
-    def read(self, offset: int, length: int) -> bytes: ...
+    def read(self, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset`` (fewer at the end, none past it)."""
 
     def will_need(self, runs: Sequence[tuple[int, int]]) -> None:
         """The (offset, length) runs the next reads fall in: start fetching them."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the handle holds."""
 
     def __enter__(self) -> ReadHandle: ...
 
@@ -259,17 +263,21 @@ class Store(Protocol):
         (:data:`~distckpt.commit.claim.CLAIM`)."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The last component of the store's location."""
 
     @property
-    def parent(self) -> Store: ...
+    def parent(self) -> Store:
+        """The store one component up."""
 
-    def child(self, key: str) -> Store: ...
+    def child(self, key: str) -> Store:
+        """The store at ``key`` below this one (``child("")`` is this store)."""
 
     def where(self, key: str) -> str:
         """The display form of ``key`` (for messages)."""
 
-    def read(self, key: str) -> bytes: ...
+    def read(self, key: str) -> bytes:
+        """The whole object at ``key`` (:class:`FileNotFoundError` if absent)."""
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         """The object and a version tag for :meth:`put_if` (a tag may name the bytes:
@@ -281,7 +289,9 @@ class Store(Protocol):
     def write(self, key: str, data: Buffer) -> None:
         """Create or replace a small object, durably."""
 
-    def create(self, key: str, size_hint: int | None = None) -> WriteHandle: ...
+    def create(self, key: str, size_hint: int | None = None) -> WriteHandle:
+        """A :class:`WriteHandle` for a new object at ``key``, which appears whole at its
+        :meth:`~WriteHandle.finish`; ``size_hint`` is its size, when known."""
 
     def put_new(self, key: str, data: Buffer) -> str:
         """Create ``key`` only if absent (else :class:`ConditionFailed`); return its version."""
@@ -289,7 +299,8 @@ class Store(Protocol):
     def put_if(self, key: str, data: Buffer, version: str) -> str:
         """Replace ``key`` only if still at ``version`` (else :class:`ConditionFailed`)."""
 
-    def exists(self, key: str) -> bool: ...
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is an object or a directory."""
 
     def is_dir(self, key: str) -> bool:
         """Whether ``key`` is a directory (a prefix with objects under it)."""

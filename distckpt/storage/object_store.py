@@ -28,16 +28,17 @@ them, keeping the rules that protocol states:
   (one that is gone fails the condition too). A condition that fails where the object
   now holds exactly the bytes being written counts as a success, with the version they
   have: the retry of a write whose first try landed and whose answer was lost.
-* **Handles**: :meth:`open` gives an :class:`~distckpt.storage.object_io.ObjectReader`,
-  :meth:`create` an :class:`~distckpt.storage.object_io.ObjectWriter`.
+* **Handles**: :meth:`~ObjectStore.open` gives an
+  :class:`~distckpt.storage.object_io.ObjectReader`, :meth:`~ObjectStore.create` an
+  :class:`~distckpt.storage.object_io.ObjectWriter`.
 * **Configuration** comes from the URL and the environment, never from the process that
   made the store: :func:`~distckpt.storage.registry.open_store` opens ``url`` again on
   every rank, and in the forked processes of the conformance suite's races. A client
   made in one process is never used in another (keep clients per process id).
 
-It declares what the primitives give (:attr:`capabilities`: conditional creates and
-updates, ranged reads, parallel writes) and commits by claim; a subclass adds ``copies``
-with a ``copy`` of its own (:class:`~distckpt.storage.backend.CopyingStore`).
+It declares what the primitives give (:attr:`~ObjectStore.capabilities`: conditional
+creates and updates, ranged reads, parallel writes) and commits by claim; a subclass adds
+``copies`` with a ``copy`` of its own (:class:`~distckpt.storage.backend.CopyingStore`).
 
 Writing one: ``__init__`` calls ``super().__init__(root, prefix)``, and a ``from_url``
 classmethod parses the URL (the opener the registry calls; a :class:`ValueError` for

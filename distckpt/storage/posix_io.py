@@ -33,6 +33,16 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     return total
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` with the file it is about (a full disk's ``ENOSPC`` from ``pwritev``
+    names none), as the same OSError subclass, so callers catch it as before."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    named = type(exc)(exc.errno, exc.strerror, str(path))
+    named.__traceback__ = exc.__traceback__
+    return named
+
+
 class PosixReader:
     """A file open for ranged reads (``preadv``): ``fd``, a regular file's descriptor."""
 
@@ -93,7 +103,10 @@ class PosixWriter:
         return self._fd
 
     def write(self, buffers: Sequence[Buffer], offset: int) -> int:
-        return pwrite_all(self._open(), buffers, offset)
+        try:
+            return pwrite_all(self._open(), buffers, offset)
+        except OSError as exc:
+            raise _naming(exc, self.path) from None
 
     def finish(self, durable: bool = True) -> None:
         try:
@@ -101,6 +114,8 @@ class PosixWriter:
             if durable:
                 os.fsync(fd)
             self._finished = True
+        except OSError as exc:
+            raise _naming(exc, self.path) from None
         finally:
             self._close()
 

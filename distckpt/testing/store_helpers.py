@@ -15,6 +15,7 @@ import numpy as np
 from distckpt.storage.backend import Capabilities, ConditionFailed, WriteHandle
 from distckpt.storage.registry import open_store
 
+#: Bytes in a mebibyte.
 MiB = 1 << 20
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -53,6 +53,9 @@ class ValueVar:
 
 @dataclass(frozen=True)
 class Catalog:
+    """A committed checkpoint opened for the tools: its store (``root``), its ``index``,
+    and its tensors and values by name (per-rank entries expanded)."""
+
     root: Store
     index: dict[str, Any]
     tensors: dict[str, TensorVar]
@@ -60,10 +63,12 @@ class Catalog:
 
     @property
     def names(self) -> list[str]:
+        """Every tensor and value name, sorted."""
         return sorted([*self.tensors, *self.values])
 
 
 def per_rank_name(name: str, rank: str | int) -> str:
+    """The name the tools give rank ``rank``'s entry of the per-rank variable ``name``."""
     return f"{name}/rank{rank}"
 
 

@@ -53,6 +53,7 @@ from distckpt.values import decode
 
 log = logging.getLogger("distckpt")
 
+#: The suffixes of the files :func:`export` writes: safetensors, or ``torch.save``'s.
 FORMATS = (".safetensors", ".pt", ".pth")
 
 

@@ -14,7 +14,7 @@ Sources, by what ``src`` is:
   (:mod:`distckpt.hf.safetensors`; no pickle) and **streamed**: each tensor's bytes go from
   the file through the staging slabs into the checkpoint as the writer asks for them, so
   memory stays within the slab pool (4 x 64 MiB by default) whatever the model's size.
-* ``.pt``, ``.pth``, ``.bin``: a ``torch.save`` file, read with
+* ``.pt``, ``.pth``, ``.bin``, ``.ckpt`` (Lightning's): a ``torch.save`` file, read with
   ``torch.load(weights_only=True)`` (tensors and plain containers, no code runs), or
   with ``weights_only=False`` when ``allow_pickle=True``; memory-mapped where the file's
   format allows (then its pages are the page cache's, not the process's own memory).
@@ -53,7 +53,9 @@ from distckpt.tools.loaded import checked_tensors
 from distckpt.transfer.sources import FileData, Source, source_for
 from distckpt.values import decode
 
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+#: The suffixes of the files read as ``torch.save`` files.
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: The file that makes a directory a ``torch.distributed.checkpoint`` one.
 DCP_METADATA = ".metadata"
 _ESCAPED = re.compile(r"%(2F|25)", re.IGNORECASE)
 
@@ -69,8 +71,8 @@ def import_checkpoint(
     """Read ``src`` (see the module docstring) and save it as a checkpoint at ``out``,
     every name under ``prefix`` (``"net/"``: restorable by ``Checkpoint(net=model)``)::
 
-    import_checkpoint("model.safetensors", "run/ckpt-0")
-    import_checkpoint("Llama-3.2-1B/", "run/ckpt-0", prefix="net/")
+        import_checkpoint("model.safetensors", "run/ckpt-0")
+        import_checkpoint("Llama-3.2-1B/", "run/ckpt-0", prefix="net/")
     """
     files: dict[int, FileData] = {}
     if is_stored(src):  # Hugging Face weights in a store (s3://, az://, gs://, ...)
@@ -182,10 +184,11 @@ def _read_torch(source: Path, allow_pickle: bool) -> dict[str, Any]:
             state = _torch_load(source, allow_pickle)
     except pickle.UnpicklingError as exc:
         if allow_pickle:
-            raise ConversionError(f"{source}: cannot unpickle: {_first_line(exc)}") from None
+            raise ConversionError(f"{source}: cannot unpickle: {_reason(exc)}") from None
         raise ConversionError(
-            f"{source}: torch.load(weights_only=True) refused it ({_first_line(exc)}); if you "
-            "trust the file, pass --allow-pickle (unpickling runs code from the file)"
+            f"{source}: torch.load(weights_only=True) refused it ({_reason(exc)}); if you "
+            "trust the file, pass --allow-pickle (allow_pickle=True from Python; unpickling "
+            "runs code from the file)"
         ) from None
     except Exception as exc:  # noqa: BLE001 - torch's parser of a damaged file raises anything
         raise ConversionError(
@@ -265,6 +268,18 @@ def _as_state(state: Any, source: Path) -> dict[str, Any]:
     return state
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    text = _ANSI.sub("", str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _reason(exc: BaseException) -> str:
+    """What torch's unpickler refused (its "WeightsUnpickler error" line names the
+    class), else the first line of its message; without terminal escapes."""
+    for line in _ANSI.sub("", str(exc)).splitlines():
+        if "WeightsUnpickler error" in line or "Unsupported global" in line:
+            return line.split(". Please use")[0].strip()  # not torch's advice: ours follows
+    return _first_line(exc)

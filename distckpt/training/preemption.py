@@ -45,24 +45,26 @@ log = logging.getLogger("distckpt")
 EXIT_PREEMPTED = 75
 
 
+#: The signals a :class:`PreemptionHandler` handles unless given others.
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class PreemptionHandler:
     """Turn ``signals`` on any rank into one final checkpoint of ``manager`` on every rank.
 
-    Args:
-        manager: the :class:`~distckpt.training.CheckpointManager` that saves.
-        signals: the signals that mean "preempted" (default ``SIGTERM`` and ``SIGUSR1``).
-        exit_code: what :meth:`exit_if_preempted` exits with (default :data:`EXIT_PREEMPTED`).
-        check_every: ask the other ranks every this many calls of :meth:`save_if_preempted`
-            (1: every step). A signal is acted on within ``check_every`` steps.
-        step_counter: an int-like or 0-d tensor holding the training step, recorded in the
-            marker file; the manager's ``step_counter`` if None.
-
     Handlers are installed by :meth:`install` (or ``with``) on the main thread, and the
     previous ones are put back by :meth:`uninstall`. A signal only sets a flag: nothing runs
     inside the signal handler, so a signal in the middle of a step or a save is safe.
+
+    :param manager: the :class:`~distckpt.training.CheckpointManager` that saves.
+    :param signals: the signals that mean "preempted" (default ``SIGTERM`` and ``SIGUSR1``).
+    :param exit_code: what :meth:`exit_if_preempted` exits with (default
+        :data:`EXIT_PREEMPTED`).
+    :param check_every: ask the other ranks every this many calls of
+        :meth:`save_if_preempted` (1: every step). A signal is acted on within
+        ``check_every`` steps.
+    :param step_counter: an int-like or 0-d tensor holding the training step, recorded in
+        the marker file; the manager's ``step_counter`` if None.
     """
 
     def __init__(

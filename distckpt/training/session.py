@@ -217,7 +217,7 @@ class RestoreSession:
     def _settle(self, error: BaseException | None) -> None:
         """Collective, at the end of :meth:`execute`: raise if any rank failed (as
         :func:`~distckpt.comm.raise_if_any_failed`), and agree on the checkpoint names no
-        rank has read yet, in the same allgather (:func:`~distckpt.engine.load.gather_left`:
+        rank has read yet, in the same allgather (:func:`~distckpt.engine.matching.gather_left`:
         nothing from a rank that has read all of them)."""
         unconsumed = self._held() if self._unconsumed is None else self._unconsumed
         payload = None if error is None else Failure.capture(error, self.comm.rank)

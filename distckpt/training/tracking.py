@@ -228,7 +228,7 @@ def walk(obj: Any, name: str = "", parent: Node | None = None, key: Any = None) 
     """Every object reachable from ``obj``, nodes included, parents before children.
 
     An object reachable by two paths is visited under both names (its tensors are then
-    saved once, see :mod:`distckpt.training.collect`); a cycle is an error.
+    saved once, see :func:`distckpt.training.handlers.collect`); a cycle is an error.
     """
     yield from _walk(obj, name, parent, key, set())
 

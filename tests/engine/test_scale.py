@@ -57,7 +57,7 @@ def test_sizes_grow_at_most_linearly_with_ranks_times_variables(curve: list[dict
     peaks = [row["plan_peak_bytes"] / row["ranks"] for row in curve if "plan_peak_bytes" in row]
     assert peaks[-1] <= 1.1 * peaks[0], peaks
     # A reused plan is a comparison of fingerprints and values, not a plan: measure()
-    # asserts the decision is a Reuse; its time against a fresh plan (target 0.1) is
+    # asserts the decision is a ReusePlan; its time against a fresh plan (target 0.1) is
     # benchmarks/bench_scale.py's to report (a timed assertion fails on a loaded machine).
     # One copy per stored piece overlapping each target: a rank of 3/4 the world reads
     # one or two shards of each weight.

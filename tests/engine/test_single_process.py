@@ -637,6 +637,8 @@ def test_full_disk_keeps_committed_checkpoints(
             save1(new, path, overwrite=overwrite, **kw)
         assert ei.value.errno == errno.ENOSPC
         assert not isinstance(ei.value, CheckpointError)
+        if where == "second-pwritev":  # the file the disk refused is named
+            assert str(path.name) in str(ei.value.filename), ei.value
         assert snapshot(tmp_path) == before  # byte for byte, and no staging left
         assert leftovers(tmp_path) == []
     monkeypatch.undo()

@@ -267,9 +267,16 @@ def check_mpi_torch(size: int) -> None:
     assert torch.equal(dt.to_local(), full[4 * dist.get_rank() : 4 * dist.get_rank() + 4])
     assert torch.equal(dt.redistribute(mesh, [Replicate()]).to_local(), full)
 
+    asked = os.environ.pop("DISTCKPT_TIMEOUT", None)
     plain = TorchComm()  # a gloo group and no time-out asked for: the group's time-out
     assert plain.timeout == 60 and plain._pg is not dist.group.WORLD, plain
     check_collectives(plain, size, launcher_rank())
+    os.environ["DISTCKPT_TIMEOUT"] = "61"  # the user's setting wins over the group's
+    assert TorchComm().timeout == 61
+    if asked is None:
+        del os.environ["DISTCKPT_TIMEOUT"]
+    else:
+        os.environ["DISTCKPT_TIMEOUT"] = asked
     comm = auto()  # $DISTCKPT_TIMEOUT or DEFAULT_TIMEOUT: a side group
     assert type(comm).__name__ == "TorchComm", comm
     assert comm.timeout == resolve_timeout(None) and comm._pg is not dist.group.WORLD

@@ -177,7 +177,7 @@ def measure(
     for offer in sim.offers:
         offer.plan_id = plan_id
     decision, t_reuse = _timed(lambda: agree.decide(sim.offers, options, lambda t: _NoSave()))
-    assert isinstance(decision[0], agree.Reuse), decision
+    assert isinstance(decision[0], agree.ReusePlan), decision
     share_bytes = [len(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)) for s in shares]
     doc, t_index = _timed(
         lambda: index_bytes(build_index(plan, reports(plan), agreed.values or {}))

@@ -4,7 +4,7 @@ Besides tensors and plain values, DeepSpeed's dicts hold a few objects: ``torch.
 (``param_shapes``), ``torch.dtype`` and ``torch.device``, the ZeRO stage
 (``ZeroStageEnum``), ``fragment_address`` dataclasses (``param_slice_mappings``) and loss
 scalers (``LossScaler``, ``DynamicLossScaler``). Each is stored as a dict that names its
-row of :data:`TABLE` under :data:`TYPE_TAG`, with its data as plain values::
+row of :func:`table` under :data:`TYPE_TAG`, with its data as plain values::
 
     {"__distckpt_type__": "deepspeed.utils.tensor_fragment:fragment_address",
      "fields": {"numel": 30, "start": 2}}
@@ -39,7 +39,7 @@ import torch
 
 from distckpt.errors import CorruptCheckpointError, UnsupportedValueError
 
-#: The key of a typed value's dict that names its row of :data:`TABLE`.
+#: The key of a typed value's dict that names its row of :func:`table`.
 TYPE_TAG = "__distckpt_type__"
 #: The most dimensions a stored ``torch.Size`` may have (as for a stored tensor).
 MAX_DIMS = 64
@@ -95,7 +95,7 @@ Check = Callable[[Any, str], Any]
 
 @dataclass(frozen=True)
 class Row:
-    """One type of :data:`TABLE`: ``form`` is the key of the stored dict that holds its
+    """One type of :func:`table`: ``form`` is the key of the stored dict that holds its
     data (``value``, ``enum``, ``fields`` or ``attributes``); ``required`` and
     ``optional`` check the fields of ``fields`` and ``attributes`` forms."""
 
@@ -261,7 +261,7 @@ def _by_type() -> dict[type, Row]:
 
 
 def encode(obj: Any, where: str = "") -> Any:
-    """``obj`` with the objects of :data:`TABLE` as typed values; other objects are left
+    """``obj`` with the objects of :func:`table` as typed values; other objects are left
     as they are (for :func:`distckpt.save` to store, refuse or pickle)."""
     if isinstance(obj, torch.Tensor):
         return obj
@@ -299,7 +299,7 @@ def _storable(row: Row, data: dict[str, Any], where: str) -> None:
 
 def decode(obj: Any, where: str = "") -> Any:
     """``obj`` (a dict from storage) with each typed value rebuilt from its row of
-    :data:`TABLE` (see the module docstring); ``where`` names its place in messages."""
+    :func:`table` (see the module docstring); ``where`` names its place in messages."""
     if isinstance(obj, dict):
         tag = obj.get(TYPE_TAG)
         if isinstance(tag, str):
