@@ -448,23 +448,7 @@ def rmtree_at(dir_fd: int, name: str) -> None:
         with suppress(FileNotFoundError):
             os.unlink(name, dir_fd=dir_fd)
         return
-    if sys.version_info >= (3, 11):
-        shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
-        return
-    for _, dirs, files, fd in os.fwalk(name, topdown=False, dir_fd=dir_fd):  # pragma: no cover
-        for entry in files:
-            with suppress(OSError):
-                os.unlink(entry, dir_fd=fd)
-        for entry in dirs:
-            try:
-                os.rmdir(entry, dir_fd=fd)
-            except NotADirectoryError:  # a link to a directory
-                with suppress(OSError):
-                    os.unlink(entry, dir_fd=fd)
-            except OSError:
-                pass
-    with suppress(OSError):  # pragma: no cover
-        os.rmdir(name, dir_fd=dir_fd)
+    shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
 
 
 _ROOT = Beneath("/")
