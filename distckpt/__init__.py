@@ -11,15 +11,9 @@ writes the index and commits atomically; restore reshards onto any world size::
 from __future__ import annotations
 
 from distckpt import comm
-from distckpt.engine.background import (
-    AsyncSave,
-    prepare_async,
-)
 from distckpt.engine.inspect import Variable, list_variables
 from distckpt.engine.load import load
-from distckpt.engine.options import CheckpointOptions
 from distckpt.engine.remove import remove
-from distckpt.engine.results import LoadResult, SaveResult
 from distckpt.engine.save import save
 from distckpt.errors import (
     CheckpointError,
@@ -45,6 +39,12 @@ from distckpt.errors import (
 from distckpt.hf import load_hf, save_hf
 from distckpt.items import PerRank, Shard
 from distckpt.local import LocalTier
+from distckpt.pipeline.background import (
+    AsyncSave,
+    prepare_async,
+)
+from distckpt.pipeline.options import CheckpointOptions
+from distckpt.pipeline.results import LoadResult, SaveResult
 from distckpt.signing import SigningKey, TrustedKeys
 from distckpt.slices import Box, SliceSpec
 from distckpt.tools.export_hf import export_hf

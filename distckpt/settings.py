@@ -7,7 +7,7 @@ parse is a :class:`ValueError` that names the variable. :func:`table` renders th
 the table in the documentation; the tests check that the table there is this one and
 that no other module reads a ``DISTCKPT_*`` variable.
 
-Keyword arguments and :class:`~distckpt.engine.options.CheckpointOptions` win over the
+Keyword arguments and :class:`~distckpt.pipeline.options.CheckpointOptions` win over the
 environment wherever both exist; the environment wins over the built-in defaults.
 """
 

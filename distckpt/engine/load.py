@@ -1,6 +1,6 @@
 """``distckpt.load``: fill a state in place from a checkpoint, on any world size.
 
-A kind of the restore pipeline (:mod:`distckpt.engine.pipeline`). Every rank reads the index,
+A kind of the restore pipeline (:mod:`distckpt.pipeline`). Every rank reads the index,
 matches its leaves to stored variables by name, checks kind, dtype and shape, and then
 reads only the stored pieces that intersect its own boxes, verifying every checksum on
 the way (:mod:`distckpt.planning.read_plan`). Ranks need not talk to each other to read.
@@ -28,8 +28,11 @@ from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.comm.outcome import announce
 from distckpt.engine import reuse
-from distckpt.engine.matching import Prepared, assign, prepare
-from distckpt.engine.options import (
+from distckpt.errors import UntrustedCheckpointError
+from distckpt.format.index import Index, parse_index, read_index_bytes
+from distckpt.pipeline import RestoreKind, communicator, restore
+from distckpt.pipeline.matching import Prepared, assign, prepare
+from distckpt.pipeline.options import (
     LOAD,
     CheckpointOptions,
     LoadKeywords,
@@ -37,10 +40,7 @@ from distckpt.engine.options import (
     merge_or_refuse,
     resolve_run,
 )
-from distckpt.engine.pipeline import RestoreKind, communicator, restore
-from distckpt.engine.results import LoadResult
-from distckpt.errors import UntrustedCheckpointError
-from distckpt.format.index import Index, parse_index, read_index_bytes
+from distckpt.pipeline.results import LoadResult
 from distckpt.progress import progress
 from distckpt.signing.keys import TrustedKeys, trusted_keys
 from distckpt.signing.signature import signer
@@ -141,7 +141,7 @@ def require_signed(index: Mapping[str, Any], trusted: TrustedKeys | None, where:
 
 
 class _Indexed(RestoreKind[Prepared]):
-    """A restore from a checkpoint's index (:mod:`distckpt.engine.pipeline`): each rank reads
+    """A restore from a checkpoint's index (:mod:`distckpt.pipeline`): each rank reads
     the pieces its boxes need, sharing with the ranks that restore the same targets."""
 
     source = "checkpoint"

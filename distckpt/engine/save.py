@@ -1,6 +1,6 @@
 """``distckpt.save``: one checkpoint, written by every rank, committed by the coordinator.
 
-A kind of the save pipeline (:mod:`distckpt.engine.pipeline`, which runs the stages, reports a
+A kind of the save pipeline (:mod:`distckpt.pipeline`, which runs the stages, reports a
 failure on every rank and runs background saves). The protocol, in the order every rank
 runs it (collectives marked *):
 
@@ -34,18 +34,24 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from distckpt import dtypes
+from distckpt import dtypes, pipeline
 from distckpt.comm import Communicator
 from distckpt.comm.base import COORDINATOR
 from distckpt.comm.outcome import Failure, coordinate
 from distckpt.commit.transaction import Transaction, begin, save_root
-from distckpt.engine import pipeline, reuse
+from distckpt.engine import reuse
 from distckpt.engine.agree import Agreed, agree
-from distckpt.engine.background import AsyncSave, Snapped
 from distckpt.engine.commit import Report, commit
 from distckpt.engine.gather_small import assemble, send_small
 from distckpt.engine.local_state import LocalState, describe_state, replica_checksums
-from distckpt.engine.options import (
+from distckpt.errors import interfered
+from distckpt.format import zarr_meta
+from distckpt.format.index import version_of
+from distckpt.format.shard_io import Stored
+from distckpt.items import gather_leaves
+from distckpt.pipeline import SaveKind, Stage, communicator
+from distckpt.pipeline.background import AsyncSave, Snapped
+from distckpt.pipeline.options import (
     SAVE,
     CheckpointOptions,
     Resolved,
@@ -53,13 +59,7 @@ from distckpt.engine.options import (
     merge_or_refuse,
     resolve_run,
 )
-from distckpt.engine.pipeline import SaveKind, Stage, communicator
-from distckpt.engine.results import SaveResult
-from distckpt.errors import interfered
-from distckpt.format import zarr_meta
-from distckpt.format.index import version_of
-from distckpt.format.shard_io import Stored
-from distckpt.items import gather_leaves
+from distckpt.pipeline.results import SaveResult
 from distckpt.planning.describe import Desc
 from distckpt.planning.pieces import Piece, RankWork
 from distckpt.planning.save_plan import plan_save
@@ -78,7 +78,7 @@ log = logging.getLogger("distckpt")
 
 class _CheckpointSave(SaveKind[LocalState, Agreed]):
     """One save of a checkpoint (steps 1 to 5 of the module doc, as a kind of
-    :mod:`distckpt.engine.pipeline`): its options, resolved once (store, I/O workers), the
+    :mod:`distckpt.pipeline`): its options, resolved once (store, I/O workers), the
     callback after its commit, the checkpoint it builds on, and what each step leaves
     for the next."""
 
@@ -371,7 +371,7 @@ def save(
 
     ``options`` (a :class:`~distckpt.CheckpointOptions`) holds the settings; each of its
     save fields (``compression``, ``small_bytes``, ``inner_bytes``, ``overwrite``,
-    ``allow_pickle``, ``io_workers``, ...: :class:`~distckpt.engine.options.SaveKeywords`)
+    ``allow_pickle``, ``io_workers``, ...: :class:`~distckpt.pipeline.options.SaveKeywords`)
     may also be given as a keyword argument, which wins.
 
     ``base`` (a committed checkpoint, typically the previous one of the run) makes the save
@@ -383,7 +383,7 @@ def save(
     option) ``base`` is ignored and nothing is hashed.
 
     ``async_save=True`` copies the tensors into reusable host buffers (pinned for GPU
-    tensors) and returns an :class:`~distckpt.engine.background.AsyncSave` at once; the
+    tensors) and returns an :class:`~distckpt.pipeline.background.AsyncSave` at once; the
     writing and the commit run on a background thread. Training may change the tensors
     as soon as the call returns. ``lazy=True`` (or a predicate on variable names) does not
     even copy those tensors before returning: the background thread copies them, and the

@@ -8,7 +8,7 @@ the target where it is a contiguous host tensor, else a band at a time through t
 staging slabs (GPU targets, views), as :func:`distckpt.load` does. Names, shapes and
 dtypes are checked before anything is read, with the errors of a checkpoint load.
 
-A kind of the restore pipeline (:mod:`distckpt.engine.pipeline`): rank 0 reads the index and
+A kind of the restore pipeline (:mod:`distckpt.pipeline`): rank 0 reads the index and
 every file's header and broadcasts them (one reader of the metadata however many ranks);
 each rank then plans on its own; one collective (the pipeline's names agreement) tells
 every rank whether all can read and which weights no rank loads; each rank reads on its
@@ -30,15 +30,15 @@ import torch
 from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.comm.outcome import announce
-from distckpt.engine.matching import assign, check_leaf, target_box
-from distckpt.engine.options import HF_LOAD, CheckpointOptions, merge_or_refuse
-from distckpt.engine.pipeline import RestoreKind, communicator, restore
-from distckpt.engine.results import LoadResult
 from distckpt.errors import ValidationError
 from distckpt.hf.directory import Weights, is_stored, open_weights
 from distckpt.hf.names import Rename, for_loading
 from distckpt.hf.safetensors import StoredTensor
 from distckpt.items import Leaf, flatten
+from distckpt.pipeline import RestoreKind, communicator, restore
+from distckpt.pipeline.matching import assign, check_leaf, target_box
+from distckpt.pipeline.options import HF_LOAD, CheckpointOptions, merge_or_refuse
+from distckpt.pipeline.results import LoadResult
 from distckpt.progress import progress
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.transfer import ranges, slabs
@@ -51,7 +51,7 @@ from distckpt.transfer.workers import TaskGroup
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from distckpt.engine.options import HFLoadKeywords
+    from distckpt.pipeline.options import HFLoadKeywords
 
 log = logging.getLogger("distckpt")
 
@@ -104,7 +104,7 @@ class _Matched:
 
 
 class _Weights(RestoreKind[_Matched]):
-    """A restore from Hugging Face weights (:mod:`distckpt.engine.pipeline`): rank 0 reads the
+    """A restore from Hugging Face weights (:mod:`distckpt.pipeline`): rank 0 reads the
     metadata for every rank, each rank reads its own boxes."""
 
     source = "weights"

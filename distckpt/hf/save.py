@@ -5,7 +5,7 @@ The layout follows ``save_pretrained`` (:mod:`distckpt.hf.directory`): files of 
 ``max_shard_size`` and, when there are several, ``model.safetensors.index.json``.
 
 The protocol, in the order every rank runs it (collectives marked *): a kind of the save
-pipeline (:mod:`distckpt.engine.pipeline`), :class:`WeightsSave`, which :func:`save_hf` and
+pipeline (:mod:`distckpt.pipeline`), :class:`WeightsSave`, which :func:`save_hf` and
 :func:`distckpt.tools.export_hf.export_hf` extend with what they write and how:
 
 1. **Describe** (every rank): the tensors to write, by weights name, with dtype, global
@@ -47,19 +47,19 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from distckpt import pipeline
 from distckpt.comm import Communicator
 from distckpt.comm.base import COORDINATOR
 from distckpt.comm.outcome import Failure, coordinate
-from distckpt.engine import pipeline
-from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
-from distckpt.engine.pipeline import SaveKind, Stage, communicator
-from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
 from distckpt.hf.directory import DEFAULT_MAX_BYTES, OutFile, parse_size, plan_files
 from distckpt.hf.names import Rename, for_saving
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import BoxWrite, Piece, Sink, Work, unit_bytes, write_boxes
 from distckpt.items import flatten
+from distckpt.pipeline import SaveKind, Stage, communicator
+from distckpt.pipeline.options import HF_SAVE, CheckpointOptions, merge_or_refuse
+from distckpt.pipeline.results import SaveResult
 from distckpt.planning.describe import Desc
 from distckpt.planning.save_plan import Balancer
 from distckpt.planning.validate import owners, validate
@@ -71,14 +71,14 @@ from distckpt.transfer import workers as transfer_workers
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from distckpt.engine.options import HFSaveKeywords
+    from distckpt.pipeline.options import HFSaveKeywords
 
 log = logging.getLogger("distckpt")
 
 
 class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
     """A save of Hugging Face weights to a directory or a store (steps 2 to 4 of the
-    module doc, as a kind of :mod:`distckpt.engine.pipeline`). What is written and how is a
+    module doc, as a kind of :mod:`distckpt.pipeline`). What is written and how is a
     subclass's: :meth:`capture` and :meth:`describe` (step 1), :meth:`files` (the
     coordinator's plan: the files and each rank's :class:`Work`) and :meth:`write_work`
     (a rank's writes)."""

@@ -29,12 +29,12 @@ import distckpt
 from distckpt import dtypes
 from distckpt.comm import Communicator
 from distckpt.engine.inspect import index_variables
-from distckpt.engine.options import LOAD, merge
-from distckpt.engine.pipeline.stage import communicator
 from distckpt.format.backed import check_stored
 from distckpt.format.index import pieces_of
 from distckpt.items import has_tensor, is_dtensor
 from distckpt.naming import escape_key
+from distckpt.pipeline.options import LOAD, merge
+from distckpt.pipeline.stage import communicator
 from distckpt.training.session import StoredCheckpoint
 
 DATA = "data"

@@ -36,10 +36,6 @@ import numpy as np
 import torch
 
 from distckpt.comm import Communicator, raise_if_any_failed
-from distckpt.engine.matching import assign, prepare
-from distckpt.engine.options import CheckpointOptions
-from distckpt.engine.pipeline import RestoreKind, restore
-from distckpt.engine.results import LoadResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format.shard_io import crc32c
 from distckpt.local import files
@@ -47,6 +43,10 @@ from distckpt.local.choose import Choice
 from distckpt.local.manifests import Piece, checked, extent, index_of
 from distckpt.local.messages import MESSAGE_BYTES, pack, packed_size
 from distckpt.local.nodes import topology
+from distckpt.pipeline import RestoreKind, restore
+from distckpt.pipeline.matching import assign, prepare
+from distckpt.pipeline.options import CheckpointOptions
+from distckpt.pipeline.results import LoadResult
 from distckpt.slices import Box, byte_runs, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.tiling import tiling_problem
@@ -89,7 +89,7 @@ class _Matched:
 class LocalStep(RestoreKind[_Matched]):
     """A restorable local step, as :class:`~distckpt.training.session.RestoreSession`
     reads it: an ``index`` like a persistent checkpoint's and a :meth:`load`, a kind of
-    the restore pipeline (:mod:`distckpt.engine.pipeline`)."""
+    the restore pipeline (:mod:`distckpt.pipeline`)."""
 
     source = "checkpoint"
 

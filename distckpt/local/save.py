@@ -1,7 +1,7 @@
 """A save to the node-local tier: each rank writes its own partitions to its node's
 directory and sends a copy to its peers on other nodes; one collective confirms the step.
 
-A kind of the save pipeline (:mod:`distckpt.engine.pipeline`: its plan stage is steps 1 and 2
+A kind of the save pipeline (:mod:`distckpt.pipeline`: its plan stage is steps 1 and 2
 with the sizes of step 3, its write stage step 3, its commit step 4). The protocol, in
 the order every rank runs it (collectives marked *):
 
@@ -38,13 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from distckpt import pipeline
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, share
-from distckpt.engine import background, pipeline
-from distckpt.engine.background import Snapped
-from distckpt.engine.options import CheckpointOptions, resolve_run
-from distckpt.engine.pipeline import SaveKind, Stage
-from distckpt.engine.results import SaveResult
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format import seal
 from distckpt.format.shard_io import as_bytes, crc32c
@@ -52,6 +48,10 @@ from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
 from distckpt.local.messages import Buffers, checked_plans, manifest_length, message, split
 from distckpt.local.nodes import Topology, topology
+from distckpt.pipeline import SaveKind, Stage, background
+from distckpt.pipeline.background import Snapped
+from distckpt.pipeline.options import CheckpointOptions, resolve_run
+from distckpt.pipeline.results import SaveResult
 from distckpt.storage.backend import Store
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.sources import source_for
@@ -186,7 +186,7 @@ class _Plan:
 
 class _LocalSave(SaveKind[Snapped, _Plan]):
     """One save of a local step (steps 2 to 4 of the module doc, as a kind of
-    :mod:`distckpt.engine.pipeline`)."""
+    :mod:`distckpt.pipeline`)."""
 
     def __init__(self, store: Store, step: Step, options: CheckpointOptions) -> None:
         self.store = store

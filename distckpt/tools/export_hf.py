@@ -10,9 +10,6 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator
-from distckpt.engine.options import HF_SAVE, CheckpointOptions, merge_or_refuse
-from distckpt.engine.pipeline import communicator, save_blocking
-from distckpt.engine.results import SaveResult
 from distckpt.errors import ValidationError
 from distckpt.format.backed import check_stored
 from distckpt.hf.directory import DEFAULT_MAX_BYTES, parse_size, plan_files
@@ -20,6 +17,9 @@ from distckpt.hf.names import Rename, for_saving
 from distckpt.hf.save import WeightsSave
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import Sink, Work
+from distckpt.pipeline import communicator, save_blocking
+from distckpt.pipeline.options import HF_SAVE, CheckpointOptions, merge_or_refuse
+from distckpt.pipeline.results import SaveResult
 from distckpt.planning.save_plan import Balancer
 from distckpt.storage.backend import Store
 from distckpt.tools.catalog import open_catalog
@@ -30,7 +30,7 @@ from distckpt.tools.verify import check_slabs
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from distckpt.engine.options import HFSaveKeywords
+    from distckpt.pipeline.options import HFSaveKeywords
 
 
 def export_hf(

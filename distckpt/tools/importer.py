@@ -43,10 +43,10 @@ import torch
 
 from distckpt import dtypes
 from distckpt.comm import SingleComm
-from distckpt.engine.results import SaveResult
 from distckpt.engine.save import save_from
 from distckpt.errors import CheckpointError, ConversionError
 from distckpt.hf.directory import is_stored, open_weights
+from distckpt.pipeline.results import SaveResult
 from distckpt.storage.beneath import open_resolved
 from distckpt.storage.fsutil import file_kind
 from distckpt.tools.loaded import checked_tensors

@@ -18,10 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from distckpt.comm import Communicator, auto
-from distckpt.engine import background
-from distckpt.engine.background import AsyncSave
-from distckpt.engine.background import prepare_async as engine_prepare_async
-from distckpt.engine.options import (
+from distckpt.engine.save import save as engine_save
+from distckpt.errors import CorruptCheckpointError
+from distckpt.pipeline import background
+from distckpt.pipeline.background import AsyncSave
+from distckpt.pipeline.background import prepare_async as engine_prepare_async
+from distckpt.pipeline.options import (
     RESTORE,
     WRITE,
     CheckpointOptions,
@@ -29,8 +31,6 @@ from distckpt.engine.options import (
     WriteKeywords,
     merge,
 )
-from distckpt.engine.save import save as engine_save
-from distckpt.errors import CorruptCheckpointError
 from distckpt.training.handlers import collect, plan_restore
 from distckpt.training.lazy import guard_optimizer_steps
 from distckpt.training.names import nest
@@ -155,7 +155,7 @@ class Checkpoint(Node):
         """Save the graph as a checkpoint at ``path``; no numbering, no pointer. Collective.
 
         Returns ``path`` (with ``async_save=True``, an
-        :class:`~distckpt.engine.background.AsyncSave` whose ``path`` it is). Fails with
+        :class:`~distckpt.pipeline.background.AsyncSave` whose ``path`` it is). Fails with
         :class:`~distckpt.errors.CheckpointExists` if a checkpoint is already committed
         there. Objects that are neither tensors nor typed Python values are refused unless
         ``allow_pickle=True`` (then stored pickled, and :meth:`restore` needs
@@ -247,7 +247,7 @@ class Checkpoint(Node):
             path = ckpt.save("run/ckpt")   # "run/ckpt-1"
 
         ``async_save=True`` copies the tensors into host buffers and returns an
-        :class:`~distckpt.engine.background.AsyncSave` (``.path``, ``.wait()``,
+        :class:`~distckpt.pipeline.background.AsyncSave` (``.path``, ``.wait()``,
         ``.done()``) while writing, commit and pointer go on in the background; the next
         save or restore (or :meth:`sync`) waits for it and raises its error.
         ``lazy=True`` (implies ``async_save``) returns without copying parameters and

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from distckpt.engine import background
+from distckpt.pipeline import background
 
 _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 

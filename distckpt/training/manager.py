@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any
 from distckpt.comm import Communicator, auto
 from distckpt.comm.outcome import announce
 from distckpt.commit.transaction import collect_garbage
-from distckpt.engine import background
-from distckpt.engine.background import AsyncSave
-from distckpt.engine.options import MANAGER, CheckpointOptions, ManagerKeywords, merge
-from distckpt.engine.results import SaveResult
 from distckpt.errors import DirectoryLockedError
 from distckpt.local import LocalTier
+from distckpt.pipeline import background
+from distckpt.pipeline.background import AsyncSave
+from distckpt.pipeline.options import MANAGER, CheckpointOptions, ManagerKeywords, merge
+from distckpt.pipeline.results import SaveResult
 from distckpt.storage.registry import is_remote, open_store
 from distckpt.training.checkpoint import Checkpoint
 from distckpt.training.lock import STALE_SECONDS
@@ -299,7 +299,7 @@ class CheckpointManager:
         Returns its path, or None when ``checkpoint_interval`` / ``save_interval_secs``
         say it is not time yet (``check_interval=False`` saves regardless).
 
-        ``async_save=True`` returns an :class:`~distckpt.engine.background.AsyncSave`
+        ``async_save=True`` returns an :class:`~distckpt.pipeline.background.AsyncSave`
         (``.path``, ``.wait()``, ``.done()``) once the state is copied to host memory; the
         write, the commit, the ``latest`` pointer and the removal of checkpoints that
         retention drops follow in the background, in that order. ``lazy=True`` also leaves

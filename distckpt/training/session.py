@@ -35,12 +35,12 @@ from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.comm.outcome import Failure, first_failure
 from distckpt.engine import reuse
 from distckpt.engine.load import load_indexed, read_shared_index
-from distckpt.engine.matching import gather_left
-from distckpt.engine.options import CheckpointOptions, resolve_run
 from distckpt.errors import CorruptCheckpointError, ShapeMismatchError
 from distckpt.format.backed import check_stored
 from distckpt.format.stored import Pieces
 from distckpt.items import PerRank, Shard, is_dtensor
+from distckpt.pipeline.matching import gather_left
+from distckpt.pipeline.options import CheckpointOptions, resolve_run
 from distckpt.signing.keys import TrustSource, trusted_keys
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import location, open_store
@@ -217,7 +217,7 @@ class RestoreSession:
     def _settle(self, error: BaseException | None) -> None:
         """Collective, at the end of :meth:`execute`: raise if any rank failed (as
         :func:`~distckpt.comm.raise_if_any_failed`), and agree on the checkpoint names no
-        rank has read yet, in the same allgather (:func:`~distckpt.engine.matching.gather_left`:
+        rank has read yet, in the same allgather (:func:`~distckpt.pipeline.matching.gather_left`:
         nothing from a rank that has read all of them)."""
         unconsumed = self._held() if self._unconsumed is None else self._unconsumed
         payload = None if error is None else Failure.capture(error, self.comm.rank)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from distckpt.comm import Communicator
-from distckpt.engine.options import CheckpointOptions
 from distckpt.local import LocalTier, files
 from distckpt.local.choose import choose
 from distckpt.local.nodes import topology
 from distckpt.local.restore import LocalStep
 from distckpt.local.save import Step, save_local
+from distckpt.pipeline.options import CheckpointOptions
 from distckpt.signing.keys import requires_signature
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import open_store

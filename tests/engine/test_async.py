@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt.engine import background
 from distckpt.errors import CheckpointExists
+from distckpt.pipeline import background
 from tests.support.launch_util import SCRIPTS
 
 

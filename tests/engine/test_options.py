@@ -13,7 +13,7 @@ import torch
 
 import distckpt
 from distckpt.comm import SingleComm
-from distckpt.engine.options import CheckpointOptions, merge
+from distckpt.pipeline.options import CheckpointOptions, merge
 from tests.engine.test_single_process import index_of
 from tests.support.make_golden import assert_same_bits
 

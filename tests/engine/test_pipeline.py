@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from distckpt.comm import SingleComm
-from distckpt.engine.matching import _left_by_all, _share, gather_left
+from distckpt.pipeline.matching import _left_by_all, _share, gather_left
 from tests.support.launch_util import (
     SCRIPTS,
     assert_all_ok,

@@ -26,12 +26,12 @@ import torch
 import distckpt
 from distckpt import CorruptCheckpointError
 from distckpt.comm.single import SingleComm
-from distckpt.engine.options import CheckpointOptions
 from distckpt.local import files
 from distckpt.local.choose import choose
 from distckpt.local.messages import MANIFEST_BYTES, MESSAGE_BYTES, checked_plans
 from distckpt.local.restore import LocalStep
 from distckpt.local.save import _Layout, _replicate
+from distckpt.pipeline.options import CheckpointOptions
 from distckpt.storage.registry import open_store
 from distckpt.testing.hostile import crc32c, reseal
 from distckpt.training.tiers import RUN_FILE

@@ -606,7 +606,7 @@ def test_prepare_async_allocates_the_snapshot_buffers(tmp_path: Path) -> None:
     opt.step()
     ckpt = distckpt.Checkpoint(model=model, optimizer=opt)
     with distckpt.CheckpointManager(ckpt, tmp_path, prepare_async=True) as manager:
-        from distckpt.engine import background as save_mod
+        from distckpt.pipeline import background as save_mod
 
         params = (64 * 32 + 32) * 4
         assert manager.prepare_async() >= 3 * params  # parameters and both Adam moments

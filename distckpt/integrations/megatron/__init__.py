@@ -79,7 +79,6 @@ import torch
 
 import distckpt
 from distckpt import dtypes
-from distckpt.engine.pipeline import communicator
 from distckpt.integrations.megatron.imports import (
     MISSING,
     AsyncRequest,
@@ -104,6 +103,7 @@ from distckpt.integrations.megatron.leaves import (
 )
 from distckpt.integrations.megatron.loading import load_state
 from distckpt.naming import unescape_key
+from distckpt.pipeline import communicator
 
 
 class DistckptSaveStrategy(AsyncSaveShardedStrategy):

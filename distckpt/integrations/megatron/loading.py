@@ -22,8 +22,6 @@ import distckpt
 from distckpt import dtypes
 from distckpt.engine.inspect import index_variables
 from distckpt.engine.load import load_indexed, read_shared_index
-from distckpt.engine.options import LOAD, merge_or_refuse, resolve_run
-from distckpt.engine.pipeline import communicator
 from distckpt.integrations.megatron.imports import (
     CheckpointingException,
     ShardedObject,
@@ -41,6 +39,8 @@ from distckpt.integrations.megatron.leaves import (
     refuse_flattened,
 )
 from distckpt.items import Branch
+from distckpt.pipeline import communicator
+from distckpt.pipeline.options import LOAD, merge_or_refuse, resolve_run
 from distckpt.signing.keys import trusted_keys
 
 
