@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Any
 
-from distckpt.pipeline import background as _moved
+_moved = importlib.import_module("distckpt.pipeline.background")
 
 warnings.warn(
     f"{__name__} moved to {_moved.__name__}: import it from there "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -423,3 +425,40 @@ def test_troubleshooting_has_one_entry_per_error_class() -> None:
         f"{TROUBLESHOOTING.relative_to(ROOT)}: no heading for {missing}; headings for classes "
         f"that distckpt.errors does not define: {unknown}; more than one heading for {repeated}"
     )
+
+
+#: Import paths that moved, kept for one release: old module -> new module.
+MOVED = {
+    "distckpt.engine.pipeline": "distckpt.pipeline",
+    **{
+        f"distckpt.engine.pipeline.{m}": f"distckpt.pipeline.{m}"
+        for m in ("restore", "save", "stage")
+    },
+    **{
+        f"distckpt.engine.{m}": f"distckpt.pipeline.{m}"
+        for m in ("options", "results", "matching", "background", "snapshot")
+    },
+}
+
+
+def test_moved_modules_still_import_with_a_warning() -> None:
+    """Each old path gives the new module's objects and a DeprecationWarning naming the
+    new path (in a fresh interpreter: nothing imported before)."""
+    code = f"""
+import importlib, warnings
+moved = {MOVED!r}
+for old, new in moved.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    said = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any(new in s for s in said), (old, said)
+    target = importlib.import_module(new)
+    name = next(n for n in vars(target) if not n.startswith("_"))
+    assert getattr(module, name) is getattr(target, name), (old, name)
+print("ok", len(moved))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0 and f"ok {len(MOVED)}" in done.stdout, done.stderr[-2000:]
