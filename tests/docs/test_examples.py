@@ -98,8 +98,14 @@ def test_every_command_named_exists() -> None:
         # In running text (`distckpt verify DIR`) and in the command lines of blocks.
         named.update(re.findall(r"`distckpt ([a-z][\w-]*)", path.read_text()))
         for block in read(path):
-            if block.lang in ("bash", "text"):
+            # A command starts a line of a bash block or follows a shell separator there;
+            # in output (text) it starts a line (a prompt's `$ `, an error's prefix).
+            if block.lang == "bash":
                 line = r"(?:^|[|;&]\s*|\$\s*)distckpt ([a-z][\w-]*)"
-                named.update(re.findall(line, block.code, flags=re.M))
+            elif block.lang == "text":
+                line = r"^\s*(?:\$\s*)?distckpt ([a-z][\w-]*)"
+            else:
+                continue
+            named.update(re.findall(line, block.code, flags=re.M))
     assert named, "no command named"
     assert named <= commands, sorted(named - commands)
