@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,17 @@ class Entry:
     world_size: int | None = None
     latest: bool = False
     note: str = ""
+
+    @property
+    def step(self) -> int | None:
+        """The old name of :attr:`number` (kept for one release)."""
+        warnings.warn(
+            "distckpt.tools.runs.Entry.step is now Entry.number (the old name goes in the "
+            "next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.number
 
     def to_json(self) -> dict[str, Any]:
         found = asdict(self)

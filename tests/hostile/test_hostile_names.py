@@ -93,7 +93,7 @@ def test_a_step_in_other_digits_is_never_adopted(tmp_path: Path) -> None:
         assert manager.restore_or_initialize() == str(run / "ckpt-1")
         assert manager.checkpoints == [str(run / "ckpt-1")]
     assert torch.equal(restored.w, torch.ones(4))
-    steps = {e.name: e.step for e in list_run(run).entries}
+    steps = {e.name: e.number for e in list_run(run).entries}
     assert steps["ckpt-1"] == 1 and steps["ckpt-\u0664"] in (None, 4)  # (4: the index's)
     assert not _older("ckpt-\u0664", "ckpt-5", []) and not _older("ckpt-1", "ckpt-\u0664", [])
 

@@ -32,6 +32,7 @@ from distckpt.slices import Box
 from distckpt.testing.hostile import reseal
 from distckpt.tools import export as export_mod
 from distckpt.tools.export import export
+from distckpt.tools.runs import list_run
 from distckpt.tools.slabs import slabs
 from distckpt.tools.verify import coverage_problems
 from tests.support.make_golden import DTYPES, TWO_RANKS, assert_same_bits, emb, flat, weight
@@ -200,6 +201,9 @@ def test_ls_marks_latest_and_leftovers(tmp_path: Path, capsys: pytest.CaptureFix
     assert by_name["ckpt-3"]["latest"] and not by_name["ckpt-2"]["latest"]
     assert by_name["ckpt-2"]["world_size"] == 1 and by_name["ckpt-2"]["number"] == 2
     assert by_name["ckpt-2"]["step"] == 2  # the number's old name, kept for a release
+    entry = next(e for e in list_run(run_dir).entries if e.name == "ckpt-2")
+    with pytest.warns(DeprecationWarning, match="Entry.number"):
+        assert entry.step == entry.number == 2
     assert by_name["ckpt-2"]["created"] > 1e9
     on_disk = sum(p.stat().st_size for p in (run_dir / "ckpt-2").rglob("*") if p.is_file())
     assert by_name["ckpt-2"]["bytes"] == on_disk > 0
