@@ -1,21 +1,6 @@
 """Moved to :mod:`distckpt.pipeline.snapshot`; this import path works, with a
 ``DeprecationWarning``, until the next release."""
 
-from __future__ import annotations
+from distckpt.moved import alias
 
-import importlib
-import warnings
-from typing import Any
-
-_moved = importlib.import_module("distckpt.pipeline.snapshot")
-
-warnings.warn(
-    f"{__name__} moved to {_moved.__name__}: import it from there "
-    "(the old path goes in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_moved, name)
+__getattr__ = alias(__name__, "distckpt.pipeline.snapshot")

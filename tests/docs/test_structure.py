@@ -24,7 +24,7 @@ PACKAGE = ROOT / "distckpt"
 
 #: The layers, bottom up: a module may import from its own layer and those below.
 LAYERS: list[set[str]] = [
-    {"errors", "version"},
+    {"errors", "version", "moved"},
     {"settings", "dtypes", "slices", "naming", "numbering", "values", "terminal"},
     {"tiling", "items", "progress"},
     {"storage", "comm"},  # the stores; the communicators
