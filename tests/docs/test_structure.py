@@ -54,6 +54,15 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` in ``package`` names, relative ones resolved."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([node.module] if node.module else []))
+    return base
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """The package's modules ``name`` imports (``from p import m``: module ``p.m`` when it
     is one, else ``p``)."""
@@ -63,10 +72,7 @@ def _imports(name: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([node.module] if node.module else []))
+            base = _absolute(node, package)
             for alias in node.names:
                 out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return {m for m in out if m in MODULES and m != name}
@@ -269,10 +275,7 @@ class _Module:
                     elif isinstance(target, ast.Name):
                         self.defined[target.id] = (node, after)
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([node.module] if node.module else []))
+                base = _absolute(node, package)
                 for alias in node.names:
                     self.imported[alias.asname or alias.name] = f"{base}.{alias.name}"
             elif isinstance(node, ast.Import):
