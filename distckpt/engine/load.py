@@ -80,9 +80,10 @@ def load(
     fields (``strict``, ``allow_pickle``, ``io_workers``) may also be given as keyword
     arguments, which win.
 
-    Each rank reads with ``io_workers`` threads (default: the cores this rank may use,
-    see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS`` overrides it). GPU
-    targets are filled through pinned staging slabs (:mod:`distckpt.transfer.slabs`).
+    Each rank reads with ``io_workers`` threads (default: the cores this rank may use, at
+    most 8 for GPU tensors, see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS``
+    overrides it). GPU targets are filled through pinned staging slabs
+    (:mod:`distckpt.transfer.slabs`).
     """
     comm = communicator(comm)  # also raises the error of a save nobody waited for
     merged, refused = merge_or_refuse(options, keywords, LOAD, "load")

@@ -406,10 +406,11 @@ def save(
     coordinator's ``compression`` is the one used. Checksums cover the stored bytes,
     compressed or not.
 
-    Each rank writes with ``io_workers`` threads (default: the cores this rank may use,
-    see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS`` overrides it). A
-    blocking save copies GPU tensors to host memory a slab at a time through a bounded
-    pool of pinned staging slabs (:mod:`distckpt.transfer.slabs`), never whole.
+    Each rank writes with ``io_workers`` threads (default: the cores this rank may use, at
+    most 8 for GPU tensors, see :mod:`distckpt.transfer.workers`; ``$DISTCKPT_IO_WORKERS``
+    overrides it). A blocking save copies GPU tensors to host memory a slab at a time
+    through a bounded pool of pinned staging slabs (:mod:`distckpt.transfer.slabs`), never
+    whole.
     """
     if lazy is not False and not async_save:
         raise ValueError("lazy saves run in the background: pass async_save=True as well")

@@ -65,8 +65,10 @@ class CheckpointOptions:
     * ``allow_pickle``: store objects that are neither tensors nor typed Python values
       pickled, and unpickle them on load. Unpickling runs code from the checkpoint: only
       for checkpoints you trust.
-    * ``io_workers``: each rank's I/O threads (default: the cores this rank may use;
-      ``$DISTCKPT_IO_WORKERS`` overrides it; at least 8 against an object store).
+    * ``io_workers``: each rank's I/O threads (default: the cores this rank may use, at
+      most 8 for tensors on a GPU, at least 8 against an object store or a network file
+      system: :func:`~distckpt.transfer.workers.choose_io_workers`;
+      ``$DISTCKPT_IO_WORKERS`` overrides it).
 
     Loading:
 
