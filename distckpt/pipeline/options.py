@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
-from distckpt import settings
 from distckpt.format import codecs, wellformed
 from distckpt.format.codecs import Compression
 from distckpt.planning.pieces import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES
@@ -269,7 +268,5 @@ def resolve_run(
     :data:`~distckpt.transfer.workers.NETWORK_WORKERS` against an object store or a
     network file system."""
     store = open_store(location)
-    local = None
-    if options.io_workers is None and not settings.IO_WORKERS.is_set():
-        local = transfer_workers.local_ranks(comm)
+    local = transfer_workers.node_ranks_for(options.io_workers, comm)
     return Resolved(options, store, _choose(options, store, local), local)

@@ -200,7 +200,7 @@ def choose_io_workers(
     if device and count > DEVICE_WORKERS:
         count, reason = DEVICE_WORKERS, f"at most {DEVICE_WORKERS} for device tensors; {reason}"
     kind = None if network or path is None else filesystem_type(path)
-    if kind is not None and kind in NETWORK_FILESYSTEMS:
+    if kind in NETWORK_FILESYSTEMS:
         network, what = True, kind
     else:
         what = "an object store"
@@ -209,12 +209,19 @@ def choose_io_workers(
     return WorkerChoice(count, reason)
 
 
+def node_ranks_for(io_workers: int | None, comm: Any = None) -> int | None:
+    """The ranks sharing this node (:func:`local_ranks`, which may ask ``comm``: call it
+    on every rank) when the default count applies, else None (a count was given)."""
+    if io_workers is not None or settings.IO_WORKERS.is_set():
+        return None
+    return local_ranks(comm)
+
+
 def resolve_io_workers(io_workers: int | None, comm: Any = None, *, network: bool = False) -> int:
     """The count of :func:`choose_io_workers` for host tensors (which may ask ``comm``
     how many ranks share the node: call it on every rank)."""
-    if io_workers is not None or settings.IO_WORKERS.is_set():
-        return choose_io_workers(io_workers, network=network).count
-    return choose_io_workers(None, local_ranks(comm), network=network).count
+    local = node_ranks_for(io_workers, comm)
+    return choose_io_workers(io_workers, local, network=network).count
 
 
 def interleaved(streams: Iterable[Sequence[T]], width: int) -> Iterator[T]:
