@@ -106,23 +106,33 @@ def coordinate(
     ``contribution`` is the :class:`Failure` of it: that rank raises the object itself.
     A decision is never a :class:`Failure` itself.
     """
-    gathered = comm.gather(contribution, root=root)
-    outcome: Any = None
-    if comm.rank == root:
-        assert gathered is not None
-        outcome = first_failure(gathered)
-        if outcome is None:
-            try:
-                outcome = decide(gathered)
-            except Exception as exc:
+    gathered = collect(comm, contribution, root=root)
+    outcome: Any = gathered
+    if isinstance(gathered, list):
+        try:
+            outcome = decide(gathered)
+        except Exception as exc:
+            error, outcome = exc, Failure.capture(exc, comm.rank)
+    if comm.rank == root and settle is not None:
+        try:
+            settle(outcome if isinstance(outcome, Failure) else None)
+        except Exception as exc:
+            if not isinstance(outcome, Failure):
                 error, outcome = exc, Failure.capture(exc, comm.rank)
-        if settle is not None:
-            try:
-                settle(outcome if isinstance(outcome, Failure) else None)
-            except Exception as exc:
-                if not isinstance(outcome, Failure):
-                    error, outcome = exc, Failure.capture(exc, comm.rank)
-    return _received(comm, outcome, error, root)
+    return deliver(comm, outcome, error, root)
+
+
+def collect(comm: Any, contribution: Any, *, root: int = 0) -> list[Any] | Failure | None:
+    """Collective, the first half of :func:`coordinate` written out as steps:
+    ``comm.gather(contribution, root)``; on ``root``, every rank's contribution in rank
+    order, or the lowest failing rank's :class:`Failure`; None on the other ranks. The
+    coordinator decides from the list (its exception captured as the outcome), then every
+    rank calls :func:`deliver`."""
+    gathered = comm.gather(contribution, root=root)
+    if comm.rank != root:
+        return None
+    assert gathered is not None
+    return first_failure(gathered) or list(gathered)
 
 
 def announce(comm: Any, compute: Callable[[], T], *, root: int = 0) -> T:
@@ -135,7 +145,7 @@ def announce(comm: Any, compute: Callable[[], T], *, root: int = 0) -> T:
             outcome = compute()
         except Exception as exc:
             error, outcome = exc, Failure.capture(exc, comm.rank)
-    return _received(comm, outcome, error, root)
+    return deliver(comm, outcome, error, root)
 
 
 def share(comm: Any, payload: Any, error: BaseException | None = None) -> list[Any]:
@@ -150,7 +160,10 @@ def share(comm: Any, payload: Any, error: BaseException | None = None) -> list[A
     return list(everyone)
 
 
-def _received(comm: Any, outcome: Any, error: BaseException | None, root: int) -> Any:
+def deliver(comm: Any, outcome: Any, error: BaseException | None, root: int = 0) -> Any:
+    """Collective, the second half of :func:`coordinate`: ``root``'s ``outcome`` (a
+    decision, or a :class:`Failure`) broadcast; every rank returns the decision or raises
+    the failure (as ``error`` itself on the rank it came from)."""
     outcome = comm.broadcast(outcome, root=root)
     if isinstance(outcome, Failure):
         outcome.raise_here(comm.rank, error)

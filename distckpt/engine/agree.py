@@ -32,7 +32,7 @@ import dataclasses
 import hashlib
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,15 @@ import numpy as np
 from distckpt import settings
 from distckpt.comm import Communicator
 from distckpt.comm.base import COORDINATOR, scatter
-from distckpt.comm.outcome import Failure, coordinate
+from distckpt.comm.outcome import Failure, collect, deliver
+from distckpt.commit.transaction import Transaction, begin
+from distckpt.engine.local_state import Described, LocalState, replica_checksums
 from distckpt.errors import ValidationError
-from distckpt.planning.describe import Desc, RankDesc, Schema, rank_desc
+from distckpt.planning.describe import RankDesc, Schema, rank_desc
 from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
+from distckpt.planning.save_plan import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES, plan_save
 from distckpt.planning.validate import check_contents, raise_inconsistent
+from distckpt.storage.backend import Store
 
 #: Default ``k``: each replicated tensor is checked at least once every ``k`` saves.
 REPLICA_CHECK_EVERY = settings.REPLICA_CHECK.built_in
@@ -55,6 +59,33 @@ CACHED_PLANS = 4
 
 def replica_check_every() -> int:
     return settings.REPLICA_CHECK.value()
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What the coordinator plans with, for ``world`` ranks: a plan is cached under its
+    terms and reused only under equal ones (:meth:`key`)."""
+
+    world: int
+    small_bytes: int = DEFAULT_SMALL_BYTES
+    inner_bytes: int = DEFAULT_INNER_BYTES
+    compression: Any = None  # a choice, or an ordered mapping of name patterns to choices
+
+    def key(self) -> tuple[Any, ...]:
+        """The terms as a hashable value; a mapping of compression choices is ordered (its
+        first matching pattern wins), so it is compared as its items in order."""
+        choices = self.compression
+        if choices is not None and not isinstance(choices, str):
+            choices = tuple(choices.items())
+        return (self.world, self.small_bytes, self.inner_bytes, choices)
+
+    def plan(self, ranks: Sequence[RankDesc]) -> SavePlan:
+        return plan_save(
+            ranks,
+            small_bytes=self.small_bytes,
+            inner_bytes=self.inner_bytes,
+            compression=self.compression,
+        )
 
 
 @dataclass
@@ -70,7 +101,7 @@ class _RankPlan:
 class _CoordinatorPlan:
     plan: SavePlan
     fingerprints: list[bytes]
-    options: tuple[Any, ...]
+    terms: tuple[Any, ...]
 
 
 _RANK_PLANS: OrderedDict[bytes, _RankPlan] = OrderedDict()
@@ -125,15 +156,41 @@ class Describe:
 
 
 @dataclass
+class Fresh:
+    """A plan the coordinator made (and cached as ``plan_id``): what it broadcasts, and
+    each rank's share, which it scatters."""
+
+    plan_id: str
+    token: str
+    plan: SavePlan
+    shares: list[Share]
+
+    def announced(self) -> tuple[str, str, Shared]:
+        return self.plan_id, self.token, self.plan.shared
+
+
+@dataclass
 class Agreed:
-    """What the ranks agreed on: this rank's work; on the coordinator also the plan and
-    the values for the index, and the transaction begun for the save."""
+    """What the ranks agreed on: this rank's work; on the coordinator also the plan, the
+    values for the index and the transaction of the save, begun."""
 
     work: RankWork
     reused: bool
     plan: SavePlan | None = None
     values: dict[str, Any] | None = None
-    begun: Any = None
+    transaction: Transaction | None = None
+
+
+@dataclass
+class _Mine:
+    """This rank's side: its state and description, its fingerprint, the plan it holds
+    for it and the names of its replicated tensors."""
+
+    local: LocalState
+    desc: RankDesc
+    fingerprint: bytes
+    cached: _RankPlan | None
+    replicated: list[str]
 
 
 def fingerprint(desc: RankDesc, rank: int) -> bytes:
@@ -143,103 +200,166 @@ def fingerprint(desc: RankDesc, rank: int) -> bytes:
     return h.digest()
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where the save goes: the coordinator begins it there once the ranks agree (every
+    rank names it in its offer, and the coordinator refuses a save whose ranks differ)."""
+
+    store: Store
+    overwrite: bool = False
+
+    def begin(self, plan: SavePlan, offers: Sequence[Offer], token: str, reused: bool) -> Agreed:
+        """Coordinator: the agreement on ``plan``, the save begun."""
+        transaction = begin(self.store, token, len(offers), overwrite=self.overwrite)
+        work = RankWork(token, [], [], [])
+        return Agreed(work, reused, plan, values_for_index(plan, offers), transaction)
+
+
 def agree(
     comm: Communicator,
-    descs: list[Desc] | Failure,
-    checksum: Callable[[list[str]], dict[str, int]],
-    options: tuple[Any, ...],
-    plan: Callable[[Sequence[RankDesc]], SavePlan],
-    begin: Callable[[str], Any],
-    local_error: BaseException | None,
-    destination: str = "",
+    described: Described | Failure,
+    error: BaseException | None,
+    terms: Terms,
+    target: Target,
 ) -> Agreed:
-    """Steps 1-2 on every rank. ``descs`` are this rank's descriptions without checksums
-    (or its failure); ``checksum(names)`` computes the crc32c of those replicated tensors;
-    ``plan`` and ``begin(token)`` (which returns the save's transaction) run on the
-    coordinator, which caches plans under ``options``. ``destination`` is where this rank
-    was asked to save: the coordinator refuses the save, before beginning it, unless every
-    rank names the same one (each rank writes its pieces under its own destination, and
-    only the coordinator's is committed). Raises on every rank the first failure of any
-    rank."""
-    offer: Offer | Failure
-    mine: RankDesc | None = None
-    replicated: list[str] = []
-    cached: _RankPlan | None = None
-    if isinstance(descs, Failure):
-        offer = descs
+    """The three steps of the module's docstring, on every rank. ``described`` is this
+    rank's state and descriptions, or its failure (``error`` is then this rank's
+    exception, raised as itself). The coordinator plans under ``terms`` and begins the
+    save at ``target``. Every rank returns its work, or raises the first failure of any
+    rank, the save begun aborted."""
+    mine, offer, error = _offer(comm, described, error, target)
+    decision, offers, agreed, error = _decide(comm, offer, error, terms, target)
+    if isinstance(decision, ReusePlan):
+        assert mine is not None and mine.cached is not None
+        assert mine.cached.plan_id == decision.plan_id
+        mine.cached.saves += 1
+        return _agreed(agreed, dataclasses.replace(mine.cached.work, token=decision.token), True)
+    full, error = _full(comm, mine, offer, error, decision)
+    return _plan(comm, mine, offers, full, error, terms, target)
+
+
+def _offer(
+    comm: Communicator, described: Described | Failure, error: BaseException | None, target: Target
+) -> tuple[_Mine | None, Offer | Failure, BaseException | None]:
+    """Step 1 (this rank): its fingerprint, the plan it holds for it, values, checksums."""
+    if isinstance(described, Failure):
+        return None, described, error
+    try:
+        local, descs = described.local, described.descs
+        desc = rank_desc(descs)
+        own = fingerprint(desc, comm.rank)
+        cached = _RANK_PLANS.get(own)
+        replicated = [d.name for d in descs if d.replicated and d.kind == "tensor"]
+        desc.checksums = replica_checksums(local, _sample(replicated, cached, comm.size))
+        plan_id = cached.plan_id if cached else None
+        offer = Offer(plan_id, own, desc.digest, desc.values, desc.checksums, target.store.url)
+        return _Mine(local, desc, own, cached, replicated), offer, error
+    except Exception as exc:
+        return None, Failure.capture(exc, comm.rank), exc
+
+
+def _decide(
+    comm: Communicator,
+    offer: Offer | Failure,
+    error: BaseException | None,
+    terms: Terms,
+    target: Target,
+) -> tuple[ReusePlan | Describe, list[Offer] | None, Agreed | None, BaseException | None]:
+    """Step 2 (*gather, coordinator, *broadcast): the decision, and on the coordinator
+    every rank's offer and, when the plan is reused, the save begun."""
+    offers = collect(comm, offer)
+    decision: ReusePlan | Describe | Failure | None = None
+    agreed: Agreed | None = None
+    if not isinstance(offers, list):  # another rank, or a rank's failure
+        decision = offers
     else:
         try:
-            mine = rank_desc(descs)
-            own = fingerprint(mine, comm.rank)
-            cached = _RANK_PLANS.get(own)
-            replicated = [d.name for d in descs if d.replicated and d.kind == "tensor"]
-            checked = _sample(replicated, cached, comm.size)
-            mine.checksums = checksum(checked)
-            offer = Offer(
-                cached.plan_id if cached else None,
-                own,
-                mine.digest,
-                mine.values,
-                mine.checksums,
-                destination,
-            )
+            check_destinations(offers)
+            decision, plan = decide(offers, terms)
+            if isinstance(decision, ReusePlan):
+                assert plan is not None
+                agreed = target.begin(plan, offers, decision.token, reused=True)
         except Exception as exc:
-            local_error, offer = exc, Failure.capture(exc, comm.rank)
-    begun: list[Agreed] = []  # the coordinator's agreement, once its transaction began
-    offers: list[Offer] = []  # the coordinator's: every rank's offer
+            error, decision = exc, Failure.capture(exc, comm.rank)
     try:
-
-        def reuse_or_describe(gathered: list[Any]) -> Any:
-            check_destinations(gathered)
-            offers.extend(gathered)
-            decision, agreed = decide(offers, options, begin)
-            if agreed is not None:
-                begun.append(agreed)
-            return decision
-
-        decision = coordinate(comm, offer, reuse_or_describe, error=local_error)
-        if isinstance(decision, ReusePlan):
-            assert cached is not None and cached.plan_id == decision.plan_id
-            cached.saves += 1
-            work = dataclasses.replace(cached.work, token=decision.token)
-            return _finish(begun, work, reused=True)
-
-        # Describe: every rank sends its boxes, and its schema unless it is the coordinator's.
-        assert isinstance(decision, Describe)
-        full: Full | Failure
-        if mine is None:
-            assert isinstance(offer, Failure)
-            full = offer
-        else:
-            try:
-                rest = [n for n in replicated if n not in mine.checksums]
-                more = checksum(rest if comm.size > 1 else [])
-                mine.checksums.update(more)
-                schema = None if mine.digest == decision.digest else mine.schema
-                full = Full(schema, mine.boxes, more)
-            except Exception as exc:
-                local_error, full = exc, Failure.capture(exc, comm.rank)
-        shares: list[Share] | None = None
-
-        def make(fulls: list[Any]) -> Any:
-            nonlocal shares
-            assert mine is not None
-            outcome, shares, agreed = plan_fresh(offers, fulls, mine.schema, options, plan, begin)
-            begun.append(agreed)
-            return outcome
-
-        plan_id, token, shared = coordinate(comm, full, make, error=local_error)
-        share = scatter(comm, shares, root=COORDINATOR)
-        work = shared.expand(share, comm.rank, token)
-        assert isinstance(offer, Offer)
-        _remember(_RANK_PLANS, offer.fingerprint, _RankPlan(plan_id, work))
-        return _finish(begun, work, reused=False)
+        decided = deliver(comm, decision, error)
     except BaseException:
-        # A failure after the coordinator began the save (another rank's error, a dead
-        # rank): never leave its transaction behind, its heartbeat keeping it alive.
-        for agreed in begun:
-            agreed.begun.abort()
+        _abort(agreed)
         raise
+    return decided, offers if isinstance(offers, list) else None, agreed, error
+
+
+def _full(
+    comm: Communicator,
+    mine: _Mine | None,
+    offer: Offer | Failure,
+    error: BaseException | None,
+    decision: Describe,
+) -> tuple[Full | Failure, BaseException | None]:
+    """Step 3, this rank's part: its description in full (its boxes, the checksums its
+    offer left out, its schema unless it is the coordinator's)."""
+    if mine is None:
+        assert isinstance(offer, Failure)
+        return offer, error
+    try:
+        rest = [n for n in mine.replicated if n not in mine.desc.checksums]
+        more = replica_checksums(mine.local, rest if comm.size > 1 else [])
+        mine.desc.checksums.update(more)
+        schema = None if mine.desc.digest == decision.digest else mine.desc.schema
+        return Full(schema, mine.desc.boxes, more), error
+    except Exception as exc:
+        return Failure.capture(exc, comm.rank), exc
+
+
+def _plan(
+    comm: Communicator,
+    mine: _Mine | None,
+    offers: list[Offer] | None,
+    full: Full | Failure,
+    error: BaseException | None,
+    terms: Terms,
+    target: Target,
+) -> Agreed:
+    """Step 3 (*gather, coordinator, *broadcast, *scatter): the coordinator plans from
+    every rank's description, begins the save and sends each rank its share; every rank
+    caches its work under the plan's id."""
+    fulls = collect(comm, full)
+    outcome: tuple[str, str, Shared] | Failure | None = None
+    fresh: Fresh | None = None
+    agreed: Agreed | None = None
+    if not isinstance(fulls, list):
+        outcome = fulls
+    else:
+        try:
+            assert mine is not None and offers is not None
+            fresh = plan_fresh(offers, fulls, mine.desc.schema, terms)
+            agreed = target.begin(fresh.plan, offers, fresh.token, reused=False)
+            outcome = fresh.announced()
+        except Exception as exc:
+            error, outcome = exc, Failure.capture(exc, comm.rank)
+    try:
+        plan_id, token, shared = deliver(comm, outcome, error)
+        share = scatter(comm, fresh.shares if fresh else None, root=COORDINATOR)
+    except BaseException:
+        _abort(agreed)
+        raise
+    work = shared.expand(share, comm.rank, token)
+    assert mine is not None
+    _remember(_RANK_PLANS, mine.fingerprint, _RankPlan(plan_id, work))
+    return _agreed(agreed, work, False)
+
+
+def _abort(agreed: Agreed | None) -> None:
+    """A failure after the coordinator began the save (another rank's error, a dead
+    rank): never leave its transaction behind, its heartbeat keeping it alive."""
+    if agreed is not None and agreed.transaction is not None:
+        agreed.transaction.abort()
+
+
+def _agreed(began: Agreed | None, work: RankWork, reused: bool) -> Agreed:
+    if began is None:
+        return Agreed(work, reused=reused)
+    return dataclasses.replace(began, work=work)
 
 
 def check_destinations(offers: Sequence[Offer]) -> None:
@@ -253,13 +373,6 @@ def check_destinations(offers: Sequence[Offer]) -> None:
             f"cannot save: every rank must save to the same place; rank 0 (the "
             f"coordinator) was given {first!r}, but {shown}{more}"
         )
-
-
-def _finish(begun: list[Agreed], work: RankWork, *, reused: bool) -> Agreed:
-    if begun:
-        begun[0].work = work
-        return begun[0]
-    return Agreed(work, reused=reused)
 
 
 def _sample(replicated: list[str], cached: _RankPlan | None, world: int) -> list[str]:
@@ -276,7 +389,7 @@ def _sample(replicated: list[str], cached: _RankPlan | None, world: int) -> list
     return [name for i, name in enumerate(replicated) if i % k == turn]
 
 
-def _values(plan: SavePlan, offers: Sequence[Offer]) -> dict[str, Any]:
+def values_for_index(plan: SavePlan, offers: Sequence[Offer]) -> dict[str, Any]:
     """The values for the index: a value as the lowest rank holding it has it (all agree,
     see :func:`check_contents`), a per-rank value by rank."""
     kinds = {s.name: s.kind for s in plan.specs}
@@ -290,44 +403,35 @@ def _values(plan: SavePlan, offers: Sequence[Offer]) -> dict[str, Any]:
     return values
 
 
-def decide(
-    offers: list[Any], options: tuple[Any, ...], begin: Callable[[str], Any]
-) -> tuple[ReusePlan | Describe, Agreed | None]:
-    """Coordinator: reuse the cached plan if every rank offers it for the fingerprints
-    it was made from (checking the values and checksums offered; ``begin(token)`` then
-    begins the save), else ask for descriptions."""
-    first: Offer = offers[0]
+def decide(offers: list[Offer], terms: Terms) -> tuple[ReusePlan | Describe, SavePlan | None]:
+    """Coordinator: reuse the cached plan (returned with the decision) if every rank offers
+    it for the fingerprints it was made from, under the same ``terms`` (checking the values
+    and checksums offered), else ask for descriptions."""
+    first = offers[0]
     cached = _COORDINATOR_PLANS.get(first.plan_id) if first.plan_id else None
     if (
-        cached is None
-        or cached.options != options
+        first.plan_id is None
+        or cached is None
+        or cached.terms != terms.key()
         or any(o.plan_id != first.plan_id for o in offers)
         or cached.fingerprints != [o.fingerprint for o in offers]
     ):
         return Describe(first.digest), None
-    plan = cached.plan
-    kinds = {s.name: s.kind for s in plan.specs}
+    kinds = {s.name: s.kind for s in cached.plan.specs}
     ranks = [RankDesc(None, o.digest, _NO_BOXES, o.values, o.checksums) for o in offers]
     raise_inconsistent(check_contents(kinds, ranks))
-    _COORDINATOR_PLANS.move_to_end(first.plan_id)  # type: ignore[arg-type]
-    token = uuid.uuid4().hex[:16]
-    agreed = Agreed(RankWork(token, [], [], []), True, plan, _values(plan, offers), begin(token))
-    return ReusePlan(first.plan_id, token), agreed  # type: ignore[arg-type]
+    _COORDINATOR_PLANS.move_to_end(first.plan_id)
+    return ReusePlan(first.plan_id, uuid.uuid4().hex[:16]), cached.plan
 
 
 _NO_BOXES = np.zeros(0, dtype=np.int64)
 
 
 def plan_fresh(
-    offers: list[Offer],
-    fulls: list[Full],
-    schema: Schema | None,
-    options: tuple[Any, ...],
-    plan: Callable[[Sequence[RankDesc]], SavePlan],
-    begin: Callable[[str], Any],
-) -> tuple[tuple[str, str, Shared], list[Share], Agreed]:
-    """Coordinator: plan from every rank's offer and description, begin the save, cache
-    the plan; returns what to broadcast, the shares to scatter and the agreement."""
+    offers: Sequence[Offer], fulls: Sequence[Full], schema: Schema | None, terms: Terms
+) -> Fresh:
+    """Coordinator: plan from every rank's offer and description under ``terms``, and
+    cache the plan (``schema``: the coordinator's, for ranks that sent none)."""
     ranks = []
     for offer, full in zip(offers, fulls, strict=True):
         checksums = {**offer.checksums, **full.checksums}
@@ -340,14 +444,8 @@ def plan_fresh(
                 checksums,
             )
         )
-    made = plan(ranks)
-    shares = made.shares()
-    plan_id = uuid.uuid4().hex
-    token = uuid.uuid4().hex[:16]
-    agreed = Agreed(RankWork(token, [], [], []), False, made, _values(made, offers), begin(token))
-    _remember(
-        _COORDINATOR_PLANS,
-        plan_id,
-        _CoordinatorPlan(made, [o.fingerprint for o in offers], options),
-    )
-    return (plan_id, token, made.shared), shares, agreed
+    made = terms.plan(ranks)
+    fresh = Fresh(uuid.uuid4().hex, uuid.uuid4().hex[:16], made, made.shares())
+    fingerprints = [o.fingerprint for o in offers]
+    _remember(_COORDINATOR_PLANS, fresh.plan_id, _CoordinatorPlan(made, fingerprints, terms.key()))
+    return fresh

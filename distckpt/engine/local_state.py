@@ -10,16 +10,27 @@ from typing import Any
 from distckpt.items import Leaf
 from distckpt.planning.describe import Desc
 from distckpt.transfer.sources import Source
-from distckpt.transfer.workers import TaskGroup
+from distckpt.transfer.workers import TaskGroup, WorkerChoice
 
 
 @dataclass
 class LocalState:
-    """This rank's leaves, where to read each tensor (by name), and its encoded values."""
+    """This rank's leaves, where to read each tensor (by name), its encoded values, and
+    the I/O workers it reads them with (chosen for where its tensors are)."""
 
     leaves: list[Leaf]
     sources: dict[str, Source]
     values: dict[str, Any]
+    workers: WorkerChoice
+
+
+@dataclass
+class Described:
+    """This rank's state and its descriptions, without checksums: what it offers for the
+    plan."""
+
+    local: LocalState
+    descs: list[Desc]
 
 
 def describe_state(local: LocalState) -> list[Desc]:
@@ -43,13 +54,13 @@ def describe_state(local: LocalState) -> list[Desc]:
     return descs
 
 
-def replica_checksums(local: LocalState, names: list[str], workers: int) -> dict[str, int]:
+def replica_checksums(local: LocalState, names: list[str]) -> dict[str, int]:
     """The crc32c of the replicated tensors ``names``, for the coordinator to check that
     every rank holds the same bytes; those in host memory are checksummed by the I/O
     workers, those staged through the slabs on this thread."""
     checksums: dict[str, int] = {}
     pending: dict[str, Any] = {}
-    group = TaskGroup(workers)
+    group = TaskGroup(local.workers.count)
 
     def feed() -> None:
         for name in names:

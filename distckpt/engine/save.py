@@ -29,21 +29,23 @@ A failure anywhere leaves every committed checkpoint, including one at ``path``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from distckpt import dtypes, pipeline
 from distckpt.comm import Communicator
 from distckpt.comm.base import COORDINATOR
-from distckpt.comm.outcome import Failure, coordinate
-from distckpt.commit.transaction import Transaction, begin, save_root
+from distckpt.comm.outcome import Failure, collect, deliver
+from distckpt.commit.transaction import save_root
 from distckpt.engine import reuse
-from distckpt.engine.agree import Agreed, agree
+from distckpt.engine.agree import Agreed, Target, Terms, agree
 from distckpt.engine.commit import Report, commit
 from distckpt.engine.gather_small import assemble, send_small
-from distckpt.engine.local_state import LocalState, describe_state, replica_checksums
+from distckpt.engine.local_state import Described, LocalState, describe_state
 from distckpt.errors import interfered
 from distckpt.format import zarr_meta
 from distckpt.format.index import version_of
@@ -60,9 +62,7 @@ from distckpt.pipeline.options import (
     resolve_run,
 )
 from distckpt.pipeline.results import SaveResult
-from distckpt.planning.describe import Desc
-from distckpt.planning.pieces import Piece, RankWork
-from distckpt.planning.save_plan import plan_save
+from distckpt.planning.pieces import Piece
 from distckpt.signing import hashes
 from distckpt.signing.keys import signing_key, wants_signature
 from distckpt.storage.backend import Store
@@ -76,11 +76,41 @@ if TYPE_CHECKING:
 log = logging.getLogger("distckpt")
 
 
-class _CheckpointSave(SaveKind[LocalState, Agreed]):
+@dataclass
+class _Planned:
+    """What the ranks agreed on, the state it covers, and what an incremental save may
+    take from its base."""
+
+    agreed: Agreed
+    local: LocalState
+    known_base: reuse.Known | None
+
+
+@dataclass
+class _Written:
+    """This rank's write: its report for the commit, its pieces as stored (an
+    incremental save remembers them) and its counts for the result."""
+
+    report: Report
+    stored: dict[str, tuple[Piece, Stored]]
+    counts: SaveResult
+
+
+@dataclass
+class _Committed:
+    """The commit, as the coordinator saw it: the version of the index it wrote and the
+    bytes every rank stored (None and 0 on the other ranks)."""
+
+    written: _Written
+    index_version: str | None
+    stored_bytes: int
+
+
+class _CheckpointSave(SaveKind[LocalState, _Planned]):
     """One save of a checkpoint (steps 1 to 5 of the module doc, as a kind of
     :mod:`distckpt.pipeline`): its options, resolved once (store, I/O workers), the
-    callback after its commit, the checkpoint it builds on, and what each step leaves
-    for the next."""
+    callback after its commit and the checkpoint it builds on, all fixed when it is made;
+    each step hands the next what it made."""
 
     def __init__(
         self,
@@ -97,25 +127,19 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         # Options refused on this rank (a bad compression, say) do not raise here: the
         # save reports them on every rank (see ``check``).
         merged, self.error = merge_or_refuse(options, keywords, SAVE, where)
-        self.base: Store | None = None  # the checkpoint it builds on (an incremental save)
-        try:
-            self.base = None if base is None or not merged.incremental else open_store(base)
-        except (TypeError, ValueError) as exc:
-            self.error = self.error or exc
         self.run: Resolved = resolve_run(merged, path, comm)
+        self.options: CheckpointOptions = self.run.options
+        self.final: Store = self.run.store
+        self.where = self.final.url
         self.source_of = source_of
         self.after_commit = after_commit
-        self.final: Store = self.run.store
-        if self.base is not None and not self.final.capabilities.copies:
-            self.base = None  # a store that cannot copy takes nothing: every piece is written
-        self.options: CheckpointOptions = self.run.options
-        self.where = self.final.url
-        self.result = SaveResult(location(self.final))
-        self.local: LocalState | None = None
-        self.staging: Transaction | None = None  # begun, not committed: aborted on failure
-        self.known_base: reuse.Known | None = None
-        self.stored: dict[str, tuple[Piece, Stored]] = {}  # this rank's pieces, as stored
-        self.stored_bytes = 0  # by every rank: known to the coordinator
+        # The checkpoint it builds on (an incremental save to a store that can copy).
+        self.base: Store | None = None
+        try:
+            if base is not None and merged.incremental and self.final.capabilities.copies:
+                self.base = open_store(base)
+        except (TypeError, ValueError) as exc:
+            self.error = self.error or exc
         # A signed save: every rank hashes what it stores; the coordinator signs.
         self.hashing: str | None = None
         try:
@@ -130,129 +154,138 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
 
     def capture(self, state: dict[str, Any]) -> LocalState:
         leaves, values = gather_leaves(state, self.options.allow_pickle)
-        self.run = self.run.for_tensors(leaf.tensor for leaf in leaves)
-        self.result.io_workers = self.run.io_workers
-        self.result.io_workers_reason = self.run.workers.reason
         sources = {
             leaf.name: self.source_of(leaf.tensor, leaf.name)
             for leaf in leaves
             if leaf.tensor is not None
         }
-        return LocalState(leaves, sources, values)
+        run = self.run.for_tensors(leaf.tensor for leaf in leaves)
+        return LocalState(leaves, sources, values, run.workers)
 
     def hosted(self, snapped: Snapped) -> LocalState:
         """A snapshot's leaves, read in place from its host copies."""
         leaves, arrays, values = snapped
-        return LocalState(leaves, {name: HostData(array) for name, array in arrays.items()}, values)
+        sources: dict[str, Source] = {name: HostData(array) for name, array in arrays.items()}
+        return LocalState(leaves, sources, values, self.run.workers)
 
-    def describe(self, local: LocalState) -> list[Desc]:
-        self.local = local
-        return describe_state(local)
+    def describe(self, local: LocalState) -> Described:
+        return Described(local, describe_state(local))
 
     def plan(
-        self, comm: Communicator, described: list[Desc] | Failure, error: BaseException | None
-    ) -> Agreed:
+        self, comm: Communicator, described: Described | Failure, error: BaseException | None
+    ) -> _Planned:
         """Steps 1-2: agree on a plan (the last one, while nothing changed), begin the
         transaction; with a base, learn what may be taken from it."""
         opts = self.options
-        # What a cached plan must have been made with (a mapping of compression choices is
-        # ordered: its first matching pattern wins).
-        made_with = (opts.small_bytes, opts.inner_bytes, opts.compression_key(), comm.size)
-        agreed = agree(
-            comm,
-            described,
-            lambda names: replica_checksums(self.local, names, self.run.io_workers),  # type: ignore[arg-type]
-            made_with,
-            lambda ranks: plan_save(
-                ranks,
-                small_bytes=opts.small_bytes,
-                inner_bytes=opts.inner_bytes,
-                compression=opts.compression,
-            ),
-            lambda token: begin(self.final, token, comm.size, overwrite=opts.overwrite),
-            error,
-            destination=self.final.url,
-        )
-        self.staging = agreed.begun
-        self.known_base = None if self.base is None else reuse.check_base(comm, self.base)
-        return agreed
+        terms = Terms(comm.size, opts.small_bytes, opts.inner_bytes, opts.compression)
+        agreed = agree(comm, described, error, terms, Target(self.final, opts.overwrite))
+        assert not isinstance(described, Failure)  # a rank's failure is raised on every rank
+        known_base = None if self.base is None else reuse.check_base(comm, self.base)
+        return _Planned(agreed, described.local, known_base)
 
-    def write(self, comm: Communicator, plan: Agreed, stage: Stage) -> Report | Failure:
+    def write(self, comm: Communicator, planned: _Planned, stage: Stage) -> _Written | Failure:
         """Steps 3-4: exchange small tensors, write."""
-        assert self.local is not None
-        received, failure = send_small(comm, plan.work, self.local.sources)
-        stage.lap("exchange")
-        if failure is not None:
-            return failure
-        return self._write(plan.work, received, comm.rank, stage)
+        try:
+            work, sources = planned.agreed.work, planned.local.sources
+            received, failure = send_small(comm, work, sources)
+            stage.lap("exchange")
+            if failure is not None:
+                return failure
+            return self._write(planned, received, comm.rank, stage)
+        except Exception:
+            raise  # the commit reports it, and the coordinator aborts the save there
+        except BaseException:
+            _abort(planned.agreed)  # an interrupt: the commit is never reached
+            raise
 
     def commit(
         self,
         comm: Communicator,
-        plan: Agreed,
-        report: Report | Failure,
+        planned: _Planned,
+        written: _Written | Failure,
         error: BaseException | None,
-    ) -> None:
-        """Step 5, the coordinator once every rank's report is in."""
-        index_version: str | None = None
-
-        def commit_all(reports: list[Report]) -> None:
-            nonlocal index_version
-            assert self.staging is not None and plan.plan is not None
-            self.stored_bytes = sum(report.nbytes for report in reports)
-            signer = signing_key(self.options.signing_key) if self.hashing else None
-            raw = commit(
-                plan.plan, reports, plan.values or {}, self.staging, plan.work.token, signer
-            )
-            index_version = version_of(raw)
-            self.staging = None  # committed: nothing left to abort
-            if self.after_commit is not None:
-                self.after_commit()  # its error is every rank's, the checkpoint committed
-
-        def abort_unless_committed(failure: Failure | None) -> None:
-            if self.staging is not None:
-                self.staging.abort()
-                self.staging = None
-
-        coordinate(comm, report, commit_all, error=error, settle=abort_unless_committed)
+    ) -> _Committed | None:
+        """Step 5 (*gather, the coordinator commits, *broadcast): with every rank's report
+        in, the coordinator writes the index, or aborts the save; every rank returns or
+        raises the same error."""
+        agreed = planned.agreed
+        published: tuple[str, int] | None = None  # the coordinator's, once committed
+        try:
+            reports = collect(comm, written if isinstance(written, Failure) else written.report)
+            outcome: Any = reports
+            if isinstance(reports, list):
+                try:
+                    published = self._publish(agreed, reports)
+                    outcome = None
+                    if self.after_commit is not None:
+                        self.after_commit()  # its error is every rank's, the save committed
+                except Exception as exc:
+                    error, outcome = exc, Failure.capture(exc, comm.rank)
+        except BaseException:
+            if published is None:
+                _abort(agreed)
+            raise
+        if published is None:
+            _abort(agreed)  # before any rank goes on (on the coordinator: nothing elsewhere)
+        deliver(comm, outcome, error)
+        assert not isinstance(written, Failure)
+        index_version, stored_bytes = published or (None, 0)
         if self.options.incremental:
-            reuse.remember_saved(self.final, index_version, self.stored, self.hashing)
+            reuse.remember_saved(self.final, index_version, written.stored, self.hashing)
+        return _Committed(written, index_version, stored_bytes)
 
     def abort(self, exc: BaseException) -> BaseException:
-        # A collective that failed (a dead rank, a time-out) skips the normal abort: never
-        # leave a staging directory whose heartbeat would keep it looking alive.
-        if self.staging is not None:
-            self.staging.abort()
         return interfered(exc, f"saving {self.final.url}")
 
-    def finish(self, comm: Communicator, plan: Agreed, timings: dict[str, float]) -> SaveResult:
-        result = self.result
-        result.plan_reused = plan.reused
-        result.save_id = plan.work.token
-        result.timings = timings
+    def finish(
+        self,
+        comm: Communicator,
+        planned: _Planned,
+        committed: _Committed,
+        timings: dict[str, float],
+    ) -> SaveResult:
+        agreed, workers = planned.agreed, planned.local.workers
+        result = dataclasses.replace(
+            committed.written.counts,
+            plan_reused=agreed.reused,
+            save_id=agreed.work.token,
+            timings=timings,
+            io_workers=workers.count,
+            io_workers_reason=workers.reason,
+        )
         if comm.rank == COORDINATOR:
-            assert plan.plan is not None
+            assert agreed.plan is not None
             log.info(
                 "saved %s: %d variables, %d bytes from %d ranks in %.3fs (%s plan; %s)",
                 self.final.url,
-                len(plan.plan.specs),
-                self.stored_bytes,
+                len(agreed.plan.specs),
+                committed.stored_bytes,
                 comm.size,
                 timings["total"],
-                "reused" if plan.reused else "new",
+                "reused" if agreed.reused else "new",
                 ", ".join(f"{k} {v:.3f}s" for k, v in timings.items() if k != "total"),
             )
         return result
 
+    def _publish(self, agreed: Agreed, reports: list[Report]) -> tuple[str, int]:
+        """The coordinator's commit: the index written through the transaction; returns
+        its version and the bytes every rank stored."""
+        assert agreed.transaction is not None and agreed.plan is not None
+        signer = signing_key(self.options.signing_key) if self.hashing else None
+        values = agreed.values or {}
+        raw = commit(agreed.plan, reports, values, agreed.transaction, agreed.work.token, signer)
+        return version_of(raw), sum(report.nbytes for report in reports)
+
     def _write(
-        self, work: RankWork, received: dict[int, dict[int, bytes]], rank: int, stage: Stage
-    ) -> Report:
+        self, planned: _Planned, received: dict[int, dict[int, bytes]], rank: int, stage: Stage
+    ) -> _Written:
         """Write this rank's pieces into the staging directory with its I/O workers (or
         take them from the base, when unchanged); return what each stores.
 
         On a terminal, rank 0 shows its own progress (its pieces' bytes before
         compression) when they add up to :data:`distckpt.progress.THRESHOLD` or more."""
-        assert self.local is not None
+        work, workers = planned.agreed.work, planned.local.workers
+        sources = planned.local.sources
         root = save_root(self.final, work.token)
         jobs: list[PieceJob] = []
         files: list[tuple[str, bytes]] = []
@@ -261,11 +294,11 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         for piece in work.writes:
             if piece.meta_file is not None and piece.meta is not None:
                 files.append((piece.meta_file, zarr_meta.dumps(piece.meta)))
-            data = assemble(piece, self.local.sources, received.get(piece.id, {}), rank)
+            data = assemble(piece, sources, received.get(piece.id, {}), rank)
             taken = (
                 None
                 if self.base is None
-                else reuse.reuse_for(self.base, self.known_base, self.final, piece, self.hashing)
+                else reuse.reuse_for(self.base, planned.known_base, self.final, piece, self.hashing)
             )
             jobs.append(
                 PieceJob(piece.id, piece.file, data, piece.block, piece.inner, piece.codec, taken)
@@ -275,28 +308,34 @@ class _CheckpointSave(SaveKind[LocalState, Agreed]):
         keys = [job.key for job in jobs] + [key for key, _ in files]
         root.prepare(keys)
         total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
-        label = f"saving {self.final.name} (rank 0's share, {self.run.workers})"
+        label = f"saving {self.final.name} (rank 0's share, {workers})"
         with stage.progress(label, total) as bar:
             written = write_pieces(
                 root,
                 jobs,
                 files,
                 like,
-                workers=self.run.io_workers,
+                workers=workers.count,
                 on_bytes=bar.update,
                 digests=self.options.incremental,
                 hashing=self.hashing,
             )
-        result = self.result
         reused = [s for s in written.values() if s.reused is not None]
-        result.bytes_reused += sum(s.size for s in reused)
-        result.pieces_reused += len(reused)
-        result.bytes_written += sum(s.size for s in written.values()) - result.bytes_reused
-        result.files_written += len(files) + sum(
+        counts = SaveResult(location(self.final))
+        counts.bytes_reused = sum(s.size for s in reused)
+        counts.pieces_reused = len(reused)
+        counts.bytes_written = sum(s.size for s in written.values()) - counts.bytes_reused
+        counts.files_written = len(files) + sum(
             1 for s in written.values() if s.size and s.reused is None
         )
-        self.stored.update((piece.file, (piece, written[piece.id])) for piece in work.writes)
-        return Report.of(written, self.hashing)
+        stored = {piece.file: (piece, written[piece.id]) for piece in work.writes}
+        return _Written(Report.of(written, self.hashing), stored, counts)
+
+
+def _abort(agreed: Agreed) -> None:
+    """Abort the save begun (on the coordinator; nothing elsewhere). Never raises."""
+    if agreed.transaction is not None:
+        agreed.transaction.abort()
 
 
 @overload

@@ -100,7 +100,6 @@ class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
         self.target: Target | None = None
         self.plans: list[Plan] = []  # the coordinator's
         self.workers = 0
-        self.report: Any = None
 
     @abstractmethod
     def files(self, comm: Communicator, gathered: list[Any], target: Target) -> Plan:
@@ -154,11 +153,10 @@ class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
         plan: tuple[str, list[Work]],
         report: Any,
         error: BaseException | None,
-    ) -> None:
-        """Step 4."""
+    ) -> int:
+        """Step 4; returns the bytes this rank wrote (its report)."""
         target = self.target
         assert target is not None
-        self.report = report
 
         def finish(reports: list[Any]) -> None:
             target.finish(self.plans[0], self.options.overwrite)
@@ -167,14 +165,19 @@ class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
             target.settle(self.plans[0], self.options.overwrite, failed=failure is not None)
 
         coordinate(comm, report, finish, error=error, settle=settle)
+        return int(report)
 
     def finish(
-        self, comm: Communicator, plan: tuple[str, list[Work]], timings: dict[str, float]
+        self,
+        comm: Communicator,
+        plan: tuple[str, list[Work]],
+        committed: int,
+        timings: dict[str, float],
     ) -> SaveResult:
         target = self.target
         assert target is not None
         result = SaveResult(target.store.url if not target.files else target.root)
-        result.bytes_written = self.report
+        result.bytes_written = committed
         result.timings = {
             "plan": timings["plan"],
             "write": timings["write"],

@@ -326,7 +326,9 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
             if removed:
                 log.debug("local tier: removed steps %s of %s", removed, store.url)
 
-    def finish(self, comm: Communicator, plan: _Plan, timings: dict[str, float]) -> SaveResult:
+    def finish(
+        self, comm: Communicator, plan: _Plan, committed: None, timings: dict[str, float]
+    ) -> SaveResult:
         self.result.files_written = len(plan.owners(comm.rank))
         write = timings["plan"] + timings["write"]
         self.result.timings.update(write=write, total=timings["total"])

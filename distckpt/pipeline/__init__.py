@@ -30,7 +30,7 @@ order (collectives marked *):
 4. *Commit* (*): ``kind.commit(comm, plan, report, error)``: once every rank's report
    is in, the save is made durable and visible; else every rank raises the first failure
    (and the kind removes what the save wrote).
-5. ``kind.finish(comm, plan, timings)``: this rank's
+5. ``kind.finish(comm, plan, committed, timings)``, with what the commit returned: this rank's
    :class:`~distckpt.pipeline.results.SaveResult`.
 
 An exception that escapes steps 2 to 4 (a dead rank, a time-out in a collective) goes
@@ -59,7 +59,7 @@ same error::
         def commit(self, comm, plan, report, error):  # collective
             coordinate(comm, report, publish, error=error, settle=remove_unless_published)
 
-        def finish(self, comm, plan, timings):
+        def finish(self, comm, plan, committed, timings):
             return SaveResult(self.store.url, timings=timings)
 
     pipeline.save(Mine(store, options), state, comm)

@@ -19,8 +19,8 @@ P = TypeVar("P")  # the plan the ranks agreed on
 
 
 class SaveKind(Protocol[L, P]):
-    """One save of one kind (an object per save, used once; it may keep what a stage
-    learns for the next). Every rank makes these calls, in this order:
+    """One save of one kind (an object per save, used once). Every rank makes these
+    calls, in this order:
 
     1. :meth:`check`, :meth:`capture` (or, in the background, :meth:`hosted`),
        :meth:`describe`: this rank alone;
@@ -30,7 +30,10 @@ class SaveKind(Protocol[L, P]):
     4. :meth:`commit`: collective, every rank returns or raises the same error;
     5. :meth:`finish`: this rank's result;
 
-    and :meth:`abort` when an exception escapes steps 2 to 4. A kind that subclasses
+    and :meth:`abort` when an exception escapes steps 2 to 4. Each step hands the next
+    what it made (``capture`` the state ``describe`` reads, ``plan`` the plan, ``write``
+    the report ``commit`` gathers, ``commit`` what ``finish`` reports), so a kind keeps
+    nothing between steps but what it was made with. A kind that subclasses
     this protocol inherits the defaults of :meth:`check`, :meth:`hosted` and
     :meth:`abort`.
     """
@@ -68,15 +71,19 @@ class SaveKind(Protocol[L, P]):
         replaced it). ``stage`` times sub-stages and shows progress."""
         ...
 
-    def commit(self, comm: Communicator, plan: P, report: Any, error: BaseException | None) -> None:
+    def commit(self, comm: Communicator, plan: P, report: Any, error: BaseException | None) -> Any:
         """Collective: with every rank's ``report`` in (each the :class:`Failure` of its
         ``error`` where its write failed), make the save durable, or raise the first
-        failure on every rank having removed what the save wrote."""
+        failure on every rank having removed what the save wrote. Returns what
+        :meth:`finish` reports."""
         ...
 
-    def finish(self, comm: Communicator, plan: P, timings: dict[str, float]) -> SaveResult:
-        """This rank's result, with the stages' ``timings`` (``plan``, ``write``,
-        ``commit``, ``total`` and any :meth:`Stage.lap` of the kind's own)."""
+    def finish(
+        self, comm: Communicator, plan: P, committed: Any, timings: dict[str, float]
+    ) -> SaveResult:
+        """This rank's result, from what :meth:`commit` returned and the stages' ``timings``
+        (``plan``, ``write``, ``commit``, ``total`` and any :meth:`Stage.lap` of the kind's
+        own)."""
         ...
 
     def abort(self, exc: BaseException) -> BaseException:
@@ -152,11 +159,11 @@ def _run(
         except Exception as exc:
             report, error = Failure.capture(exc, comm.rank), exc
         stage.lap("write")
-        kind.commit(comm, plan, report, error)
+        committed = kind.commit(comm, plan, report, error)
         stage.lap("commit")
     except BaseException as exc:
         raised = kind.abort(exc)
         if raised is exc:
             raise
         raise raised from exc
-    return kind.finish(comm, plan, stage.timings())
+    return kind.finish(comm, plan, committed, stage.timings())

@@ -25,7 +25,6 @@ from distckpt.engine import agree
 from distckpt.engine.commit import build_index, index_bytes
 from distckpt.format.stored import Pieces
 from distckpt.planning.read_plan import plan_reads
-from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
 from tests.support import simulated_job as sim
 from tests.support.launch_util import (
@@ -67,11 +66,8 @@ def test_sizes_grow_at_most_linearly_with_ranks_times_variables(curve: list[dict
 def test_a_simulated_plan_is_whole_and_its_index_reads_back():
     world = 256
     job = sim.job(world, layers=40, norms=8)
-    (plan_id, token, shared), shares, agreed = agree.plan_fresh(
-        job.offers, job.fulls, job.schema, ("t",), plan_save, lambda t: sim._NoSave()
-    )
-    plan = agreed.plan
-    assert plan is not None
+    fresh = agree.plan_fresh(job.offers, job.fulls, job.schema, agree.Terms(world))
+    plan, shares = fresh.plan, fresh.shares
     # Every piece is written once, by a rank holding its box (or assembling it).
     written = np.concatenate([s.writes for s in shares])
     assert sorted(written.tolist()) == list(range(plan.pieces))
@@ -92,7 +88,8 @@ def test_a_simulated_plan_is_whole_and_its_index_reads_back():
     )
     # The index: compact regular entries give back each shard's reported size and crc.
     reports = sim.reports(plan)
-    index = json.loads(index_bytes(build_index(plan, reports, agreed.values or {})))
+    values = agree.values_for_index(plan, job.offers)
+    index = json.loads(index_bytes(build_index(plan, reports, values)))
     variables = index["attributes"]["distckpt"]["variables"]
     assert variables["step"] == {"kind": "value", "value": 1000}
     assert set(variables["rng"]["ranks"]) == {str(r) for r in range(world)}

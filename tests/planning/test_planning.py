@@ -274,7 +274,6 @@ def test_a_tensor_no_rank_holds_a_box_of_is_refused():
 def test_a_rank_without_leaves_takes_part_in_a_fresh_plan():
     from distckpt.engine import agree
     from distckpt.planning.describe import rank_desc
-    from distckpt.planning.save_plan import plan_save
 
     ranks = [rank_desc([Desc("a", "tensor", dtype="float32", shape=(4,), box=Box.full((4,)))])]
     ranks.append(rank_desc([]))
@@ -282,18 +281,11 @@ def test_a_rank_without_leaves_takes_part_in_a_fresh_plan():
         agree.Offer(None, agree.fingerprint(d, r), d.digest, {}, {}) for r, d in enumerate(ranks)
     ]
     fulls = [agree.Full(d.schema, d.boxes, {}) for d in ranks]
-
-    class Nothing:
-        def abort(self) -> None:
-            pass
-
     try:
-        _, shares, agreed = agree.plan_fresh(
-            offers, fulls, ranks[0].schema, ("t",), plan_save, lambda token: Nothing()
-        )
+        fresh = agree.plan_fresh(offers, fulls, ranks[0].schema, agree.Terms(2))
     finally:
         agree.forget_plans()
-    assert agreed.plan is not None and [s.writes.tolist() for s in shares] == [[0], []]
+    assert [s.writes.tolist() for s in fresh.shares] == [[0], []]
 
 
 def _column_bands(world: int, moved: int | None = None) -> list[list[Desc]]:

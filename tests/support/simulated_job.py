@@ -27,7 +27,6 @@ from distckpt.format.stored import Pieces
 from distckpt.planning.describe import RankDesc, Schema
 from distckpt.planning.pieces import Piece, SavePlan
 from distckpt.planning.read_plan import plan_reads
-from distckpt.planning.save_plan import plan_save
 from distckpt.slices import Box, chunk_bounds
 
 #: Shapes of the sharded weights, cycled (a transformer's projections).
@@ -82,13 +81,6 @@ def job(world: int, layers: int = 1000, norms: int = 100) -> Job:
     ]
     fulls = [agree.Full(schema if r == 0 else None, ranks[r].boxes, {}) for r in range(world)]
     return Job(world, schema, ranks, offers, fulls)
-
-
-class _NoSave:
-    """The transaction a simulated save begins: nothing to write, nothing to abort."""
-
-    def abort(self) -> None:
-        pass
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -161,27 +153,22 @@ def measure(
     ``peak`` plans once more under tracemalloc for the planning's peak memory."""
     agree.forget_plans()
     sim = job(world, layers)
-    options = ("sim", world)
+    terms = agree.Terms(world)
 
-    def first() -> Any:
+    def first() -> agree.Fresh:
         agree.forget_plans()
-        return agree.plan_fresh(
-            sim.offers, sim.fulls, sim.schema, options, plan_save, lambda token: _NoSave()
-        )
+        return agree.plan_fresh(sim.offers, sim.fulls, sim.schema, terms)
 
     memory = {"plan_peak_bytes": _peak(first)} if peak else {}
-    made, t_plan = _timed(first)
-    (plan_id, _token, shared), shares, agreed = made
-    plan = agreed.plan
-    assert plan is not None
+    fresh, t_plan = _timed(first)
+    plan, shared = fresh.plan, fresh.plan.shared
     for offer in sim.offers:
-        offer.plan_id = plan_id
-    decision, t_reuse = _timed(lambda: agree.decide(sim.offers, options, lambda t: _NoSave()))
+        offer.plan_id = fresh.plan_id
+    decision, t_reuse = _timed(lambda: agree.decide(sim.offers, terms))
     assert isinstance(decision[0], agree.ReusePlan), decision
-    share_bytes = [len(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)) for s in shares]
-    doc, t_index = _timed(
-        lambda: index_bytes(build_index(plan, reports(plan), agreed.values or {}))
-    )
+    share_bytes = [len(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)) for s in fresh.shares]
+    values = agree.values_for_index(plan, sim.offers)
+    doc, t_index = _timed(lambda: index_bytes(build_index(plan, reports(plan), values)))
     index, t_parse = _timed(lambda: json.loads(doc)["attributes"]["distckpt"])
     load_world = load_world or world * 3 // 4
     rank = load_world // 2 + 1
