@@ -17,7 +17,7 @@ saved one of the same name), the save writes every piece, and says so in the log
 
 **Is a piece unchanged?** Only its bytes decide: the rank hashes the data it would
 store and compares the digest with the base's (:mod:`distckpt.format.digests`;
-:mod:`distckpt.transfer.writer` does it, stopping at the first chunk that differs when
+:mod:`distckpt.transfer.unchanged` does it, stopping at the first chunk that differs when
 it knows the base's chunk digests). The dtype, box, block, inner chunks and codec must
 be those of the base's piece too. An unchanged piece is copied from the base by the
 store (a hard link, a server-side copy), and the copy is checked against the base's
@@ -48,7 +48,7 @@ from distckpt.planning.pieces import Piece
 from distckpt.signing.keys import TrustedKeys
 from distckpt.signing.trust import verified_signer
 from distckpt.storage.backend import Store
-from distckpt.transfer.writer import Reuse
+from distckpt.transfer.jobs import Reuse
 
 log = logging.getLogger("distckpt")
 
@@ -208,7 +208,7 @@ def check_base(
 def reuse_for(
     base: Store, known_base: Known | None, final: Store, piece: Piece, hashing: str | None = None
 ) -> Reuse | None:
-    """The :class:`~distckpt.transfer.writer.Reuse` of ``piece`` from ``base``, if the base
+    """The :class:`~distckpt.transfer.jobs.Reuse` of ``piece`` from ``base``, if the base
     has the same piece with a digest (and, for a signed save, a hash it can vouch for)."""
     if known_base is None:
         return None

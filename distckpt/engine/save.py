@@ -67,8 +67,9 @@ from distckpt.signing import hashes
 from distckpt.signing.keys import signing_key, wants_signature
 from distckpt.storage.backend import Store
 from distckpt.storage.registry import location, open_store
+from distckpt.transfer.jobs import PieceJob
 from distckpt.transfer.sources import HostData, Source, source_for
-from distckpt.transfer.writer import PieceJob, write_pieces
+from distckpt.transfer.writer import write_pieces
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -16,14 +16,10 @@ Small files (plain chunks, ``zarr.json`` of arrays) are tasks of their own. On a
 the remaining tasks are skipped, the running ones awaited and every file closed before
 the error is raised; the staging directory is then removed by the save.
 
-**Reuse** (an incremental save, :mod:`distckpt.engine.reuse`): a piece whose job names a
-:class:`Reuse` (the same piece of the checkpoint the save builds on) is first hashed, a
-task per piece, chunk by chunk; at the first chunk whose digest differs from the one
-remembered it is known changed and written as usual. A piece whose digest equals the
-stored one is copied from there by the store (a hard link on a file system, a
-server-side copy on an object store), its size checked; if that fails (the base was
-removed meanwhile) it is written. Written pieces are hashed as they are written, so the
-next save can decide in turn.
+**Reuse** (an incremental save): a job that names a :class:`~distckpt.transfer.jobs.Reuse`
+is first checked by :mod:`distckpt.transfer.unchanged`, which takes it from the earlier
+checkpoint when its bytes are the same; the others are written, hashed as they are
+written so that the next save can decide in turn.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,48 +35,21 @@ import numpy as np
 
 from distckpt.errors import CheckpointError
 from distckpt.format import shard_io
-from distckpt.format.codecs import Codec
-from distckpt.format.digests import chunk_digest, piece_digest, plain_digest
-from distckpt.format.piece_reader import PieceReader, scratch
+from distckpt.format.digests import plain_digest
+from distckpt.format.piece_reader import scratch
 from distckpt.format.shard_io import ChunkPart, ShardFile, Stored, stored_chunk
 from distckpt.signing import hashes
 from distckpt.storage.backend import Store, copying, syncing, write_whole
+from distckpt.transfer import jobs as jobs_mod
 from distckpt.transfer import slabs
-from distckpt.transfer.sources import HostData, Source
+from distckpt.transfer.jobs import TASK_BYTES, PieceJob, Reuse, runs_of, staged, stamp
+from distckpt.transfer.sources import HostData
+from distckpt.transfer.unchanged import take_unchanged
 from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
 
+__all__ = ["TASK_BYTES", "PieceJob", "Reuse", "write_pieces"]
+
 log = logging.getLogger("distckpt")
-
-#: Bytes of inner chunks one task writes (and one staging copy moves).
-TASK_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class Reuse:
-    """The piece of an earlier checkpoint (``store``, file ``key``) that a job's piece may
-    be: what it stored, its chunks' digests when this process wrote it (else None), and
-    ``origin``, what the new index records as where the piece came from."""
-
-    store: Store
-    key: str
-    stored: Stored
-    chunks: tuple[bytes, ...] | None
-    origin: str
-
-
-@dataclass
-class PieceJob:
-    """One piece file to write (``key``, in the save's store): ``data`` holds the piece's
-    box (origin at its block's); ``reuse``, the earlier piece it may be."""
-
-    id: int
-    key: str
-    data: Source
-    block: tuple[int, ...]
-    inner: tuple[int, ...] | None  # None: one plain chunk
-    codec: Codec | None = None
-    reuse: Reuse | None = None
-
 
 def write_pieces(
     store: Store,
@@ -108,11 +77,11 @@ def write_pieces(
     pieces' data bytes as they are written (from the workers, one call at a time).
     """
     # One worker with nothing to stage writes on this thread (see TaskGroup).
-    group = TaskGroup(workers, on_bytes, inline=workers == 1 and not _staged(jobs))
+    group = TaskGroup(workers, on_bytes, inline=workers == 1 and not staged(jobs))
     results: dict[int, Stored] = {}
     shards: list[ShardFile] = []
     digests = digests or any(job.reuse is not None for job in jobs)
-    decided = _reuse(store, [job for job in jobs if job.reuse is not None], workers)
+    decided = take_unchanged(store, [job for job in jobs if job.reuse is not None], workers)
     # Small files are made durable together, after the others, where the store can.
     barrier = syncing(store)
     small: list[str] = []
@@ -165,166 +134,6 @@ def write_pieces(
     return results
 
 
-def _reuse(store: Store, jobs: Sequence[PieceJob], workers: int) -> dict[int, Stored]:
-    """The jobs whose piece holds the same bytes as their :class:`Reuse`, taken from there
-    into ``store``: {piece id: what it stores}. Data read in place is hashed by the workers,
-    a task per piece; staged data through the slabs on this thread."""
-    taken: dict[int, Stored] = {}
-    if not jobs:
-        return taken
-    group = TaskGroup(workers, inline=workers == 1 and not _staged(jobs))
-
-    def decide(job: PieceJob, same: bool | None = None) -> int:
-        if same if same is not None else _unchanged(job):
-            got = _take(store, job)
-            if got is not None:
-                taken[job.id] = got
-        return 0
-
-    def feed() -> None:
-        for job in jobs:
-            if job.data.staged:
-                group.submit(decide, job, _unchanged(job))
-            else:
-                group.submit(decide, job)
-
-    group.drive(feed)
-    return taken
-
-
-def _staged(jobs: Sequence[PieceJob]) -> bool:
-    """Whether some job's data passes through the staging slabs (a copy to overlap)."""
-    return any(job.data.staged for job in jobs)
-
-
-def _unchanged(job: PieceJob) -> bool:
-    """Whether the job's data has the digest its :class:`Reuse` stored: chunk by chunk,
-    stopping at the first chunk known to differ."""
-    reuse = job.reuse
-    assert reuse is not None and reuse.stored.digest is not None
-    data = job.data
-    if any(n == 0 for n in data.shape):
-        return False  # nothing stored: nothing to take
-    if job.inner is None:
-        raw = shard_io.as_bytes(np.ascontiguousarray(data.host()))
-        return plain_digest(raw) == reuse.stored.digest
-    parts = shard_io.chunk_parts(data.shape, job.block, job.inner, data.dtype.itemsize)
-    known = reuse.chunks
-    if known is not None and len(known) != len(parts):
-        return False
-    found: list[bytes] = []
-    for raw in _raw_chunks(job, parts):
-        digest = chunk_digest(raw)
-        if known is not None and known[len(found)] != digest:
-            return False
-        found.append(digest)
-    return piece_digest(found) == reuse.stored.digest
-
-
-def _raw_chunks(job: PieceJob, parts: Sequence[ChunkPart]) -> Iterator[np.ndarray]:
-    """Each inner chunk's raw bytes, as a shard would store them, in order."""
-    assert job.inner is not None
-    data = job.data
-    buf = scratch(math.prod(job.inner) * data.dtype.itemsize, 0)
-    if isinstance(data, HostData):
-        for part in parts:
-            yield stored_chunk(data.array[part.slices], part, job.inner, buf)
-        return
-    pool = slabs.pool(pinned=data.device.type == "cuda")
-    for run in _runs(parts, min(TASK_BYTES, pool.slab_bytes)):
-        region = pool.take(sum(p.nbytes for p in run))
-        event = None
-        try:
-            event = data.fill(region, run)
-            if event is not None:
-                event.synchronize()
-            offset = 0
-            for part in run:
-                values = region.array[offset : offset + part.nbytes].view(data.dtype)
-                yield stored_chunk(values.reshape(part.lengths), part, job.inner, buf)
-                offset += part.nbytes
-        finally:
-            region.release(event)
-
-
-def _take(store: Store, job: PieceJob) -> Stored | None:
-    """The job's piece copied from its :class:`Reuse` (a hard link, a server-side copy),
-    or None when that failed (the earlier piece is gone or not what it was): the piece
-    is then written."""
-    reuse = job.reuse
-    assert reuse is not None
-    try:
-        target = copying(store)
-        if target is None:
-            raise TypeError(f"{store.url} does not copy")
-        target.copy(reuse.store, reuse.key, job.key, expect=reuse.stored.stamp)
-        problem = _differs(store, job)
-    except (OSError, TypeError, CheckpointError) as exc:
-        problem = f"it could not be taken from {reuse.origin} ({exc})"
-    if problem is None:
-        return reuse.stored._replace(reused=reuse.origin, stamp=_stamp(store, job.key))
-    log.warning("writing %s: %s", job.key, problem)
-    with contextlib.suppress(OSError, CheckpointError):
-        store.delete(job.key)  # a copy that is not the piece (never written through)
-    return None
-
-
-def _stamp(store: Store, key: str) -> str | None:
-    """What a file system says of a piece just stored (its inode, size and time), for a
-    later save to check that it was not written in place since. An object is never
-    written in place: replaced, its checksum table tells (:func:`_differs`)."""
-    target = copying(store)
-    if target is None or not store.capabilities.local_files:
-        return None
-    try:
-        return target.stamp(key)
-    except (OSError, CheckpointError):
-        return None
-
-
-def _differs(store: Store, job: PieceJob) -> str | None:
-    """Why the copy at ``job.key`` is not the piece its base's index describes, or None.
-
-    Its size, and the crc of its checksum table (of a plain chunk's bytes) are checked
-    always: an object is only ever replaced whole, so a replaced one is caught. A file
-    can also be written in place: without a stamp of it (:func:`_stamp`, taken when this
-    process stored it) every chunk of a file is read back, checked, and hashed: its
-    content must have the digest of the data (a plain chunk's always is)."""
-    reuse = job.reuse
-    assert reuse is not None
-    want = reuse.stored
-    where = reuse.store.where(reuse.key)
-    with store.open(job.key) as handle:  # its own size, not the one expected
-        size = handle.size
-        if size != want.size:
-            return f"{where} holds {size} bytes, not {want.size}"
-        if job.inner is None:
-            head = handle.read(0, size - 4)
-        else:
-            chunks = math.prod(shard_io.inner_grid(job.block, job.inner))
-            head = handle.read(0, 4 * chunks)
-    if shard_io.crc32c(head) != want.crc:
-        return f"{where} is not the piece its index describes"
-    if job.inner is None:
-        if plain_digest(head) != want.digest:
-            return f"{where} holds other bytes than its index's digest says"
-    elif want.stamp is None and store.capabilities.local_files:
-        reader = PieceReader(job.key, store, job.key, job.data.dtype, want.crc, job.codec, size)
-        found: dict[int, bytes] = {}
-        try:
-            reader.verify_sharded(
-                job.block,
-                job.inner,
-                job.data.shape,
-                on_chunk=lambda linear, raw: found.__setitem__(linear, chunk_digest(raw)),
-            )
-        except CheckpointError as exc:
-            return f"{where} is damaged: {exc}"
-        if piece_digest(found[k] for k in sorted(found)) != want.digest:
-            return f"{where} holds other bytes than its index's digest says"
-    return None
-
-
 def _write_small_file(
     store: Store,
     key: str,
@@ -362,21 +171,8 @@ def _write_plain(
     hashing: str | None = None,
 ) -> int:
     stored = shard_io.write_plain(store, key, data, fsync=durable, digest=digests, hashing=hashing)
-    results[piece] = stored._replace(stamp=_stamp(store, key)) if digests else stored
+    results[piece] = stored._replace(stamp=stamp(store, key)) if digests else stored
     return int(data.nbytes)
-
-
-def _runs(parts: Sequence[ChunkPart], limit: int) -> list[list[ChunkPart]]:
-    """Consecutive chunks grouped into runs of at most ``limit`` bytes (one at least)."""
-    runs: list[list[ChunkPart]] = []
-    size = limit
-    for part in parts:
-        if size + part.nbytes > limit:
-            runs.append([])
-            size = 0
-        runs[-1].append(part)
-        size += part.nbytes
-    return runs
 
 
 @dataclass
@@ -410,10 +206,11 @@ def _plan(
 
     def finish() -> None:
         stored = shard.finish()
-        results[job.id] = stored._replace(stamp=_stamp(store, job.key)) if digests else stored
+        results[job.id] = stored._replace(stamp=stamp(store, job.key)) if digests else stored
 
     pool = None if isinstance(data, HostData) else slabs.pool(pinned=data.device.type == "cuda")
-    runs = _runs(parts, TASK_BYTES if pool is None else min(TASK_BYTES, pool.slab_bytes))
+    limit = jobs_mod.TASK_BYTES if pool is None else min(jobs_mod.TASK_BYTES, pool.slab_bytes)
+    runs = runs_of(parts, limit)
     return _Plan(job, shard, runs, Countdown(len(runs), finish), pool)
 
 

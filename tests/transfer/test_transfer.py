@@ -33,6 +33,7 @@ from distckpt.format.piece_reader import PieceReader
 from distckpt.planning.layout import inner_chunks
 from distckpt.slices import Box, c_order_bands
 from distckpt.storage.posix import PosixStore, PosixWriter
+from distckpt.transfer import jobs as jobs_mod
 from distckpt.transfer import reader as reader_mod
 from distckpt.transfer import slabs, workers
 from distckpt.transfer import writer as writer_mod
@@ -49,7 +50,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def tiny(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Slabs of 4 KiB (3 of them) and tasks of 2 KiB: every path crosses boundaries."""
-    monkeypatch.setattr(writer_mod, "TASK_BYTES", 2048)
+    monkeypatch.setattr(jobs_mod, "TASK_BYTES", 2048)
     monkeypatch.setattr(reader_mod, "TASK_BYTES", 2048)
     distckpt.set_staging(slab_bytes=4096, slabs=3)
     yield
