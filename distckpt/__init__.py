@@ -43,7 +43,16 @@ from distckpt.pipeline.background import (
     AsyncSave,
     prepare_async,
 )
-from distckpt.pipeline.options import CheckpointOptions
+from distckpt.pipeline.options import (
+    CheckpointOptions,
+    HFLoadKeywords,
+    HFSaveKeywords,
+    LoadKeywords,
+    ManagerKeywords,
+    RestoreKeywords,
+    SaveKeywords,
+    WriteKeywords,
+)
 from distckpt.pipeline.results import LoadResult, SaveResult
 from distckpt.signing import SigningKey, TrustedKeys
 from distckpt.slices import Box, SliceSpec
@@ -96,15 +105,21 @@ __all__ = [
     "ConversionError",
     "CorruptCheckpointError",
     "DirectoryLockedError",
+    "HFLoadKeywords",
+    "HFSaveKeywords",
+    "LoadKeywords",
     "LoadResult",
     "LocalTier",
     "LocationError",
+    "ManagerKeywords",
     "MissingVariablesError",
     "PerRank",
     "PointerConflictError",
     "RNGState",
     "RemoteError",
+    "RestoreKeywords",
     "SampleCursor",
+    "SaveKeywords",
     "SaveResult",
     "Shard",
     "ShapeMismatchError",
@@ -118,6 +133,7 @@ __all__ = [
     "UntrustedCheckpointError",
     "ValidationError",
     "Variable",
+    "WriteKeywords",
     "comm",
     "default_io_workers",
     "export_hf",

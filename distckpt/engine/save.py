@@ -411,7 +411,7 @@ def save(
 
     ``options`` (a :class:`~distckpt.CheckpointOptions`) holds the settings; each of its
     save fields (``compression``, ``small_bytes``, ``inner_bytes``, ``overwrite``,
-    ``allow_pickle``, ``io_workers``, ...: :class:`~distckpt.pipeline.options.SaveKeywords`)
+    ``allow_pickle``, ``io_workers``, ...: :class:`~distckpt.SaveKeywords`)
     may also be given as a keyword argument, which wins.
 
     ``base`` (a committed checkpoint, typically the previous one of the run) makes the save

@@ -99,6 +99,7 @@ def edit_json(path: Path, pick: int, what: Any) -> str:
 
 
 def crc32c(data: bytes) -> int:
+    """The crc32c of ``data``, as distckpt's checksum tables and seals store it."""
     return int(_crc.crc32c(data))
 
 

@@ -399,6 +399,97 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     assert missing == [], "not in the API reference:\n" + "\n".join(missing)
 
 
+# -- The line between API and internals ----------------------------------------------------
+
+#: The public modules: with ``distckpt.__all__``, what users may rely on (see "API and
+#: internals" in docs/development.md). Every other module is internal.
+PUBLIC_MODULES = frozenset(
+    {
+        "distckpt",
+        "distckpt.comm",
+        "distckpt.comm.auto",
+        "distckpt.errors",
+        "distckpt.storage",
+        "distckpt.storage.backend",
+        "distckpt.storage.object_store",
+        "distckpt.storage.registry",
+        "distckpt.testing",
+        "distckpt.testing.hostile",
+        *(
+            f"distckpt.integrations.{m}"
+            for m in ("accelerate", "dcp", "deepspeed", "hf_trainer", "lightning", "megatron")
+        ),
+        "distckpt.integrations.torchtitan",
+        "distckpt.tools",
+        *(
+            f"distckpt.tools.{m}"
+            for m in ("catalog", "diff", "export", "importer", "runs", "sign", "summary", "verify")
+        ),
+    }
+)
+#: Pages for contributors, whose blocks may import internals.
+CONTRIBUTORS = {"docs/development.md"}
+
+
+def _module_of(full: str) -> str:
+    """The module ``full`` (a module, or a name defined in one) belongs to."""
+    return full if full in MODULES else full.rpartition(".")[0]
+
+
+def test_the_api_reference_documents_the_public_side_only() -> None:
+    """The reference's ``:::`` entries are public modules, names of public modules, or
+    names of ``distckpt.__all__``; and it documents every public module."""
+    internal = []
+    documented: set[str] = set()
+    for page in REFERENCE:
+        for target, _ in DIRECTIVE.findall(page.read_text()):
+            module = _module_of(target)
+            top = target.startswith("distckpt.") and target.split(".")[1] in distckpt.__all__
+            if module in PUBLIC_MODULES:
+                documented.add(module)
+            if module not in PUBLIC_MODULES and not top:
+                internal.append(f"{page.name}: ::: {target} (module {module} is internal)")
+    assert internal == [], "the API reference documents internals:\n" + "\n".join(internal)
+    undocumented = sorted(PUBLIC_MODULES - documented - {"distckpt"})
+    assert undocumented == [], f"public modules with no page in the reference: {undocumented}"
+
+
+def _user_code() -> Iterator[tuple[str, str]]:
+    """(where, source) of the Python a user reads: the README's and the site's blocks (not
+    their hidden setup, not the contributors' page) and the examples."""
+    sys.path.insert(0, str(ROOT / "tests" / "docs"))
+    try:
+        import blocks
+    finally:
+        sys.path.pop(0)
+    for page in blocks.pages():
+        if page.relative_to(ROOT).as_posix() in CONTRIBUTORS:
+            continue
+        for block in blocks.read(page):
+            if block.lang == "python":
+                yield block.where, block.code
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), path.read_text()
+
+
+def test_nothing_a_user_reads_imports_an_internal_module() -> None:
+    """The README, the docs (but the contributors' page) and the examples import only
+    public modules: what they show is what users may rely on."""
+    found = []
+    for where, code in _user_code():
+        for node in ast.walk(ast.parse(code)):
+            named: list[str] = []
+            if isinstance(node, ast.Import):
+                named = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+                named = [n if n in MODULES else node.module for n in names]
+            for module in named:
+                if module.split(".")[0] == "distckpt" and module not in PUBLIC_MODULES:
+                    found.append(f"{where}: imports {module}")
+    assert found == [], "user-facing code imports internal modules:\n" + "\n".join(found)
+
+
 # -- The troubleshooting page: one entry per error class -----------------------------------
 
 TROUBLESHOOTING = ROOT / "docs" / "guide" / "troubleshooting.md"
