@@ -51,6 +51,7 @@ __all__ = ["TASK_BYTES", "PieceJob", "Reuse", "write_pieces"]
 
 log = logging.getLogger("distckpt")
 
+
 def write_pieces(
     store: Store,
     jobs: Sequence[PieceJob],
