@@ -40,12 +40,11 @@ from distckpt.pipeline.matching import assign, check_leaf, target_box
 from distckpt.pipeline.options import HF_LOAD, CheckpointOptions, merge_or_refuse
 from distckpt.pipeline.results import LoadResult
 from distckpt.progress import progress
-from distckpt.slices import Box, byte_runs, c_order_bands
+from distckpt.slices import Box, byte_runs
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer import workers as transfer_workers
 from distckpt.transfer.arrays import writable_view
-from distckpt.transfer.reader import Landing
-from distckpt.transfer.sources import follow_current
+from distckpt.transfer.staged import landings
 from distckpt.transfer.workers import TaskGroup
 
 if TYPE_CHECKING:
@@ -278,22 +277,10 @@ def _submit_staged(
 ) -> None:
     """Read ``box`` of ``entry`` a band at a time into a slab, then into ``tensor``."""
     itemsize = dtypes.itemsize(entry.dtype)
-    pool = slabs.pool(pinned=tensor.device.type == "cuda")
-    used.add(pool)
-    follow_current(tensor.device)
-    for band in c_order_bands(box.lengths, itemsize, pool.slab_bytes):
-        group.check()
-        nbytes = band.numel * itemsize
-        landing = Landing(group, pool.take(nbytes), tensor, band)
-        count = 0
-        try:
-            where = band.shifted(box.offsets)
-            flat = landing.region.array[:nbytes]
-            for task in ranges.split(byte_runs(entry.shape, where, itemsize), entry.offset):
-                group.submit(read, entry.path, task, flat, repr(entry.name), release=landing.done)
-                count += 1
-        except BaseException:
-            landing.abandon()
-            raise
-        finally:
-            landing.expect(count)
+    for landing in landings(group, tensor, box.lengths, itemsize, used):
+        with landing:
+            band = landing.band
+            flat = landing.region.array[: band.numel * itemsize]
+            runs = byte_runs(entry.shape, band.shifted(box.offsets), itemsize)
+            for task in ranges.split(runs, entry.offset):
+                landing.submit(read, entry.path, task, flat, repr(entry.name))

@@ -15,7 +15,6 @@ Two kinds of destination:
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from concurrent import futures
@@ -32,7 +31,8 @@ from distckpt.storage.beneath import Beneath
 from distckpt.storage.fsutil import regular
 from distckpt.transfer import ranges, slabs
 from distckpt.transfer.sources import HostData, StagedData, source_for
-from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
+from distckpt.transfer.staged import Staged
+from distckpt.transfer.workers import TaskGroup, interleaved
 
 #: The most bytes a rank sends to all its peers, or receives, in one round.
 ROUND_BYTES = 64 << 20
@@ -214,19 +214,10 @@ def _submit_staged(
     pool = _pool(source, used)
     for band in c_order_bands(w.box.lengths, w.itemsize, pool.slab_bytes):
         group.check()
-        region = pool.take(band.numel * w.itemsize)
-        event = None
-        try:
-            event = source.stage(region, band)
-            tasks = w.runs(band)
-            done = Countdown(len(tasks), functools.partial(region.release, event))
-            for task in tasks:
-                group.submit(
-                    _write_staged, sink, w.file, task, region.array, event, release=done.done
-                )
-        except BaseException:
-            region.release(event)
-            raise
+        with Staged(group, pool.take(band.numel * w.itemsize)) as staged:
+            staged.event = source.stage(staged.region, band)
+            for task in w.runs(band):
+                staged.submit(_write_staged, sink, w.file, task, staged.region.array, staged.event)
 
 
 def _pool(source: StagedData, used: set[slabs.SlabPool]) -> slabs.SlabPool:

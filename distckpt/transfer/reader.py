@@ -32,11 +32,11 @@ from distckpt.format.piece_reader import ChunkRead, PieceReader, ShardHeader
 from distckpt.format.shard_io import EMPTY
 from distckpt.format.stored import Pieces, StoredPiece
 from distckpt.planning.read_plan import Copy, covered, plan_reads
-from distckpt.slices import Box, c_order_bands
+from distckpt.slices import Box
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.transfer import slabs
-from distckpt.transfer.arrays import copy_exact, writable_view
-from distckpt.transfer.sources import copy_context, follow_current, record_event
+from distckpt.transfer.arrays import writable_view
+from distckpt.transfer.staged import landings
 from distckpt.transfer.workers import TaskGroup, interleaved
 
 #: Bytes of inner chunks one task reads.
@@ -279,76 +279,14 @@ def _submit_staged(
 ) -> None:
     """Read a target that cannot be written in place, band by band through the slabs
     (noting the slab pool in ``used``: its copies must be complete before returning)."""
-    tensor = _tensor(t)
     dtype = dtypes.numpy_dtype(t.entry["dtype"])
-    pool = slabs.pool(pinned=tensor.device.type == "cuda")
-    used.add(pool)
-    # The copies run on the workers, onto a side stream that must first see the work
-    # queued on this (the caller's) current stream, such as the target's initialisation.
-    follow_current(tensor.device)
     assert t.stored is not None
-    for band in c_order_bands(t.box.lengths, dtype.itemsize, pool.slab_bytes):
-        group.check()
-        nbytes = band.numel * dtype.itemsize
-        landing = Landing(group, pool.take(nbytes), tensor, band)
-        count = 0
-        try:
-            staged = landing.region.array[:nbytes].view(dtype).reshape(band.lengths)
+    for landing in landings(group, _tensor(t), t.box.lengths, dtype.itemsize, used):
+        with landing:
+            band = landing.band
+            staged = landing.region.array[: band.numel * dtype.itemsize]
+            staged = staged.view(dtype).reshape(band.lengths)
             where = band.shifted(t.box.offsets)
             for copy in plan_reads(where, t.stored.covering(where)):
                 for fn, args in _copy_tasks(root, t, copy, staged, headers, tally):
-                    group.submit(fn, *args, release=landing.done)
-                    count += 1
-        except BaseException:
-            landing.abandon()  # nothing lands from a band not wholly read
-            raise
-        finally:
-            landing.expect(count)
-
-
-class Landing:
-    """Copies a band from its slab region into the target once all its reads are done
-    (each task calls :meth:`done`, read or skipped), then releases the region; after a
-    failure (or :meth:`abandon`) it only releases it."""
-
-    def __init__(
-        self, group: TaskGroup, region: slabs.Region, tensor: torch.Tensor, band: Box
-    ) -> None:
-        self._group = group
-        self.region = region
-        self._tensor = tensor
-        self._band = band
-        self._lock = threading.Lock()
-        self._done = 0
-        self._expected: int | None = None
-        self._abandoned = False
-
-    def abandon(self) -> None:
-        self._abandoned = True
-
-    def done(self) -> None:
-        with self._lock:
-            self._done += 1
-            final = self._expected is not None and self._done == self._expected
-        if final:
-            self._land()
-
-    def expect(self, n: int) -> None:
-        """Every task of the band is submitted: there are ``n`` (0: land now)."""
-        with self._lock:
-            self._expected = n
-            final = self._done == n
-        if final:
-            self._land()
-
-    def _land(self) -> None:
-        fence = None
-        try:
-            if not (self._abandoned or self._group.cancelled.is_set()):
-                tensor, band = self._tensor, self._band
-                source = self.region.typed(0, tensor.dtype, band.lengths)
-                with copy_context(tensor.device, wait=False), torch.no_grad():
-                    copy_exact(tensor[band.slices()], source, tensor.device.type == "cuda")
-                    fence = record_event(tensor.device)
-        finally:
-            self.region.release(fence)
+                    landing.submit(fn, *args)

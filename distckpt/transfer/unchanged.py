@@ -29,6 +29,7 @@ from distckpt.transfer import jobs as jobs_mod
 from distckpt.transfer import slabs
 from distckpt.transfer.jobs import PieceJob, runs_of, staged, stamp
 from distckpt.transfer.sources import HostData
+from distckpt.transfer.staged import Staged
 from distckpt.transfer.workers import TaskGroup
 
 log = logging.getLogger("distckpt")
@@ -96,19 +97,15 @@ def _raw_chunks(job: PieceJob, parts: Sequence[ChunkPart]) -> Iterator[np.ndarra
         return
     pool = slabs.pool(pinned=data.device.type == "cuda")
     for run in runs_of(parts, min(jobs_mod.TASK_BYTES, pool.slab_bytes)):
-        region = pool.take(sum(p.nbytes for p in run))
-        event = None
-        try:
-            event = data.fill(region, run)
-            if event is not None:
-                event.synchronize()
+        with Staged(None, pool.take(sum(p.nbytes for p in run))) as staged:
+            staged.event = data.fill(staged.region, run)
+            if staged.event is not None:
+                staged.event.synchronize()
             offset = 0
             for part in run:
-                values = region.array[offset : offset + part.nbytes].view(data.dtype)
+                values = staged.region.array[offset : offset + part.nbytes].view(data.dtype)
                 yield stored_chunk(values.reshape(part.lengths), part, job.inner, buf)
                 offset += part.nbytes
-        finally:
-            region.release(event)
 
 
 def _take(store: Store, job: PieceJob) -> Stored | None:

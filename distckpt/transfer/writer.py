@@ -44,6 +44,7 @@ from distckpt.transfer import jobs as jobs_mod
 from distckpt.transfer import slabs
 from distckpt.transfer.jobs import TASK_BYTES, PieceJob, Reuse, runs_of, staged, stamp
 from distckpt.transfer.sources import HostData
+from distckpt.transfer.staged import Staged
 from distckpt.transfer.unchanged import take_unchanged
 from distckpt.transfer.workers import Countdown, TaskGroup, interleaved
 
@@ -221,23 +222,10 @@ def _submit_run(group: TaskGroup, plan: _Plan, run: list[ChunkPart]) -> None:
         group.submit(_write_run, plan.shard, run, data.array, plan.countdown)
         return
     assert plan.pool is not None
-    region = plan.pool.take(sum(p.nbytes for p in run))
-    event = None
-    try:
-        event = data.fill(region, run)
-        group.submit(
-            _write_staged_run,
-            plan.shard,
-            run,
-            region,
-            event,
-            data.dtype,
-            plan.countdown,
-            release=lambda: region.release(event),
-        )
-    except BaseException:
-        region.release(event)
-        raise
+    with Staged(group, plan.pool.take(sum(p.nbytes for p in run))) as staged:
+        staged.event = data.fill(staged.region, run)
+        args = (plan.shard, run, staged.region, staged.event, data.dtype, plan.countdown)
+        staged.submit(_write_staged_run, *args)
 
 
 def _write_run(
