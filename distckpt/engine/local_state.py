@@ -62,14 +62,12 @@ def replica_checksums(local: LocalState, names: list[str]) -> dict[str, int]:
     pending: dict[str, Any] = {}
     group = TaskGroup(local.workers.count)
 
-    def feed() -> None:
+    with group:
         for name in names:
             source = local.sources[name]
             if source.staged:
                 checksums[name] = source.crc()
             else:
                 pending[name] = group.submit(source.crc)
-
-    group.drive(feed)
     checksums.update((name, future.result()) for name, future in pending.items())
     return checksums

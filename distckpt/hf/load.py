@@ -238,26 +238,24 @@ def _read_local(matched: _Matched, result: LoadResult, workers: int, rank: int, 
     with progress(f"loading {Path(result.path).name} (rank 0's share)", total, rank=rank) as bar:
         group = TaskGroup(workers, bar.update)
 
-        def feed() -> None:
-            staged = []
-            for leaf, entry, box in jobs:
-                tensor = leaf.tensor
-                if tensor is None:  # a None placeholder: takes a new tensor
-                    tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry.dtype))
-                    fresh.append((leaf, tensor))
-                out = writable_view(tensor)
-                if out is None:
-                    staged.append((entry, box, tensor))
-                    continue
-                flat = out.reshape(-1).view(np.uint8)
-                runs = byte_runs(entry.shape, box, dtypes.itemsize(entry.dtype))
-                for task in ranges.split(runs, entry.offset):
-                    group.submit(read, entry.path, task, flat, repr(entry.name))
-            for entry, box, tensor in staged:
-                _submit_staged(group, entry, box, tensor, used, read)
-
         try:
-            group.drive(feed)
+            with group:
+                staged = []
+                for leaf, entry, box in jobs:
+                    tensor = leaf.tensor
+                    if tensor is None:  # a None placeholder: takes a new tensor
+                        tensor = torch.empty(box.lengths, dtype=dtypes.torch_dtype(entry.dtype))
+                        fresh.append((leaf, tensor))
+                    out = writable_view(tensor)
+                    if out is None:
+                        staged.append((entry, box, tensor))
+                        continue
+                    flat = out.reshape(-1).view(np.uint8)
+                    runs = byte_runs(entry.shape, box, dtypes.itemsize(entry.dtype))
+                    for task in ranges.split(runs, entry.offset):
+                        group.submit(read, entry.path, task, flat, repr(entry.name))
+                for entry, box, tensor in staged:
+                    _submit_staged(group, entry, box, tensor, used, read)
         finally:
             for pool in used:
                 pool.drain()

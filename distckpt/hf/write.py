@@ -172,39 +172,49 @@ def write_boxes(work: Work, local: dict[str, Any], sink: Sink, workers: int, com
     group = TaskGroup(workers)
     used: set[slabs.SlabPool] = set()
     written = 0
-
-    def feed() -> None:
-        nonlocal written
-        try:
-            # Host data first, file by file in turns: one file's writes take turns in the
-            # kernel (its inode lock), so each worker keeps mostly to a file of its own.
-            streams: dict[str, list[tuple[str, list[ranges.Run], Any]]] = {}
-            staged: list[tuple[StagedData, BoxWrite]] = []
-            for w in work.writes:
-                source = source_for(local[w.local].tensor, w.local)
-                sink.open(w.file)
-                written += w.box.numel * w.itemsize
-                if isinstance(source, HostData):
-                    flat = as_bytes(source.array).reshape(-1)
-                    stream = streams.setdefault(w.file, [])
-                    stream.extend((w.file, task, flat) for task in w.runs())
-                else:
-                    staged.append((source, w))
-            for name, task, flat in interleaved(streams.values(), workers):
-                group.submit(sink.write, name, task, flat)
-            for source, w in staged:
-                _submit_staged(group, sink, source, w, used)
-        finally:
-            written += exchange(work.messages, work.rounds, local, sink, group, comm, used)
-
     ok = False
     try:
-        group.drive(feed)
+        with group:
+            try:
+                written = _submit_boxes(group, work, local, sink, workers, used)
+            finally:
+                written += exchange(work.messages, work.rounds, local, sink, group, comm, used)
         ok = True
     finally:
         for pool in used:
             pool.drain()
         sink.close(ok)
+    return written
+
+
+def _submit_boxes(
+    group: TaskGroup,
+    work: Work,
+    local: dict[str, Any],
+    sink: Sink,
+    workers: int,
+    used: set[slabs.SlabPool],
+) -> int:
+    """Submit the writes of this rank's own boxes; returns their bytes. Host data first,
+    file by file in turns: one file's writes take turns in the kernel (its inode lock),
+    so each worker keeps mostly to a file of its own."""
+    written = 0
+    streams: dict[str, list[tuple[str, list[ranges.Run], Any]]] = {}
+    staged: list[tuple[StagedData, BoxWrite]] = []
+    for w in work.writes:
+        source = source_for(local[w.local].tensor, w.local)
+        sink.open(w.file)
+        written += w.box.numel * w.itemsize
+        if isinstance(source, HostData):
+            flat = as_bytes(source.array).reshape(-1)
+            stream = streams.setdefault(w.file, [])
+            stream.extend((w.file, task, flat) for task in w.runs())
+        else:
+            staged.append((source, w))
+    for name, task, flat in interleaved(streams.values(), workers):
+        group.submit(sink.write, name, task, flat)
+    for source, w in staged:
+        _submit_staged(group, sink, source, w, used)
     return written
 
 

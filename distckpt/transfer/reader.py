@@ -111,16 +111,14 @@ def read_targets(
                 for copy in copies:
                     yield _copy_tasks(root, t, copy, out, headers, tally)
 
-    def feed() -> None:
-        # In place first: those never wait for a slab.
-        for fn, args in interleaved(in_place(), workers):
-            group.submit(fn, *args)
-        for t, _, out in jobs:
-            if out is None:
-                _submit_staged(group, root, t, headers, tally, used)
-
     try:
-        group.drive(feed)
+        with group:
+            # In place first: those never wait for a slab.
+            for fn, args in interleaved(in_place(), workers):
+                group.submit(fn, *args)
+            for t, _, out in jobs:
+                if out is None:
+                    _submit_staged(group, root, t, headers, tally, used)
     finally:
         for pool in used:
             pool.drain()  # every copy into a target is complete

@@ -51,14 +51,12 @@ def take_unchanged(store: Store, jobs: Sequence[PieceJob], workers: int) -> dict
                 taken[job.id] = got
         return 0
 
-    def feed() -> None:
+    with group:
         for job in jobs:
             if job.data.staged:
                 group.submit(decide, job, _unchanged(job))
             else:
                 group.submit(decide, job)
-
-    group.drive(feed)
     return taken
 
 

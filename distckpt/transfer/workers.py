@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
 from distckpt import settings
@@ -394,22 +395,27 @@ class TaskGroup:
             raise
         return n
 
-    def drive(self, feed: Callable[[], None]) -> None:
-        """Run ``feed`` (which submits the tasks), then wait for every task. If ``feed`` or
-        a task fails, the tasks not started are skipped and, once every running one has
-        stopped, the first error is raised (``feed``'s first)."""
-        error: BaseException | None = None
-        try:
-            feed()
-        except BaseException as exc:
-            error = exc
+    def __enter__(self) -> TaskGroup:
+        """``with group:`` around the code that submits the tasks: at the end of the block
+        every task is waited for. If the block or a task fails, the tasks not started are
+        skipped and, once every running one has stopped, the first error is raised (the
+        block's first)."""
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if error is not None:
             self.cancelled.set()
         try:
             self.wait()
-        except BaseException as exc:
-            error = error or exc
-        if error is not None:
-            raise error
+        except BaseException:
+            if error is None:
+                raise
+            # the block's error is raised (by the with statement), the tasks' dropped
 
     def check(self) -> None:
         """Raise now if a task has already failed (waiting for the running ones first)."""

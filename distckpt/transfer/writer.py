@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ def write_pieces(
     barrier = syncing(store)
     small: list[str] = []
 
-    def feed() -> None:
+    with _closing(shards), group:  # the tasks end first, then every shard is closed
         for key, data in files:
             small.append(key)
             group.submit(
@@ -100,7 +100,8 @@ def write_pieces(
                 results[job.id] = decided[job.id]
             elif any(n == 0 for n in job.data.shape):  # nothing stored: no file
                 empty = None if hashing is None else hashes.digest(hashing)
-                results[job.id] = Stored(0, 0, plain_digest(b"") if digests else None, hash=empty)
+                digest = plain_digest(b"") if digests else None
+                results[job.id] = Stored(0, 0, digest, hash=empty)
             elif job.inner is None:  # small: a device tensor comes over whole, from here
                 small.append(job.key)
                 group.submit(
@@ -123,17 +124,22 @@ def write_pieces(
         for plan, run in interleaved(runs, workers):
             group.check()
             _submit_run(group, plan, run)
-
-    try:
-        group.drive(feed)
-    finally:
-        for shard in shards:
-            shard.close()  # after a failure, those not finished (a finished one is closed)
     if barrier is not None and small:
         barrier.sync(small)  # every file and name made so far: no directory to fsync
     else:
         store.persist([job.key for job in jobs] + [key for key, _ in files])
     return results
+
+
+@contextlib.contextmanager
+def _closing(shards: list[ShardFile]) -> Iterator[None]:
+    """Close every shard at the end (after a failure, those not finished; a finished one
+    is closed already)."""
+    try:
+        yield
+    finally:
+        for shard in shards:
+            shard.close()
 
 
 def _write_small_file(
