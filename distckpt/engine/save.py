@@ -51,7 +51,7 @@ from distckpt.format import zarr_meta
 from distckpt.format.index import version_of
 from distckpt.format.shard_io import Stored
 from distckpt.items import gather_leaves
-from distckpt.pipeline import SaveKind, Stage, communicator
+from distckpt.pipeline import Clock, SaveKind, communicator
 from distckpt.pipeline.background import AsyncSave, Snapped
 from distckpt.pipeline.options import (
     SAVE,
@@ -184,15 +184,15 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         known_base = None if self.base is None else reuse.check_base(comm, self.base)
         return _Planned(agreed, described.local, known_base)
 
-    def write(self, comm: Communicator, planned: _Planned, stage: Stage) -> _Written | Failure:
+    def write(self, comm: Communicator, planned: _Planned, clock: Clock) -> _Written | Failure:
         """Steps 3-4: exchange small tensors, write."""
         try:
             work, sources = planned.agreed.work, planned.local.sources
             received, failure = send_small(comm, work, sources)
-            stage.lap("exchange")
+            clock.lap("exchange")
             if failure is not None:
                 return failure
-            return self._write(planned, received, comm.rank, stage)
+            return self._write(planned, received, comm.rank, clock)
         except Exception:
             raise  # the commit reports it, and the coordinator aborts the save there
         except BaseException:
@@ -278,7 +278,7 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         return version_of(raw), sum(report.nbytes for report in reports)
 
     def _write(
-        self, planned: _Planned, received: dict[int, dict[int, bytes]], rank: int, stage: Stage
+        self, planned: _Planned, received: dict[int, dict[int, bytes]], rank: int, clock: Clock
     ) -> _Written:
         """Write this rank's pieces into the staging directory with its I/O workers (or
         take them from the base, when unchanged); return what each stores.
@@ -310,7 +310,7 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         root.prepare(keys)
         total = sum(p.box.numel * dtypes.itemsize(p.dtype) for p in work.writes)
         label = f"saving {self.final.name} (rank 0's share, {workers})"
-        with stage.progress(label, total) as bar:
+        with clock.progress(label, total) as bar:
             written = write_pieces(
                 root,
                 jobs,

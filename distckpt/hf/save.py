@@ -57,7 +57,7 @@ from distckpt.hf.names import Rename, for_saving
 from distckpt.hf.target import Plan, Target
 from distckpt.hf.write import BoxWrite, Piece, Sink, Work, unit_bytes, write_boxes
 from distckpt.items import flatten
-from distckpt.pipeline import SaveKind, Stage, communicator
+from distckpt.pipeline import Clock, SaveKind, communicator
 from distckpt.pipeline.options import HF_SAVE, CheckpointOptions, merge_or_refuse
 from distckpt.pipeline.results import SaveResult
 from distckpt.planning.describe import Desc
@@ -140,7 +140,7 @@ class WeightsSave(SaveKind[Any, tuple[str, list[Work]]]):
         self.target = target
         return agreed
 
-    def write(self, comm: Communicator, plan: tuple[str, list[Work]], stage: Stage) -> int:
+    def write(self, comm: Communicator, plan: tuple[str, list[Work]], clock: Clock) -> int:
         """Step 3."""
         assert self.target is not None
         token, work = plan

@@ -33,8 +33,8 @@ from distckpt.format.backed import check_stored
 from distckpt.format.index import pieces_of
 from distckpt.items import has_tensor, is_dtensor
 from distckpt.naming import escape_key
+from distckpt.pipeline.clock import communicator
 from distckpt.pipeline.options import LOAD, merge
-from distckpt.pipeline.stage import communicator
 from distckpt.training.session import StoredCheckpoint
 
 DATA = "data"

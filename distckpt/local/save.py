@@ -48,7 +48,7 @@ from distckpt.items import Leaf, gather_leaves
 from distckpt.local import files
 from distckpt.local.messages import Buffers, checked_plans, manifest_length, message, split
 from distckpt.local.nodes import Topology, topology
-from distckpt.pipeline import SaveKind, Stage, background
+from distckpt.pipeline import Clock, SaveKind, background
 from distckpt.pipeline.background import Snapped
 from distckpt.pipeline.options import CheckpointOptions, resolve_run
 from distckpt.pipeline.results import SaveResult
@@ -251,7 +251,7 @@ class _LocalSave(SaveKind[Snapped, _Plan]):
         assert layout is not None
         return _Plan(layout, plans, peers, sources, leader)
 
-    def write(self, comm: Communicator, plan: _Plan, stage: Stage) -> None:
+    def write(self, comm: Communicator, plan: _Plan, clock: Clock) -> None:
         """Step 3: write this rank's file while sending it to the peers, receive and write
         theirs, make everything durable. Every rank makes every round, whatever failed
         (the first error is raised at the end, for the confirmation to report)."""

@@ -25,7 +25,7 @@ order (collectives marked *):
    and every rank returns it or raises the same error. ``described`` is the
    :class:`~distckpt.comm.outcome.Failure` of this rank's ``error`` when step 0 or 1
    failed: the plan step reports it on every rank before a byte is written.
-3. *Write*: ``kind.write(comm, plan, stage)``: this rank's share; returns its report.
+3. *Write*: ``kind.write(comm, plan, clock)``: this rank's share; returns its report.
    An exception becomes the :class:`~distckpt.comm.outcome.Failure` the commit reports.
 4. *Commit* (*): ``kind.commit(comm, plan, report, error)``: once every rank's report
    is in, the save is made durable and visible; else every rank raises the first failure
@@ -53,7 +53,7 @@ same error::
         def plan(self, comm, described, error):       # collective
             return coordinate(comm, described, plan_on_coordinator, error=error)
 
-        def write(self, comm, plan, stage):           # every rank, its share
+        def write(self, comm, plan, clock):           # every rank, its share
             return write_mine(self.store, plan[comm.rank])
 
         def commit(self, comm, plan, report, error):  # collective
@@ -81,14 +81,14 @@ same error::
 
 from __future__ import annotations
 
+from distckpt.pipeline.clock import Clock, communicator
 from distckpt.pipeline.restore import RestoreKind, restore
 from distckpt.pipeline.save import SaveKind, save, save_blocking
-from distckpt.pipeline.stage import Stage, communicator
 
 __all__ = [
     "RestoreKind",
     "SaveKind",
-    "Stage",
+    "Clock",
     "communicator",
     "restore",
     "save",

@@ -10,9 +10,9 @@ from typing import Any, Protocol, TypeVar
 from distckpt.comm import Communicator
 from distckpt.comm.outcome import Failure
 from distckpt.pipeline.background import AsyncSave, Snapped, save_in_background
+from distckpt.pipeline.clock import Clock
 from distckpt.pipeline.options import CheckpointOptions
 from distckpt.pipeline.results import SaveResult
-from distckpt.pipeline.stage import Stage
 
 L = TypeVar("L")  # this rank's state as the kind reads it
 P = TypeVar("P")  # the plan the ranks agreed on
@@ -66,9 +66,9 @@ class SaveKind(Protocol[L, P]):
         (this rank's own exception, which it raises as itself)."""
         ...
 
-    def write(self, comm: Communicator, plan: P, stage: Stage) -> Any:
+    def write(self, comm: Communicator, plan: P, clock: Clock) -> Any:
         """This rank's share of ``plan``; returns its report (or a :class:`Failure` that
-        replaced it). ``stage`` times sub-stages and shows progress."""
+        replaced it). ``clock`` times sub-stages and shows progress."""
         ...
 
     def commit(self, comm: Communicator, plan: P, report: Any, error: BaseException | None) -> Any:
@@ -82,7 +82,7 @@ class SaveKind(Protocol[L, P]):
         self, comm: Communicator, plan: P, committed: Any, timings: dict[str, float]
     ) -> SaveResult:
         """This rank's result, from what :meth:`commit` returned and the stages' ``timings``
-        (``plan``, ``write``, ``commit``, ``total`` and any :meth:`Stage.lap` of the kind's
+        (``plan``, ``write``, ``commit``, ``total`` and any :meth:`Clock.lap` of the kind's
         own)."""
         ...
 
@@ -143,7 +143,7 @@ def _run(
 ) -> SaveResult:
     """Stages 1 to 5 from this rank's captured state, or the :class:`Failure` that
     replaced it (``error``, the exception, is raised as itself on this rank)."""
-    stage = Stage(comm.rank, show_progress=show_progress)
+    clock = Clock(comm.rank, show_progress=show_progress)
     described: Any = local
     if not isinstance(local, Failure):
         try:
@@ -152,18 +152,18 @@ def _run(
             error, described = exc, Failure.capture(exc, comm.rank)
     try:
         plan = kind.plan(comm, described, error)
-        stage.lap("plan")
+        clock.lap("plan")
         report: Any
         try:
-            report, error = kind.write(comm, plan, stage), None
+            report, error = kind.write(comm, plan, clock), None
         except Exception as exc:
             report, error = Failure.capture(exc, comm.rank), exc
-        stage.lap("write")
+        clock.lap("write")
         committed = kind.commit(comm, plan, report, error)
-        stage.lap("commit")
+        clock.lap("commit")
     except BaseException as exc:
         raised = kind.abort(exc)
         if raised is exc:
             raise
         raise raised from exc
-    return kind.finish(comm, plan, committed, stage.timings())
+    return kind.finish(comm, plan, committed, clock.timings())

@@ -526,8 +526,9 @@ MOVED = {
     "distckpt.engine.pipeline": "distckpt.pipeline",
     **{
         f"distckpt.engine.pipeline.{m}": f"distckpt.pipeline.{m}"
-        for m in ("restore", "save", "stage")
+        for m in ("restore", "save")
     },
+    "distckpt.engine.pipeline.stage": "distckpt.pipeline.clock",
     **{
         f"distckpt.engine.{m}": f"distckpt.pipeline.{m}"
         for m in ("options", "results", "matching", "background", "snapshot")

@@ -1,6 +1,6 @@
-"""Moved to :mod:`distckpt.pipeline.stage`; this import path works, with a
+"""Moved to :mod:`distckpt.pipeline.clock`; this import path works, with a
 ``DeprecationWarning``, until the next release."""
 
 from distckpt.moved import alias
 
-__getattr__ = alias(__name__, "distckpt.pipeline.stage")
+__getattr__ = alias(__name__, "distckpt.pipeline.clock")

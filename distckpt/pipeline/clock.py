@@ -18,7 +18,7 @@ def communicator(comm: Communicator | None) -> Communicator:
     return comm or auto()
 
 
-class Stage:
+class Clock:
     """The clock of one save (each stage's seconds: :meth:`lap`) and its progress
     display (:meth:`progress`: rank 0's, on a terminal, never in the background)."""
 
@@ -39,6 +39,6 @@ class Stage:
         return {**self.laps, "total": self._last - self.t0}
 
     def progress(self, label: str, total: int) -> Progress:
-        """The display of ``total`` bytes (``with stage.progress(...) as bar``, then
+        """The display of ``total`` bytes (``with clock.progress(...) as bar``, then
         ``bar.update(n)``): shown where :func:`distckpt.progress.progress` says."""
         return progress(label, total if self.show_progress else 0, rank=self.rank)
