@@ -82,6 +82,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("test_deepspeed"))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: unknown to a run without it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per core, at most :data:`MAX_WORKERS`."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
