@@ -524,10 +524,7 @@ def test_troubleshooting_has_one_entry_per_error_class() -> None:
 #: Import paths that moved, kept for one release: old module -> new module.
 MOVED = {
     "distckpt.engine.pipeline": "distckpt.pipeline",
-    **{
-        f"distckpt.engine.pipeline.{m}": f"distckpt.pipeline.{m}"
-        for m in ("restore", "save")
-    },
+    **{f"distckpt.engine.pipeline.{m}": f"distckpt.pipeline.{m}" for m in ("restore", "save")},
     "distckpt.engine.pipeline.stage": "distckpt.pipeline.clock",
     **{
         f"distckpt.engine.{m}": f"distckpt.pipeline.{m}"

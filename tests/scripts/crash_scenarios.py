@@ -28,6 +28,7 @@ number of states checked.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -99,9 +100,33 @@ def which(state: dict[str, torch.Tensor], versions: range) -> int | None:
     return next((v for v in versions if same(state, values(v))), None)
 
 
+#: zarr-python's verdict on each checkpoint seen, by its bytes: many crash states hold the
+#: same checkpoint (they differ elsewhere), and the same bytes read the same.
+_ZARR_VERDICTS: dict[tuple[int, bytes], str | None] = {}
+
+
 def zarr_differs(path: Path | str, version: int) -> str | None:
     """Why zarr-python does not read save ``version`` at ``path`` (None: it does). A
     checkpoint is a zarr v3 store, so its arrays' own metadata must survive too."""
+    key = (version, _contents(Path(path)))
+    if key not in _ZARR_VERDICTS:
+        _ZARR_VERDICTS[key] = _zarr_differs(path, version)
+    return _ZARR_VERDICTS[key]
+
+
+def _contents(path: Path) -> bytes:
+    """A digest of every name and byte under ``path`` (a directory of plain files)."""
+    h = hashlib.blake2b(digest_size=16)
+    for item in sorted(path.rglob("*")):
+        h.update(str(item.relative_to(path)).encode() + b"\0")
+        if item.is_symlink():
+            h.update(b"link:" + os.readlink(item).encode())
+        elif item.is_file():
+            h.update(b"file:" + item.read_bytes())
+    return h.digest()
+
+
+def _zarr_differs(path: Path | str, version: int) -> str | None:
     try:
         group = zarr.open_group(str(path), mode="r")
         for name, want in values(version).items():
@@ -137,7 +162,7 @@ def _managed(flat: dict[str, torch.Tensor]) -> distckpt.Checkpoint:
     return distckpt.Checkpoint(**nest(flat))
 
 
-def manager(root: Path) -> tuple[Violations, int]:
+def manager(root: Path, states: Path) -> tuple[Violations, int]:
     run = root / "run"
     run.mkdir()
     tensors = values(1)
@@ -157,7 +182,7 @@ def manager(root: Path) -> tuple[Violations, int]:
     if taken != INCREMENTAL:
         found.append({"prefix": 0, "marks": [], "violation": f"save 2 took pieces: {taken}"})
     count = 0
-    for state, where in each_state(rec, root / "states"):
+    for state, where in each_state(rec, states):
         if FIRST and found:
             break
         count += 1
@@ -206,7 +231,7 @@ def manager(root: Path) -> tuple[Violations, int]:
 # --------------------------------------------------------------------------- overwrite
 
 
-def overwrite(root: Path, *, fallback: bool = False) -> tuple[Violations, int]:
+def overwrite(root: Path, states: Path, *, fallback: bool = False) -> tuple[Violations, int]:
     target = root / "d" / "ck"
     distckpt.save(nest(values(1)), target)
     real_exchange = posix.exchange
@@ -220,7 +245,7 @@ def overwrite(root: Path, *, fallback: bool = False) -> tuple[Violations, int]:
         posix.exchange = real_exchange
     found = Violations()
     count = 0
-    for state, where in each_state(rec, root / "states"):
+    for state, where in each_state(rec, states):
         if FIRST and found:
             break
         count += 1
@@ -244,12 +269,16 @@ def overwrite(root: Path, *, fallback: bool = False) -> tuple[Violations, int]:
     return found, count
 
 
-def run(scenario: str, root: Path) -> tuple[Violations, int]:
+def run(scenario: str, root: Path, states: Path | None = None) -> tuple[Violations, int]:
+    """Record ``scenario``'s saves under ``root``, then check every crash state, each
+    made in turn under ``states`` (default: ``root/states``; memory is faster: each state
+    is written, checked and removed)."""
     global INCREMENTAL
     INCREMENTAL = scenario == "incremental"
+    states = states if states is not None else root / "states"
     if scenario in ("manager", "incremental"):
-        return manager(root)
-    return overwrite(root, fallback=scenario == "overwrite-fallback")
+        return manager(root, states)
+    return overwrite(root, states, fallback=scenario == "overwrite-fallback")
 
 
 if __name__ == "__main__":
