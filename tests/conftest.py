@@ -14,7 +14,9 @@ skip whose reason names one of them is allowed.
 
 from __future__ import annotations
 
+import compileall
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,20 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"true", "1"}
 
 
+def _compile_once(config: pytest.Config) -> None:
+    """Every process the suite starts imports distckpt and the rank scripts; where
+    ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI images) each one compiles them
+    again, some 0.3 s of CPU a process. Compile them once, here, into their
+    ``__pycache__`` (ignored by git); a changed source is recompiled on import as ever."""
+    if hasattr(config, "workerinput") or not sys.dont_write_bytecode:
+        return  # a pytest-xdist worker (its controller compiled), or Python writes them
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("distckpt", "tests", "examples"):
+        compileall.compile_dir(root / folder, quiet=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _compile_once(config)
     config.addinivalue_line(
         "markers",
         "gpu: needs a CUDA GPU; may skip under CI=true, as tests/engine/test_cuda.py does",
