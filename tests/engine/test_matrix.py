@@ -1,20 +1,26 @@
 """Save on N ranks, restore on M ranks, with real processes: N, M in 1..4.
 
-Checkpoints are saved once per module (one launch per world size and launcher, see the
-fixtures), then every restore launch restores all four of them and checks every value
-bit for bit (tests/scripts/matrix.py does the work and prints ``OK <rank>``).
+Every world size saves once under each launcher and every checkpoint is restored on
+every world size (tests/scripts/matrix.py does the work, checks every value bit for bit
+and prints ``OK <rank>``); a launch both restores and saves where it can, since each
+costs seconds on a small machine:
 
-* ``mpiexec``: saved and restored on 1..4 ranks (``MPIComm``, torch started from MPI);
-* ``torchrun --standalone``: the same (``comm=None``, so ``auto()`` picks torch's group);
-* across launchers: the torchrun restore on 3 ranks (``test_matrix_torchrun[M3+mpi-saved]``)
-  also restores the checkpoints saved under ``mpiexec``, and the single-process restore
-  restores both sets;
+* ``mpiexec`` on 1..4 ranks saves ``mpi/n1..n4`` (``MPIComm``, torch started from MPI);
+* ``torchrun --standalone`` on M = 1..4 ranks (``comm=None``, so ``auto()`` picks torch's
+  group) restores all of ``mpi/``, then saves ``torchrun/nM``;
+* ``mpiexec`` on M = 1..4 ranks restores all of ``torchrun/`` and of ``mpi/``;
 * one plain process (no launcher at all, ``SingleComm``) restores all eight.
+
+So each launcher's saves on every N are restored on every M, under ``mpiexec`` and (the
+``mpi/`` ones) under ``torchrun``. Without mpiexec, the torchrun launches restore
+``torchrun/`` in a second round instead.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +39,7 @@ SIZES = (1, 2, 3, 4)
 LAUNCH_TIMEOUT = 120  # seconds per launch (a loaded 2-core machine needs ~5-25 s)
 #: distckpt's collective time-out in the jobs: a dead rank fails the launch, not the clock
 JOB_ENV = {"DISTCKPT_TIMEOUT": "60"}
-TEST_TIMEOUT = 10 * LAUNCH_TIMEOUT  # a test may also run both fixtures (8 save launches)
+TEST_TIMEOUT = 10 * LAUNCH_TIMEOUT  # a test may also run both fixtures (8 launches)
 
 
 def restore_args(*sets: Path) -> list[str]:
@@ -61,39 +67,48 @@ def mpi_saved(matrix_root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def torch_saved(matrix_root: Path) -> Path:
-    """Checkpoints n1..n4 saved under torchrun on 1..4 ranks."""
+def torchrun_launches(
+    request: pytest.FixtureRequest, matrix_root: Path
+) -> dict[int, subprocess.CompletedProcess[str]]:
+    """torchrun on M = 1..4 ranks: each restores the checkpoints saved under mpiexec (if
+    there is an mpiexec), then saves ``torchrun/nM``; the launches, by M (each test
+    checks its own). Without mpiexec, a second round restores ``torchrun/``."""
     root = matrix_root / "torchrun"
-    for n in SIZES:
-        assert_all_ok(
-            run_torchrun(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT, env=JOB_ENV), n
-        )
-    return root
+    mpi = request.getfixturevalue("mpi_saved") if HAVE_MPIEXEC else None
+    launches = {}
+    for m in SIZES:
+        restore = restore_args(mpi) if mpi is not None else []
+        args = [*restore, "save", str(root)]
+        launches[m] = run_torchrun(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
+    if mpi is None:
+        for m in SIZES:
+            args = restore_args(root)
+            again = run_torchrun(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
+            if launches[m].returncode == 0:
+                launches[m] = again
+    return launches
+
+
+@pytest.fixture(scope="module")
+def torch_saved(matrix_root: Path, torchrun_launches: dict[int, Any]) -> Path:
+    """Checkpoints n1..n4 saved under torchrun on 1..4 ranks."""
+    return matrix_root / "torchrun"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+@pytest.mark.parametrize("m", SIZES, ids=[f"M{m}" for m in SIZES])
+def test_matrix_torchrun(torchrun_launches: dict[int, Any], m: int) -> None:
+    """torchrun on M ranks restored the mpiexec saves of every N, and saved its own."""
+    assert_all_ok(torchrun_launches[m], m)
 
 
 @needs_mpi
 @pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("m", SIZES, ids=[f"M{m}" for m in SIZES])
-def test_matrix_mpiexec(mpi_saved: Path, m: int) -> None:
-    proc = run_mpi(m, SCRIPT, *restore_args(mpi_saved), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
-    assert_all_ok(proc, m)
-
-
-#: On 3 ranks, torchrun also restores the checkpoints saved under mpiexec (cross-launcher),
-#: folded into that launch to save one (launches cost seconds each on a small machine).
-CROSS_M = 3
-
-
-@pytest.mark.timeout(TEST_TIMEOUT)
-@pytest.mark.parametrize(
-    "m", SIZES, ids=[f"M{m}+mpi-saved" if m == CROSS_M else f"M{m}" for m in SIZES]
-)
-def test_matrix_torchrun(request: pytest.FixtureRequest, torch_saved: Path, m: int) -> None:
-    sets = [torch_saved]
-    if m == CROSS_M and HAVE_MPIEXEC:  # saved under mpiexec, restored under torchrun
-        sets.append(request.getfixturevalue("mpi_saved"))
-    proc = run_torchrun(m, SCRIPT, *restore_args(*sets), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
-    assert_all_ok(proc, m)
+def test_matrix_mpiexec(mpi_saved: Path, torch_saved: Path, m: int) -> None:
+    """mpiexec on M ranks restores the torchrun and the mpiexec saves of every N."""
+    args = restore_args(torch_saved, mpi_saved)
+    assert_all_ok(run_mpi(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV), m)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)

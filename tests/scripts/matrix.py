@@ -588,33 +588,37 @@ def check_layouts(c: Checker, path: Path, n_saved: int) -> None:
         c.value(f"{path} irr/flat p1 codec", flat["pieces"][1]["codec"]["name"], "blosc")
 
 
-def do_save(root: Path) -> Checker:
-    launcher, rank, world, comm = setup()
-    c = Checker(rank, world, comm)
-    check_comm(c, launcher, comm)
+def save_into(c: Checker, comm: Any, launcher: str, root: Path) -> None:
+    """Save this world's state as ``root/n{world}`` and check its catalog."""
+    world, rank = c.world, c.rank
     mesh1, mesh2 = meshes(world, restoring=False)
     path = root / f"n{world}"
     state: dict[str, Any] = {}
+    failed = len(c.failures)
     c.run("building the state", lambda: state.update(build_save_state(world, rank, mesh1, mesh2)))
 
     def save() -> None:
         result = distckpt.save(state, path, comm, inner_bytes=INNER_BYTES, compression=COMPRESSION)
         c.value("SaveResult.path", result.path, path.absolute())
 
-    if not c.failures:
+    if len(c.failures) == failed:
         c.run(f"save N={world} ({launcher}) to {path}", save)
-    if not c.failures:
+    if len(c.failures) == failed:
         c.run("list_variables after save", lambda: check_catalog(c, path, world))
-    return c
 
 
-def do_restore(jobs: list[tuple[Path, int]]) -> Checker:
+def do(jobs: list[tuple[Path, int]], save_to: Path | None) -> Checker:
+    """Restore each of ``jobs`` (a directory and the world size that saved there), then,
+    with ``save_to``, save this world's own checkpoint there: one launch does both."""
     launcher, rank, world, comm = setup()
     c = Checker(rank, world, comm)
     check_comm(c, launcher, comm)
-    mesh1, mesh2 = meshes(world, restoring=True)
-    for root, n_saved in jobs:
-        restore_checkpoint(c, comm, launcher, root / f"n{n_saved}", n_saved, mesh1, mesh2)
+    if jobs:
+        mesh1, mesh2 = meshes(world, restoring=True)
+        for root, n_saved in jobs:
+            restore_checkpoint(c, comm, launcher, root / f"n{n_saved}", n_saved, mesh1, mesh2)
+    if save_to is not None:
+        save_into(c, comm, launcher, save_to)
     return c
 
 
@@ -697,22 +701,28 @@ def parse_jobs(args: list[str]) -> list[tuple[Path, int]]:
     for arg in args:
         if arg.isdigit():
             if root is None:
-                raise SystemExit(f"usage: {sys.argv[0]} restore DIR N [N ...] [DIR N ...]")
+                raise SystemExit(f"usage: {sys.argv[0]} {USAGE}")
             jobs.append((root, int(arg)))
         else:
             root = Path(arg)
     if not jobs:
-        raise SystemExit(f"usage: {sys.argv[0]} restore DIR N [N ...] [DIR N ...]")
+        raise SystemExit(f"usage: {sys.argv[0]} {USAGE}")
     return jobs
 
 
+USAGE = "save DIR | restore DIR N [N ...] [DIR N ...] [save DIR]"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "save":
-        c = do_save(Path(argv[1]))
-    elif len(argv) >= 3 and argv[0] == "restore":
-        c = do_restore(parse_jobs(argv[1:]))
+    save_to: Path | None = None
+    if len(argv) >= 2 and argv[-2] == "save":
+        save_to, argv = Path(argv[-1]), argv[:-2]
+    if argv[:1] == ["restore"] and len(argv) >= 3:
+        c = do(parse_jobs(argv[1:]), save_to)
+    elif not argv and save_to is not None:
+        c = do([], save_to)
     else:
-        print(f"usage: {sys.argv[0]} save DIR | restore DIR N [N ...] [DIR N ...]", file=sys.stderr)
+        print(f"usage: {sys.argv[0]} {USAGE}", file=sys.stderr)
         return 2
     if c.failures:
         for line in c.failures:
