@@ -181,7 +181,11 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         terms = Terms(comm.size, opts.small_bytes, opts.inner_bytes, opts.compression)
         agreed = agree(comm, described, error, terms, Target(self.final, opts.overwrite))
         assert not isinstance(described, Failure)  # a rank's failure is raised on every rank
-        known_base = None if self.base is None else reuse.check_base(comm, self.base)
+        try:
+            known_base = None if self.base is None else reuse.check_base(comm, self.base)
+        except BaseException:
+            _abort(agreed)  # begun on the coordinator: never left behind
+            raise
         return _Planned(agreed, described.local, known_base)
 
     def write(self, comm: Communicator, planned: _Planned, clock: Clock) -> _Written | Failure:
