@@ -28,26 +28,9 @@ from tests.support.s3_server import S3Server, require, use
 
 #: Test files whose skips CI allows (they need a CUDA GPU).
 GPU_FILES = frozenset({"test_cuda.py"})
-#: Test files that run whole on one worker when the suite runs on several (pytest-xdist,
-#: ``--dist loadgroup``): their tests share an expensive module-scoped setup, or a
-#: resource of the machine (a SLURM cluster, network namespaces, DeepSpeed's built op).
-ONE_WORKER = frozenset(
-    {
-        "test_deepspeed.py",
-        "test_failures.py",
-        "test_fuzz.py",
-        "test_hostile_grids.py",
-        "test_matrix.py",
-        "test_megatron_conformance.py",
-        "test_scale.py",
-        "test_signing.py",
-        "test_slurm.py",
-        "test_store_plugin.py",
-        "test_train_sharded.py",
-        "test_two_nodes.py",
-    }
-)
-#: At most this many workers for ``-n auto``: each test may start several processes.
+#: At most this many workers for ``-n auto`` (pytest-xdist; the README runs the suite with
+#: ``--dist loadfile``, so that a file's module-scoped setup runs once): each test may
+#: start several processes.
 MAX_WORKERS = 4
 
 _unexpected_skips: list[tuple[str, str]] = []  # (node id, reason) of this session
@@ -83,18 +66,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "gpu: needs a CUDA GPU; may skip under CI=true, as tests/engine/test_cuda.py does",
     )
     _unexpected_skips.clear()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep each file of :data:`ONE_WORKER` on one worker (the DeepSpeed page with
-    DeepSpeed's tests)."""
-    for item in items:
-        name = item.path.name
-        if name in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(name.removesuffix(".py")))
-        elif "deepspeed" in item.nodeid:
-            item.add_marker(pytest.mark.xdist_group("test_deepspeed"))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: unknown to a run without it
