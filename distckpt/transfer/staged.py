@@ -52,8 +52,8 @@ class Staged:
     def submit(self, fn: Callable[..., int | None], *args: Any) -> None:
         """Run ``fn(*args)`` on a worker of the group; the region outlives it."""
         assert self.group is not None
-        self._submitted += 1
         self.group.submit(fn, *args, release=self._task_done)
+        self._submitted += 1  # after: a task whose submission failed holds nothing
 
     def __enter__(self) -> Staged:
         return self
