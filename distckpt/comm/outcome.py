@@ -135,14 +135,14 @@ def collect(comm: Any, contribution: Any, *, root: int = 0) -> list[Any] | Failu
     return first_failure(gathered) or list(gathered)
 
 
-def announce(comm: Any, compute: Callable[[], T], *, root: int = 0) -> T:
-    """Collective: ``compute()`` on ``root`` alone; every rank returns its result or raises
-    its error (call order: ``compute`` on ``root``, then ``comm.broadcast``)."""
+def announce(comm: Any, compute: Callable[..., T], *args: Any, root: int = 0) -> T:
+    """Collective: ``compute(*args)`` on ``root`` alone; every rank returns its result or
+    raises its error (call order: ``compute`` on ``root``, then ``comm.broadcast``)."""
     outcome: Any = None
     error: BaseException | None = None
     if comm.rank == root:
         try:
-            outcome = compute()
+            outcome = compute(*args)
         except Exception as exc:
             error, outcome = exc, Failure.capture(exc, comm.rank)
     return deliver(comm, outcome, error, root)

@@ -113,17 +113,18 @@ def read_shared_index(
     failure to read it is raised on every rank. With ``trusted``, rank 0 first checks
     that it is signed by one of those keys, and every file it lists
     (:func:`distckpt.signing.trust.check_index`)."""
-
-    def read() -> bytes:
-        raw = read_index_bytes(store)
-        if trusted is not None:
-            check_index(raw, store, trusted)  # raised on every rank when it fails
-        return raw
-
-    payload = announce(comm, read)
+    payload = announce(comm, _read_checked, store, trusted)
     index = parse_index(payload, store)
     index.signed_by = None if trusted is None else signer(payload)  # (rank 0 checked it)
     return index
+
+
+def _read_checked(store: Store, trusted: TrustedKeys | None) -> bytes:
+    """Rank 0: the index's bytes, its signature and files checked with ``trusted``."""
+    raw = read_index_bytes(store)
+    if trusted is not None:
+        check_index(raw, store, trusted)  # raised on every rank when it fails
+    return raw
 
 
 def require_signed(index: Mapping[str, Any], trusted: TrustedKeys | None, where: str) -> str | None:

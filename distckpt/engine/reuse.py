@@ -164,6 +164,24 @@ def origin_name(base: Store, final: Store) -> str:
     return base.name if base.parent.url == final.parent.url else base.url
 
 
+def _read_base(
+    base: Store, trust: Callable[[], TrustedKeys] | None
+) -> tuple[str, bytes | None, str | None]:
+    """The coordinator's part of :func:`check_base`: why the base is not usable (empty
+    when it is), its index when this process does not know it yet, and its signer."""
+    try:
+        raw = read_index_bytes(base)
+    except (OSError, CheckpointError) as exc:
+        return f"its index cannot be read ({exc})", None, None
+    mine = known(base.url)
+    version = version_of(raw)
+    if mine is not None and mine.version is not None:
+        if mine.version == version:
+            return "", None, None
+        return "its index is not the one this job wrote or read", None, None
+    return "", raw, None if trust is None else verified_signer(raw, base, trust())
+
+
 def check_base(
     comm: Any, base: Store, trust: Callable[[], TrustedKeys] | None = None
 ) -> Known | None:
@@ -174,20 +192,8 @@ def check_base(
     signature is by ``trust()`` (a signed save's own public key, asked for on the
     coordinator only): only then may a signed save take pieces by their stored hashes."""
 
-    def read() -> tuple[str, bytes | None, str | None]:
-        try:
-            raw = read_index_bytes(base)
-        except (OSError, CheckpointError) as exc:
-            return f"its index cannot be read ({exc})", None, None
-        mine = known(base.url)
-        version = version_of(raw)
-        if mine is not None and mine.version is not None:
-            if mine.version == version:
-                return "", None, None
-            return "its index is not the one this job wrote or read", None, None
-        return "", raw, None if trust is None else verified_signer(raw, base, trust())
-
-    reason, raw, signer = announce(comm, read)  # a failure of the job (a dead rank) is raised
+    # a failure of the job (a dead rank) is raised
+    reason, raw, signer = announce(comm, _read_base, base, trust)
     if reason:
         forget(base.url)
         if comm.rank == 0:

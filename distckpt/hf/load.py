@@ -126,7 +126,7 @@ class _Weights(RestoreKind[_Matched]):
         self.workers = 0
 
     def read_metadata(self, comm: Communicator) -> None:
-        self.weights = announce(comm, lambda: open_weights(self.at))
+        self.weights = announce(comm, open_weights, self.at)
         self.workers = transfer_workers.resolve_io_workers(
             self.options.io_workers, comm, network=is_stored(self.at)
         )

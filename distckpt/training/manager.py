@@ -312,7 +312,7 @@ class CheckpointManager:
         self._own.refuse_if_replaced(self._directory)
         self.sync()
         comm = self._comm
-        decision = announce(comm, lambda: self._decide(checkpoint_number, check_interval))
+        decision = announce(comm, self._decide, checkpoint_number, check_interval)
         if not decision["save"]:
             return None
         schedule, checkpoint = self._schedule, self._checkpoint
