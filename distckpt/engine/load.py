@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -142,7 +143,17 @@ def require_signed(index: Mapping[str, Any], trusted: TrustedKeys | None, where:
     return algorithm
 
 
-class _Indexed(RestoreKind[Prepared]):
+@dataclass
+class _Matched:
+    """This rank's reads, every leaf checked; the run resolved for their tensors (the I/O
+    workers depend on where the targets are); its reads by exchange class."""
+
+    prepared: Prepared
+    run: Resolved
+    kinds: list[list[ReadTarget]]
+
+
+class _Indexed(RestoreKind[_Matched]):
     """A restore from a checkpoint's index (:mod:`distckpt.pipeline`): each rank reads
     the pieces its boxes need, sharing with the ranks that restore the same targets."""
 
@@ -157,7 +168,6 @@ class _Indexed(RestoreKind[Prepared]):
         self.refused = refused
         self.path = location(run.store)
         self.stored: Collection[str] = {}
-        self.kinds: list[list[ReadTarget]] = [[], []]  # this rank's reads, by exchange class
         self.auth: str | None = None  # the hash algorithm pieces are checked with
 
     def read_metadata(self, comm: Communicator) -> None:
@@ -170,46 +180,54 @@ class _Indexed(RestoreKind[Prepared]):
 
     def match(
         self, comm: Communicator, state: dict[str, Any], result: LoadResult
-    ) -> Prepared | None:
+    ) -> _Matched | None:
         if self.refused is not None:
             raise self.refused
         assert self.index is not None
-        matched = prepare(
+        prepared = prepare(
             state, self.index, result, comm.rank, comm.size, self.options, store=self.run.store
         )
-        if matched is not None:
-            self.run = self.run.for_tensors(t.tensor for t in matched.reads)
-        result.io_workers = self.run.io_workers
-        result.io_workers_reason = self.run.workers.reason
-        return matched
+        run = self.run
+        if prepared is not None:
+            run = run.for_tensors(t.tensor for t in prepared.reads)
+        result.io_workers = run.io_workers
+        result.io_workers_reason = run.workers.reason
+        if prepared is None:
+            return None
+        kinds: list[list[ReadTarget]] = [[], []]
+        if exchange.can_exchange(comm):
+            kinds = exchange.classes(prepared.reads, prepared.replicated)
+        return _Matched(prepared, run, kinds)
 
-    def offer(self, comm: Communicator, matched: Prepared) -> Any:
+    def offer(self, comm: Communicator, matched: _Matched) -> Any:
         """Whether this rank shares reads, and the digests of what it restores
         (:mod:`distckpt.transfer.exchange`)."""
-        if exchange.can_exchange(comm):
-            self.kinds = exchange.classes(matched.reads, matched.replicated)
-        return (exchange.wanted(), *map(exchange.digest, self.kinds))
+        return (exchange.wanted(), *map(exchange.digest, matched.kinds))
 
     def read(
-        self, comm: Communicator, matched: Prepared, offers: list[Any], result: LoadResult
+        self, comm: Communicator, matched: _Matched, offers: list[Any], result: LoadResult
     ) -> None:
-        groups = self._groups(comm, offers)
-        _read(comm, self.run, matched, groups, result, self.auth)
+        groups = _groups(comm, offers, matched.kinds)
+        _read(comm, matched.run, matched.prepared, groups, result, self.auth)
 
-    def _groups(self, comm: Communicator, offers: list[Any]) -> list[exchange.Group]:
-        """Collective: the exchange groups this rank belongs to, made from every rank's
-        offer: the ranks that restore the same targets of one class read them once."""
-        groups: list[exchange.Group] = []
-        sharing = exchange.can_exchange(comm) and all(o[0] for o in offers)
-        everyone = [o[1:] for o in offers] if sharing else []
-        for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
-            colors = exchange.colors(everyone, kind)
-            if max(colors) < 0:  # nobody shares these targets: no group to make
-                continue
-            sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
-            if sub is not None:
-                groups.append(exchange.Group(sub, self.kinds[kind]))
-        return groups
+
+def _groups(
+    comm: Communicator, offers: list[Any], kinds: list[list[ReadTarget]]
+) -> list[exchange.Group]:
+    """Collective: the exchange groups this rank belongs to, made from every rank's
+    offer: the ranks that restore the same targets of one class (this rank's ``kinds``)
+    read them once."""
+    groups: list[exchange.Group] = []
+    sharing = exchange.can_exchange(comm) and all(o[0] for o in offers)
+    everyone = [o[1:] for o in offers] if sharing else []
+    for kind in (exchange.REPLICATED, exchange.OTHER) if everyone else ():
+        colors = exchange.colors(everyone, kind)
+        if max(colors) < 0:  # nobody shares these targets: no group to make
+            continue
+        sub = comm.split(colors[comm.rank])  # type: ignore[attr-defined]
+        if sub is not None:
+            groups.append(exchange.Group(sub, kinds[kind]))
+    return groups
 
 
 def _read(
