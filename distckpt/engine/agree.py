@@ -45,6 +45,7 @@ from distckpt.comm.outcome import Failure, collect, deliver
 from distckpt.commit.transaction import Transaction, begin
 from distckpt.engine.local_state import Described, LocalState, replica_checksums
 from distckpt.errors import ValidationError
+from distckpt.pipeline.options import compression_key
 from distckpt.planning.describe import RankDesc, Schema, rank_desc
 from distckpt.planning.pieces import RankWork, SavePlan, Share, Shared
 from distckpt.planning.save_plan import DEFAULT_INNER_BYTES, DEFAULT_SMALL_BYTES, plan_save
@@ -72,11 +73,8 @@ class Terms:
     compression: Any = None  # a choice, or an ordered mapping of name patterns to choices
 
     def key(self) -> tuple[Any, ...]:
-        """The terms as a hashable value; a mapping of compression choices is ordered (its
-        first matching pattern wins), so it is compared as its items in order."""
-        choices = self.compression
-        if choices is not None and not isinstance(choices, str):
-            choices = tuple(choices.items())
+        """The terms as a hashable value (compression choices in their order)."""
+        choices = compression_key(self.compression)
         return (self.world, self.small_bytes, self.inner_bytes, choices)
 
     def plan(self, ranks: Sequence[RankDesc]) -> SavePlan:
@@ -284,7 +282,7 @@ def _decide(
     try:
         decided = deliver(comm, decision, error)
     except BaseException:
-        _abort(agreed)
+        abort_begun(agreed)
         raise
     return decided, offers if isinstance(offers, list) else None, agreed, error
 
@@ -341,7 +339,7 @@ def _plan(
         plan_id, token, shared = deliver(comm, outcome, error)
         share = scatter(comm, fresh.shares if fresh else None, root=COORDINATOR)
     except BaseException:
-        _abort(agreed)
+        abort_begun(agreed)
         raise
     work = shared.expand(share, comm.rank, token)
     assert mine is not None
@@ -349,9 +347,10 @@ def _plan(
     return _agreed(agreed, work, False)
 
 
-def _abort(agreed: Agreed | None) -> None:
+def abort_begun(agreed: Agreed | None) -> None:
     """A failure after the coordinator began the save (another rank's error, a dead
-    rank): never leave its transaction behind, its heartbeat keeping it alive."""
+    rank): never leave its transaction behind, its heartbeat keeping it alive. A no-op
+    on the other ranks, which hold none; never raises."""
     if agreed is not None and agreed.transaction is not None:
         agreed.transaction.abort()
 

@@ -42,7 +42,7 @@ from distckpt.comm.base import COORDINATOR
 from distckpt.comm.outcome import Failure, collect, deliver
 from distckpt.commit.transaction import save_root
 from distckpt.engine import reuse
-from distckpt.engine.agree import Agreed, Target, Terms, agree
+from distckpt.engine.agree import Agreed, Target, Terms, abort_begun, agree
 from distckpt.engine.commit import Report, commit
 from distckpt.engine.gather_small import assemble, send_small
 from distckpt.engine.local_state import Described, LocalState, describe_state
@@ -184,7 +184,7 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         try:
             known_base = None if self.base is None else reuse.check_base(comm, self.base)
         except BaseException:
-            _abort(agreed)  # begun on the coordinator: never left behind
+            abort_begun(agreed)  # begun on the coordinator: never left behind
             raise
         return _Planned(agreed, described.local, known_base)
 
@@ -200,7 +200,7 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         except Exception:
             raise  # the commit reports it, and the coordinator aborts the save there
         except BaseException:
-            _abort(planned.agreed)  # an interrupt: the commit is never reached
+            abort_begun(planned.agreed)  # an interrupt: the commit is never reached
             raise
 
     def commit(
@@ -209,7 +209,7 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         planned: _Planned,
         written: _Written | Failure,
         error: BaseException | None,
-    ) -> _Committed | None:
+    ) -> _Committed:
         """Step 5 (*gather, the coordinator commits, *broadcast): with every rank's report
         in, the coordinator writes the index, or aborts the save; every rank returns or
         raises the same error."""
@@ -226,12 +226,9 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
                         self.after_commit()  # its error is every rank's, the save committed
                 except Exception as exc:
                     error, outcome = exc, Failure.capture(exc, comm.rank)
-        except BaseException:
-            if published is None:
-                _abort(agreed)
-            raise
-        if published is None:
-            _abort(agreed)  # before any rank goes on (on the coordinator: nothing elsewhere)
+        finally:
+            if published is None:  # before any rank goes on (a no-op but on the coordinator)
+                abort_begun(agreed)
         deliver(comm, outcome, error)
         assert not isinstance(written, Failure)
         index_version, stored_bytes = published or (None, 0)
@@ -335,12 +332,6 @@ class _CheckpointSave(SaveKind[LocalState, _Planned]):
         )
         stored = {piece.file: (piece, written[piece.id]) for piece in work.writes}
         return _Written(Report.of(written, self.hashing), stored, counts)
-
-
-def _abort(agreed: Agreed) -> None:
-    """Abort the save begun (on the coordinator; nothing elsewhere). Never raises."""
-    if agreed.transaction is not None:
-        agreed.transaction.abort()
 
 
 @overload

@@ -127,10 +127,15 @@ class CheckpointOptions:
 
     def compression_key(self) -> Any:
         """``compression`` as a hashable, ordered value (a cached plan's key)."""
-        choices = self.compression
-        if choices is None or isinstance(choices, str):
-            return choices
-        return tuple(choices.items())
+        return compression_key(self.compression)
+
+
+def compression_key(choices: Any) -> Any:
+    """A compression choice, or a mapping of name patterns to choices, as a hashable value
+    that keeps the mapping's order (its first matching pattern wins)."""
+    if choices is None or isinstance(choices, str):
+        return choices
+    return tuple(choices.items())
 
 
 class RestoreKeywords(TypedDict, total=False):
