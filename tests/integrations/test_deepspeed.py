@@ -21,6 +21,8 @@ files itself with ``torch.load``, not through the checkpoint engine (before, a b
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.support.launch_util import SCRIPTS, assert_all_ok, run_torchrun
@@ -32,16 +34,29 @@ TIMEOUT = 180  # seconds, per launch (DeepSpeed's first start on a machine build
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def launch(nprocs: int, *args: str) -> None:
-    assert_all_ok(run_torchrun(nprocs, SCRIPT, *args, timeout=TIMEOUT, env=ENV), nprocs)
+def launch(nprocs: int, *args: str) -> str:
+    done = run_torchrun(nprocs, SCRIPT, *args, timeout=TIMEOUT, env=ENV)
+    assert_all_ok(done, nprocs)
+    return done.stdout
+
+
+#: The ZeRO stages and the other numbers of processes each is loaded on besides 2.
+OTHERS = {1: (), 2: (3,), 0: (3, 1), 3: (3,)}
+
+
+def stages(nprocs: int) -> str:
+    return ",".join(str(s) for s, others in OTHERS.items() if nprocs in (2, *others))
 
 
 @pytest.mark.timeout(4 * TIMEOUT + 30)
-@pytest.mark.parametrize(("stage", "others"), [(1, ()), (2, (3,)), (0, (3, 1)), (3, (3,))])
-def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path, stage, others):
-    launch(2, "save", str(tmp_path), str(stage))
-    for nprocs in (2, *others):
-        launch(nprocs, "resume", str(tmp_path), str(stage))
+def test_deepspeed_saves_on_2_and_loads_on_2_and_others(tmp_path):
+    """Each launch runs every stage it has a part in, one engine after another."""
+    launch(2, "save", str(tmp_path), stages(2))
+    for nprocs in (2, 3, 1):
+        out = launch(nprocs, "resume", str(tmp_path), stages(nprocs))
+        restored = set(re.findall(r"^RESTORED (\d) (\d)$", out, re.M))
+        want = {(s, str(r)) for s in stages(nprocs).split(",") for r in range(nprocs)}
+        assert restored == want, out
 
 
 @pytest.mark.timeout(TIMEOUT + 30)

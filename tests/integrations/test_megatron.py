@@ -11,6 +11,7 @@ for its buffers and is not run here."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,26 +39,29 @@ def _save(tmp_path: Path, world: int, tp: int, pp: int, *extra: str) -> tuple[Pa
     return ckpt, ref
 
 
-def _load(ckpt: Path, ref: Path, world: int, tp: int, pp: int) -> None:
-    proc = run_torchrun(
-        world, SCRIPT, "load", str(ckpt), str(ref), str(tp), str(pp), env=ENV, timeout=240
-    )
+def _load(world: int, *layouts: tuple[Path, Path, int, int]) -> None:
+    """One launch on ``world`` ranks loads each checkpoint under its layout (TP, PP)."""
+    args = [str(a) for layout in layouts for a in layout]
+    proc = run_torchrun(world, SCRIPT, "load", *args, env=ENV, timeout=240)
     assert_all_ok(proc, world)
+    for ckpt, _, tp, pp in layouts:
+        done = re.findall(
+            rf"^rank \d+: LOADED \d+ boxes of {re.escape(str(ckpt))} under TP {tp} PP {pp} ",
+            proc.stdout,
+            re.M,
+        )
+        assert len(done) == world, proc.stdout
 
 
 @pytest.mark.timeout(900)
-def test_tp2_save_loads_on_other_layouts(tmp_path: Path) -> None:
-    ckpt, ref = _save(tmp_path, 2, 2, 1)
-    _load(ckpt, ref, 2, 1, 1)  # TP 2 -> data parallel 2
-    _load(ckpt, ref, 2, 1, 2)  # -> pipeline parallel 2
-    _load(ckpt, ref, 1, 1, 1)  # -> one process
-
-
-@pytest.mark.timeout(900)
-def test_async_tp2_pp2_save_loads_on_other_layouts(tmp_path: Path) -> None:
-    ckpt, ref = _save(tmp_path, 4, 2, 2, "async")
-    _load(ckpt, ref, 2, 2, 1)
-    _load(ckpt, ref, 1, 1, 1)
+def test_tp2_and_async_tp2_pp2_saves_load_on_other_layouts(tmp_path: Path) -> None:
+    """A TP 2 save on 2 ranks and an async TP 2 x PP 2 save on 4, each loaded under other
+    layouts; a launch loads every checkpoint its number of ranks has a layout for."""
+    tp2 = _save(tmp_path / "tp2", 2, 2, 1)
+    tp2pp2 = _save(tmp_path / "tp2pp2", 4, 2, 2, "async")
+    # TP 2 -> data parallel 2 and -> pipeline parallel 2; TP 2 x PP 2 -> TP 2
+    _load(2, (*tp2, 1, 1), (*tp2, 1, 2), (*tp2pp2, 2, 1))
+    _load(1, (*tp2, 1, 1), (*tp2pp2, 1, 1))  # -> one process
 
 
 def test_registered_under_its_backend_name() -> None:

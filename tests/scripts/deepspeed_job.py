@@ -1,16 +1,18 @@
 """Ranks of tests/integrations/test_deepspeed.py: DeepSpeed on CPU processes (gloo).
 
-``save ROOT STAGE``: train a small model 3 steps with ZeRO stage STAGE, save_checkpoint
+Each mode takes STAGES, ZeRO stages separated by commas: one launch runs the mode for each
+in turn, in ROOT/stage<N> (an engine per stage; a launch costs more than an engine).
+``save ROOT STAGES``: train a small model 3 steps with ZeRO stage STAGE, save_checkpoint
 through distckpt's engine (tag ``t``) and through DeepSpeed's own (torch.save) engine,
 check that every file reads back through distckpt as DeepSpeed's own wrote it, then train
 2 more steps; the states saved and after the 2 steps are written as references.
-``resume ROOT STAGE``: a fresh model (other weights), load_checkpoint through distckpt's
+``resume ROOT STAGES``: a fresh model (other weights), load_checkpoint through distckpt's
 engine, and check model and optimizer bit for bit against the references: on the saved
 number of processes (also the 2 steps after), or on another one, the model always and the
 optimizer where DeepSpeed allows it (stage 0: it is in the model states file; stages 1
 and 2: DeepSpeed refuses it, checked, and the model loads without it; stage 3: refused
 too, and a load without it is distckpt's ConversionError on any number of processes).
-``tags ROOT STAGE``: each rank asks save_checkpoint for a tag of its own (DeepSpeed only
+``tags ROOT STAGES``: each rank asks save_checkpoint for a tag of its own (DeepSpeed only
 warns): every rank gets distckpt's ValidationError naming both places, and nothing is
 committed or left staged; a save with one tag then loads back bit for bit.
 """
@@ -99,11 +101,22 @@ def snapshot(engine) -> dict:
 
 
 def main() -> None:
-    mode, root, stage = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    mode, root = sys.argv[1], Path(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
+    for stage in (int(s) for s in sys.argv[3].split(",")):  # one engine after another
+        run(mode, root / f"stage{stage}", stage)
+    torch.distributed.barrier()
+    os.write(1, f"OK {torch.distributed.get_rank()}\n".encode())  # one write: ranks share the pipe
+    sys.stdout.flush()
+
+
+def run(mode: str, root: Path, stage: int) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     refs = root / "refs"
     if mode == "save":
+        if rank == 0:
+            root.mkdir(exist_ok=True)
+        torch.distributed.barrier()
         engine = make(stage, seed=0)
         train(engine, 3, first=0)
         own = engine.checkpoint_engine  # DeepSpeed's, of its config (torch.save's zip format)
@@ -125,6 +138,9 @@ def main() -> None:
         torch.distributed.barrier()
         torch.save({"saved": saved, "after": after}, refs / f"rank{rank}.pt")
     elif mode == "tags":
+        if rank == 0:
+            root.mkdir(exist_ok=True)
+        torch.distributed.barrier()
         engine = make(stage, seed=0)
         train(engine, 2, first=0)
         use_distckpt(engine)
@@ -181,10 +197,7 @@ def main() -> None:
                 load_lr_scheduler_states=False,
             )
             assert_same(engine.module.state_dict(), ref["saved"]["model"], "model")
-        sys.stdout.write(f"RESTORED {rank}\n")
-    torch.distributed.barrier()
-    os.write(1, f"OK {rank}\n".encode())  # one write: the ranks share the pipe
-    sys.stdout.flush()
+        sys.stdout.write(f"RESTORED {stage} {rank}\n")
 
 
 main()
