@@ -7,41 +7,63 @@ teaches zarr-python 3.1 the same names.
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING, Any
+
 import ml_dtypes
 import numpy as np
-import torch
 
 from distckpt.errors import UnsupportedValueError
 
-_TABLE: list[tuple[torch.dtype, str, np.dtype]] = [
-    (torch.float64, "float64", np.dtype(np.float64)),
-    (torch.float32, "float32", np.dtype(np.float32)),
-    (torch.float16, "float16", np.dtype(np.float16)),
-    (torch.bfloat16, "bfloat16", np.dtype(ml_dtypes.bfloat16)),
-    (torch.float8_e4m3fn, "float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn)),
-    (torch.float8_e5m2, "float8_e5m2", np.dtype(ml_dtypes.float8_e5m2)),
-    (torch.int8, "int8", np.dtype(np.int8)),
-    (torch.int16, "int16", np.dtype(np.int16)),
-    (torch.int32, "int32", np.dtype(np.int32)),
-    (torch.int64, "int64", np.dtype(np.int64)),
-    (torch.uint8, "uint8", np.dtype(np.uint8)),
-    (torch.bool, "bool", np.dtype(np.bool_)),
-    (torch.complex64, "complex64", np.dtype(np.complex64)),
-    (torch.complex128, "complex128", np.dtype(np.complex128)),
-]
-#: Every torch dtype distckpt stores, bit-exactly.
-SUPPORTED: tuple[torch.dtype, ...] = tuple(t for t, _, _ in _TABLE)
-_BY_TORCH = {t: (name, npd) for t, name, npd in _TABLE}
-_BY_NAME = {name: (t, npd) for t, name, npd in _TABLE}
+if TYPE_CHECKING:
+    import torch
+
+#: Every stored name with its NumPy dtype. Each name is also the name of its torch dtype
+#: (``torch.bfloat16``, ``torch.float8_e4m3fn``, ...), which is looked up only when a
+#: torch dtype is asked for: reading a checkpoint's metadata needs no torch.
+_NUMPY: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+    "complex64": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128),
+}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in _NUMPY}
+
+
+@functools.cache
+def _by_torch() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _torch_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED":  # every torch dtype distckpt stores, bit-exactly
+        return tuple(_torch_dtypes().values())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def zarr_name(dtype: torch.dtype, variable: str = "") -> str:
     """The zarr v3 ``data_type`` name of a torch dtype; refuses dtypes distckpt cannot store."""
     try:
-        return _BY_TORCH[dtype][0]
+        return _by_torch()[dtype]
     except KeyError:
         where = f" (variable {variable!r})" if variable else ""
-        supported = ", ".join(name for _, name, _ in _TABLE)
+        supported = ", ".join(_NUMPY)
         raise UnsupportedValueError(
             f"cannot store dtype {dtype}{where}; supported: {supported}"
         ) from None
@@ -50,7 +72,7 @@ def zarr_name(dtype: torch.dtype, variable: str = "") -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype stored under a zarr v3 ``data_type`` name."""
     try:
-        return _BY_NAME[name][0]
+        return _torch_dtypes()[name]
     except KeyError:
         raise UnsupportedValueError(f"unknown stored dtype {name!r}") from None
 
@@ -58,7 +80,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype (ml_dtypes for bfloat16 and float8) of a zarr v3 name."""
     try:
-        return _BY_NAME[name][1]
+        return _NUMPY[name]
     except KeyError:
         raise UnsupportedValueError(f"unknown stored dtype {name!r}") from None
 

@@ -16,17 +16,37 @@ can be tracked, the graph walk), :mod:`.modules` (module names), :mod:`.optim`
 
 from __future__ import annotations
 
-from distckpt.training.checkpoint import Checkpoint
-from distckpt.training.cursor import SampleCursor
-from distckpt.training.manager import CheckpointManager
-from distckpt.training.pointer import latest_checkpoint
-from distckpt.training.rng import RNGState
-from distckpt.training.status import (
-    CheckpointLoadStatus,
-    InitializationOnlyStatus,
-    UnmatchedError,
-)
-from distckpt.training.tracking import ObjectGraphError, TrackedDict, TrackedList
+from typing import TYPE_CHECKING
+
+from distckpt.exports import exports
+
+if TYPE_CHECKING:
+    from distckpt.training.checkpoint import Checkpoint
+    from distckpt.training.cursor import SampleCursor
+    from distckpt.training.manager import CheckpointManager
+    from distckpt.training.pointer import latest_checkpoint
+    from distckpt.training.rng import RNGState
+    from distckpt.training.status import (
+        CheckpointLoadStatus,
+        InitializationOnlyStatus,
+        UnmatchedError,
+    )
+    from distckpt.training.tracking import ObjectGraphError, TrackedDict, TrackedList
+
+_WHERE = {
+    "Checkpoint": "distckpt.training.checkpoint",
+    "SampleCursor": "distckpt.training.cursor",
+    "CheckpointManager": "distckpt.training.manager",
+    "latest_checkpoint": "distckpt.training.pointer",
+    "RNGState": "distckpt.training.rng",
+    "CheckpointLoadStatus": "distckpt.training.status",
+    "InitializationOnlyStatus": "distckpt.training.status",
+    "UnmatchedError": "distckpt.training.status",
+    "ObjectGraphError": "distckpt.training.tracking",
+    "TrackedDict": "distckpt.training.tracking",
+    "TrackedList": "distckpt.training.tracking",
+}
+__getattr__, __dir__ = exports(globals(), _WHERE)
 
 __all__ = [
     "Checkpoint",

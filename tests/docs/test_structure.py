@@ -24,7 +24,7 @@ PACKAGE = ROOT / "distckpt"
 
 #: The layers, bottom up: a module may import from its own layer and those below.
 LAYERS: list[set[str]] = [
-    {"errors", "version", "moved"},
+    {"errors", "version", "moved", "exports"},
     {"settings", "dtypes", "slices", "naming", "numbering", "values", "terminal"},
     {"tiling", "items", "progress"},
     {"storage", "comm"},  # the stores; the communicators
@@ -554,3 +554,51 @@ print("ok", len(moved))
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0 and f"ok {len(MOVED)}" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("package", ["distckpt", "distckpt.training"])
+def test_lazy_packages_hand_out_what_they_type(package: str) -> None:
+    """A package that imports its names on first use (:mod:`distckpt.exports`) hands out,
+    for every name of ``__all__``, the object its ``TYPE_CHECKING`` imports name: the
+    type checkers and the users see the same thing, and the table lists nothing else."""
+    import importlib
+
+    module = importlib.import_module(package)
+    source = (PACKAGE.parent / package.replace(".", "/") / "__init__.py").read_text()
+    typed: dict[str, str] = {}
+    tree = ast.parse(source)
+    own = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imported in node.body:
+                assert isinstance(imported, ast.ImportFrom) and imported.module, ast.dump(imported)
+                for alias in imported.names:
+                    typed[alias.asname or alias.name] = imported.module
+    assert sorted(typed) == sorted(set(module.__all__) - own)
+    assert set(module._WHERE) <= set(typed)
+    for name, origin in typed.items():
+        source_module = importlib.import_module(origin)
+        if hasattr(source_module, name) and not isinstance(getattr(module, name), type(ast)):
+            want = getattr(source_module, name)
+        else:  # a module: ``from distckpt import comm``
+            want = importlib.import_module(f"{origin}.{name}")
+        assert getattr(module, name) is want, name
+    assert set(module.__all__) <= set(dir(module))
+
+
+def test_import_distckpt_imports_no_torch_until_a_name_is_used() -> None:
+    """In a fresh interpreter: ``import distckpt`` imports neither torch nor the engine; a
+    subpackage is there when first read, as when the package imported its parts."""
+    code = """
+import sys
+import distckpt
+assert "torch" not in sys.modules and "distckpt.engine" not in sys.modules, sorted(sys.modules)
+assert distckpt.training.RNGState.__name__ == "RNGState"
+assert distckpt.comm.SingleComm.__name__ == "SingleComm"
+assert callable(distckpt.save) and "torch" in sys.modules
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-2000:]

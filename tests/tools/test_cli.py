@@ -605,6 +605,45 @@ def test_python_m_distckpt(golden: Path) -> None:
     assert bad.stderr.startswith("distckpt export: error: variable 'bias'")
 
 
+#: Run the command with torch unimportable: what it imports of torch fails loudly.
+WITHOUT_TORCH = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ImportError("torch imported by " + name)
+
+sys.meta_path.insert(0, NoTorch())
+from distckpt.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_reading_commands_start_without_torch(golden: Path, tmp_path: Path) -> None:
+    """``ls``, ``inspect``, ``verify`` and ``gc`` read metadata and bytes only: they import
+    neither torch nor the save and load (``import distckpt`` imports a name when it is
+    first used), so they start in a fraction of torch's import time."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(golden, run_dir / "ckpt-3")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for argv, said in (
+        (["ls", str(run_dir)], "ckpt-3"),
+        (["inspect", str(run_dir / "ckpt-3")], "variables"),
+        (["verify", str(run_dir / "ckpt-3")], ": ok,"),
+        (["gc", str(run_dir)], "nothing to remove"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", WITHOUT_TORCH, *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert done.returncode == 0 and said in done.stdout, (argv, done.stdout, done.stderr)
+
+
 def test_ls_tells_a_running_save_from_an_abandoned_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
