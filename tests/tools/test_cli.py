@@ -621,7 +621,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_reading_commands_start_without_torch(golden: Path, tmp_path: Path) -> None:
-    """``ls``, ``inspect``, ``verify`` and ``gc`` read metadata and bytes only: they import
+    """``ls``, ``inspect``, ``verify``, ``keygen``, ``sign`` and ``gc`` read metadata and
+    bytes only (and sign them): they import
     neither torch nor the save and load (``import distckpt`` imports a name when it is
     first used), so they start in a fraction of torch's import time."""
     run_dir = tmp_path / "run"
@@ -632,6 +633,9 @@ def test_reading_commands_start_without_torch(golden: Path, tmp_path: Path) -> N
         (["ls", str(run_dir)], "ckpt-3"),
         (["inspect", str(run_dir / "ckpt-3")], "variables"),
         (["verify", str(run_dir / "ckpt-3")], ": ok,"),
+        (["keygen", str(tmp_path / "k.key")], "k.key.pub"),
+        (["sign", str(run_dir / "ckpt-3"), "--key", str(tmp_path / "k.key")], "signed by"),
+        (["verify", str(run_dir / "ckpt-3"), "--key", str(tmp_path / "k.key.pub")], "trusted"),
         (["gc", str(run_dir)], "nothing to remove"),
     ):
         done = subprocess.run(
