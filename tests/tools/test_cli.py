@@ -621,10 +621,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_reading_commands_start_without_torch(golden: Path, tmp_path: Path) -> None:
-    """``ls``, ``inspect``, ``verify``, ``keygen``, ``sign`` and ``gc`` read metadata and
-    bytes only (and sign them): they import
-    neither torch nor the save and load (``import distckpt`` imports a name when it is
-    first used), so they start in a fraction of torch's import time."""
+    """``ls``, ``inspect``, ``verify``, ``keygen``, ``sign`` and ``gc`` read (and sign)
+    metadata and bytes only: they import neither torch nor the save and load (``import
+    distckpt`` imports a name when it is first used), so they start in a fraction of
+    torch's import time."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copytree(golden, run_dir / "ckpt-3")
