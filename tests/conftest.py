@@ -33,28 +33,6 @@ GPU_FILES = frozenset({"test_cuda.py"})
 #: start several processes.
 MAX_WORKERS = 4
 
-#: The files that take longest (each starts dozens of processes), longest first; the
-#: suite runs them first. Spread over workers a file at a time, a long file started last
-#: would run alone at the end while the other workers wait.
-FIRST = (
-    "tests/docs/test_examples.py",
-    "tests/integrations/test_deepspeed.py",
-    "tests/commit/test_crash_states.py",
-    "tests/integrations/test_megatron.py",
-    "tests/engine/test_matrix.py",
-    "tests/local/test_local_tier.py",
-    "tests/comm/test_comm.py",
-    "tests/cluster/test_slurm.py",
-    "tests/integrations/test_integration_accelerate.py",
-    "tests/engine/test_scale.py",
-    "tests/cluster/test_two_nodes.py",
-    "tests/training/test_manager.py",
-    "tests/training/test_elastic.py",
-    "tests/hostile/test_hostile_typed.py",
-    "tests/integrations/test_megatron_conformance.py",
-    "tests/integrations/test_dcp_bridge.py",
-)
-
 _unexpected_skips: list[tuple[str, str]] = []  # (node id, reason) of this session
 
 
@@ -83,21 +61,11 @@ def _compile_once(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _compile_once(config)
-    # pytest-xdist hands out files with the most tests first (a file of many small cases
-    # before one of a few long launches): hand them out as collected, FIRST first.
-    if getattr(config.option, "loadscopereorder", None):
-        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers",
         "gpu: needs a CUDA GPU; may skip under CI=true, as tests/engine/test_cuda.py does",
     )
     _unexpected_skips.clear()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files of :data:`FIRST` first, in its order; the others after, as collected."""
-    first = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.partition("::")[0], len(first)))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: unknown to a run without it

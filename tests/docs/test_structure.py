@@ -602,12 +602,3 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-2000:]
-
-
-def test_the_files_the_suite_runs_first_exist() -> None:
-    """``tests/conftest.py`` starts its longest files first: a renamed one would quietly
-    run last again."""
-    from tests.conftest import FIRST
-
-    assert [name for name in FIRST if not (ROOT / name).is_file()] == []
-    assert len(set(FIRST)) == len(FIRST)
