@@ -153,7 +153,19 @@ class _Matched:
     kinds: list[list[ReadTarget]]
 
 
-class _Indexed(RestoreKind[_Matched]):
+@dataclass(frozen=True)
+class _Source:
+    """The checkpoint's index, checked, and the hash its pieces are checked with."""
+
+    index: dict[str, Any]
+    auth: str | None
+
+    @property
+    def stored(self) -> Collection[str]:
+        return self.index["variables"]  # type: ignore[no-any-return]
+
+
+class _Indexed(RestoreKind[_Source, _Matched]):
     """A restore from a checkpoint's index (:mod:`distckpt.pipeline`): each rank reads
     the pieces its boxes need, sharing with the ranks that restore the same targets."""
 
@@ -164,28 +176,25 @@ class _Indexed(RestoreKind[_Matched]):
     ) -> None:
         self.run = run
         self.options = run.options
-        self.index = index
+        self.index = index  # already read on every rank, or None
         self.refused = refused
         self.path = location(run.store)
-        self.stored: Collection[str] = {}
-        self.auth: str | None = None  # the hash algorithm pieces are checked with
 
-    def read_metadata(self, comm: Communicator) -> None:
+    def read_metadata(self, comm: Communicator) -> _Source:
         trusted = trusted_keys(self.options.trusted_keys)
-        if self.index is None:
-            self.index = read_shared_index(self.run.store, comm, trusted)
-            reuse.remember_index(self.run.store, self.index)  # the base of a later save
-        self.auth = require_signed(self.index, trusted, self.run.store.url)
-        self.stored = self.index["variables"]
+        index = self.index
+        if index is None:
+            index = read_shared_index(self.run.store, comm, trusted)
+            reuse.remember_index(self.run.store, index)  # the base of a later save
+        return _Source(index, require_signed(index, trusted, self.run.store.url))
 
     def match(
-        self, comm: Communicator, state: dict[str, Any], result: LoadResult
+        self, comm: Communicator, source: _Source, state: dict[str, Any], result: LoadResult
     ) -> _Matched | None:
         if self.refused is not None:
             raise self.refused
-        assert self.index is not None
         prepared = prepare(
-            state, self.index, result, comm.rank, comm.size, self.options, store=self.run.store
+            state, source.index, result, comm.rank, comm.size, self.options, store=self.run.store
         )
         run = self.run
         if prepared is not None:
@@ -205,10 +214,15 @@ class _Indexed(RestoreKind[_Matched]):
         return (exchange.wanted(), *map(exchange.digest, matched.kinds))
 
     def read(
-        self, comm: Communicator, matched: _Matched, offers: list[Any], result: LoadResult
+        self,
+        comm: Communicator,
+        source: _Source,
+        matched: _Matched,
+        offers: list[Any],
+        result: LoadResult,
     ) -> None:
         groups = _groups(comm, offers, matched.kinds)
-        _read(comm, matched.run, matched.prepared, groups, result, self.auth)
+        _read(comm, matched.run, matched.prepared, groups, result, source.auth)
 
 
 def _groups(

@@ -102,7 +102,16 @@ class _Matched:
     aliases: list[str]  # names filled by a loaded tensor they share memory with
 
 
-class _Weights(RestoreKind[_Matched]):
+@dataclass(frozen=True)
+class _Opened:
+    """The weights, their tensors by the state's names, and the I/O workers to read with."""
+
+    weights: Weights
+    stored: dict[str, StoredTensor]
+    workers: int
+
+
+class _Weights(RestoreKind[_Opened, _Matched]):
     """A restore from Hugging Face weights (:mod:`distckpt.pipeline`): rank 0 reads the
     metadata for every rank, each rank reads its own boxes."""
 
@@ -122,30 +131,33 @@ class _Weights(RestoreKind[_Matched]):
         self.rename = rename
         self.options = options
         self.error = error  # this rank's arguments were refused
-        self.stored: dict[str, StoredTensor] = {}
-        self.workers = 0
 
-    def read_metadata(self, comm: Communicator) -> None:
-        self.weights = announce(comm, open_weights, self.at)
-        self.workers = transfer_workers.resolve_io_workers(
+    def read_metadata(self, comm: Communicator) -> _Opened:
+        weights = announce(comm, open_weights, self.at)
+        workers = transfer_workers.resolve_io_workers(
             self.options.io_workers, comm, network=is_stored(self.at)
         )
+        return _Opened(weights, _stored(weights, self.prefix, self.rename), workers)
 
     def match(
-        self, comm: Communicator, state: dict[str, Any], result: LoadResult
+        self, comm: Communicator, source: _Opened, state: dict[str, Any], result: LoadResult
     ) -> _Matched | None:
         if self.error is not None:
             raise self.error
-        self.stored = _stored(self.weights, self.prefix, self.rename)
-        return _match(state, self.stored, self.prefix, self.rename, result, self.options.strict)
+        return _match(state, source.stored, self.prefix, self.rename, result, self.options.strict)
 
     def offer(self, comm: Communicator, matched: _Matched) -> Any:
         return True
 
     def read(
-        self, comm: Communicator, matched: _Matched, offers: list[Any], result: LoadResult
+        self,
+        comm: Communicator,
+        source: _Opened,
+        matched: _Matched,
+        offers: list[Any],
+        result: LoadResult,
     ) -> None:
-        _read_local(matched, result, self.workers, comm.rank, _reader(self.weights))
+        _read_local(matched, result, source.workers, comm.rank, _reader(source.weights))
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:

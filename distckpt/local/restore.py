@@ -86,7 +86,7 @@ class _Matched:
 
 
 @dataclass
-class LocalStep(RestoreKind[_Matched]):
+class LocalStep(RestoreKind["LocalStep", _Matched]):
     """A restorable local step, as :class:`~distckpt.training.session.RestoreSession`
     reads it: an ``index`` like a persistent checkpoint's and a :meth:`load`, a kind of
     the restore pipeline (:mod:`distckpt.pipeline`)."""
@@ -177,8 +177,12 @@ class LocalStep(RestoreKind[_Matched]):
         self.options = options
         return restore(comm, self, state)
 
+    def read_metadata(self, comm: Communicator) -> LocalStep:
+        """The step itself: :meth:`open` read its manifests."""
+        return self
+
     def match(
-        self, comm: Communicator, state: dict[str, Any], result: LoadResult
+        self, comm: Communicator, source: LocalStep, state: dict[str, Any], result: LoadResult
     ) -> _Matched | None:
         """This rank's reads, and the parts of pieces it asks each holder for; None when
         strict and a name is missing."""
@@ -199,7 +203,12 @@ class LocalStep(RestoreKind[_Matched]):
         ]
 
     def read(
-        self, comm: Communicator, matched: _Matched, offers: list[Any], result: LoadResult
+        self,
+        comm: Communicator,
+        source: LocalStep,
+        matched: _Matched,
+        offers: list[Any],
+        result: LoadResult,
     ) -> None:
         """Serve and fetch every request; then every rank learns which copies failed their
         checksum (see :meth:`again`)."""

@@ -66,14 +66,16 @@ same error::
 
 **Restore** (:func:`restore`); every rank, collectives marked *:
 
-1. *Metadata* (*): ``kind.read_metadata(comm)``: what is stored, read once and shared
-   (an error is the same on every rank, and raised once the ranks agree, step 5).
-2. *Match*: ``kind.match(comm, state, result)`` checks every name, kind, shape
+1. *Metadata* (*): ``kind.read_metadata(comm)``: the source, what is stored, read once
+   and shared (an error is the same on every rank, and raised once the ranks agree,
+   step 5).
+2. *Match*: ``kind.match(comm, source, state, result)`` checks every name, kind, shape
    and dtype before anything is read (None: a name is missing under ``strict``), then
    ``kind.offer(comm, matched)`` is what this rank tells the others.
 3. *Agree* (*): one :func:`~distckpt.pipeline.matching.agree_names`: every rank's offer,
-   and the names that no rank restores (an error under ``strict``).
-4. *Read*: ``kind.read(comm, matched, offers, result)``, only when every rank can read.
+   and the names that no rank restores (of ``source.stored``; an error under ``strict``).
+4. *Read*: ``kind.read(comm, source, matched, offers, result)``, only when every rank
+   can read.
    ``kind.again(comm)`` may ask for steps 2 to 4 once more (a copy failed its checksum
    and another holds one).
 5. *Settle* (*): every rank raises if any rank failed; else the result, timed and logged.

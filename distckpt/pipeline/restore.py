@@ -20,13 +20,24 @@ log = logging.getLogger("distckpt")
 M = TypeVar("M")  # a rank's reads, checked
 
 
-class RestoreKind(Protocol[M]):
+class Source(Protocol):
+    """What a restore reads from, as :meth:`RestoreKind.read_metadata` found it."""
+
+    #: The stored names, the same on every rank.
+    @property
+    def stored(self) -> Collection[str]: ...
+
+
+S = TypeVar("S", bound=Source)
+
+
+class RestoreKind(Protocol[S, M]):
     """One restore of one kind (an object per stored source). Every rank makes these
-    calls, in this order: :meth:`read_metadata` (collective); then :meth:`match` and
-    :meth:`offer` (this rank alone), one agreement on the names (collective), and
-    :meth:`read` when every rank can read; :meth:`again` says whether to match and read
-    once more. A kind that subclasses this protocol inherits :meth:`read_metadata` and
-    :meth:`again` (nothing to do).
+    calls, in this order, each handed what the one before returned: :meth:`read_metadata`
+    (collective) gives the source; then :meth:`match` and :meth:`offer` (this rank alone),
+    one agreement on the names (collective), and :meth:`read` when every rank can read;
+    :meth:`again` says whether to match and read once more. A kind that subclasses this
+    protocol inherits :meth:`again` (never).
     """
 
     #: The restore's settings: ``strict`` for the names agreement, the rest the kind's.
@@ -36,15 +47,14 @@ class RestoreKind(Protocol[M]):
     #: What a names error calls the stored side (``"checkpoint"``, ``"weights"``).
     source: str
 
-    #: The stored names, the same on every rank (known after :meth:`match`).
-    stored: Collection[str]
-
-    def read_metadata(self, comm: Communicator) -> None:
-        """Collective: read what is stored (once, for every rank), or raise (the same
+    def read_metadata(self, comm: Communicator) -> S:
+        """Collective: what is stored (read once, for every rank), or raise (the same
         error on every rank: the restore then fails once the ranks agree)."""
-        return None
+        ...
 
-    def match(self, comm: Communicator, state: dict[str, Any], result: LoadResult) -> M | None:
+    def match(
+        self, comm: Communicator, source: S, state: dict[str, Any], result: LoadResult
+    ) -> M | None:
         """This rank's reads, every leaf checked before anything is read; sets
         ``result.missing`` and ``result.unexpected`` (this rank's). None when
         ``options.strict`` and a name is missing (the job then fails with the names)."""
@@ -54,7 +64,9 @@ class RestoreKind(Protocol[M]):
         """What this rank tells every other in the names agreement (never None)."""
         ...
 
-    def read(self, comm: Communicator, matched: M, offers: list[Any], result: LoadResult) -> None:
+    def read(
+        self, comm: Communicator, source: S, matched: M, offers: list[Any], result: LoadResult
+    ) -> None:
         """Read into the targets (every rank's ``offers`` in rank order); every rank
         calls it, or none does."""
         ...
@@ -64,15 +76,17 @@ class RestoreKind(Protocol[M]):
         return False
 
 
-def restore(comm: Communicator, kind: RestoreKind[Any], state: dict[str, Any]) -> LoadResult:
+def restore(comm: Communicator, kind: RestoreKind[Any, Any], state: dict[str, Any]) -> LoadResult:
     """Fill ``state`` in place through ``kind`` as its options say; every rank returns its
     result or raises the same error. Collective."""
     t0 = time.perf_counter()
     unopened: BaseException | None = None
+    source: Any = None
     try:
-        kind.read_metadata(comm)
+        source = kind.read_metadata(comm)
     except Exception as exc:  # the same on every rank: raised once the ranks agree
         unopened = exc
+    stored: Collection[str] = () if source is None else source.stored
     while True:
         result = LoadResult(kind.path)
         error = unopened
@@ -80,7 +94,7 @@ def restore(comm: Communicator, kind: RestoreKind[Any], state: dict[str, Any]) -
         offer: Any = None  # None: this rank cannot read
         try:
             if error is None:
-                matched = kind.match(comm, state, result)
+                matched = kind.match(comm, source, state, result)
             if matched is not None:
                 offer = kind.offer(comm, matched)
         except Exception as exc:
@@ -88,11 +102,11 @@ def restore(comm: Communicator, kind: RestoreKind[Any], state: dict[str, Any]) -
         try:
             try:
                 strict = kind.options.strict
-                offers = agree_names(comm, offer, kind.stored, result, strict, kind.source)
+                offers = agree_names(comm, offer, stored, result, strict, kind.source)
             finally:
                 t_plan = time.perf_counter()
             if all(o is not None for o in offers):
-                kind.read(comm, matched, offers, result)
+                kind.read(comm, source, matched, offers, result)
         except Exception as exc:
             error = error or exc
         if not kind.again(comm):

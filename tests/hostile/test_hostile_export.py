@@ -41,6 +41,7 @@ MiB = 1 << 20
 
 CHILD = """
 import json, sys, time
+import torch  # in the baseline: the commands need it (import distckpt alone does not)
 from distckpt.cli import main
 
 def peak():  # MiB

@@ -33,6 +33,7 @@ GROWTH = 200  # MiB of peak memory a hostile file may add, over its own bytes re
 #: resident memory so far (VmHWM) over what it was before the first.
 CHILD = """
 import json, sys, time
+import torch  # in the baseline: the commands need it (import distckpt alone does not)
 import distckpt
 from distckpt.cli import main
 from distckpt.comm import SingleComm
