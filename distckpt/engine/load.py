@@ -155,14 +155,12 @@ class _Matched:
 
 @dataclass(frozen=True)
 class _Source:
-    """The checkpoint's index, checked, and the hash its pieces are checked with."""
+    """The checkpoint's index, checked, the hash its pieces are checked with, and the
+    stored names (the index's variables)."""
 
     index: dict[str, Any]
     auth: str | None
-
-    @property
-    def stored(self) -> Collection[str]:
-        return self.index["variables"]  # type: ignore[no-any-return]
+    stored: Collection[str]
 
 
 class _Indexed(RestoreKind[_Source, _Matched]):
@@ -186,7 +184,8 @@ class _Indexed(RestoreKind[_Source, _Matched]):
         if index is None:
             index = read_shared_index(self.run.store, comm, trusted)
             reuse.remember_index(self.run.store, index)  # the base of a later save
-        return _Source(index, require_signed(index, trusted, self.run.store.url))
+        auth = require_signed(index, trusted, self.run.store.url)
+        return _Source(index, auth, index["variables"])
 
     def match(
         self, comm: Communicator, source: _Source, state: dict[str, Any], result: LoadResult
