@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from distckpt.comm import Communicator, raise_if_any_failed
 from distckpt.errors import CorruptCheckpointError
 from distckpt.format.shard_io import crc32c
-from distckpt.local import files
+from distckpt.local import files, landing
 from distckpt.local.choose import Choice
 from distckpt.local.manifests import Piece, checked, extent, index_of
 from distckpt.local.messages import MESSAGE_BYTES, pack, packed_size
@@ -47,10 +46,9 @@ from distckpt.pipeline import RestoreKind, restore
 from distckpt.pipeline.matching import assign, prepare
 from distckpt.pipeline.options import CheckpointOptions
 from distckpt.pipeline.results import LoadResult
-from distckpt.slices import Box, byte_runs, c_order_bands
+from distckpt.slices import Box, c_order_bands
 from distckpt.storage.backend import ReadHandle, Store
 from distckpt.tiling import tiling_problem
-from distckpt.transfer.arrays import copy_exact, writable_view
 from distckpt.transfer.exchange import aligned
 from distckpt.transfer.reader import ReadTarget
 
@@ -367,11 +365,12 @@ class LocalStep(RestoreKind["LocalStep", _Matched]):
 
     def _put_own(self, t: ReadTarget, r: _Request, direct: np.ndarray | None) -> None:
         """Restore request ``r``, served by this rank, into target ``t``: straight into
-        ``direct`` (see :func:`_direct`) when it can, else from a checked copy."""
+        ``direct`` (see :func:`distckpt.local.landing.direct`) when it can, else from a
+        checked copy."""
         if direct is not None:
             self._read(r.piece, direct)
         else:
-            _put(t, r.box, self._part(r.piece, r.box), r.piece.itemsize)
+            landing.put(t, r.box, self._part(r.piece, r.box), r.piece.itemsize)
 
     def _fetch(
         self,
@@ -402,7 +401,9 @@ class LocalStep(RestoreKind["LocalStep", _Matched]):
                     outgoing[requester] = messages
         # Copies of a piece made from a checked copy of it: how many, so that the copy is
         # dropped after the last (requests that fill a target directly need none).
-        own = [(r, _direct(reads[r.target], r)) for r in requests if r.server == me]
+        own = [
+            (r, landing.direct(reads[r.target], r.box, r.piece)) for r in requests if r.server == me
+        ]
         self._uses = Counter((r.piece.owner, r.piece.index) for r, d in own if d is None)
         for messages in outgoing.values():
             self._uses.update((p.owner, p.index) for m in messages for (p, _), _ in m)
@@ -431,7 +432,7 @@ class LocalStep(RestoreKind["LocalStep", _Matched]):
                 for r, nbytes in message:
                     data = buffer[offset : offset + nbytes]
                     try:
-                        _put(reads[r.target], r.box, data, r.piece.itemsize)
+                        landing.put(reads[r.target], r.box, data, r.piece.itemsize)
                     except Exception as exc:
                         error = error or exc
                     offset = aligned(offset + nbytes)
@@ -474,35 +475,3 @@ def _read_all(handle: ReadHandle, into: np.ndarray, offset: int) -> int:
             break
         done += n
     return done
-
-
-def _direct(t: ReadTarget, r: _Request) -> np.ndarray | None:
-    """The bytes of target ``t`` that request ``r`` fills, when it is a whole piece and
-    they are one contiguous run of host memory: read straight there, and checked there."""
-    if r.box != r.piece.box:
-        return None
-    view = writable_view(t.tensor) if t.tensor is not None else t.out
-    if view is None or not view.flags.c_contiguous:
-        return None
-    runs = byte_runs(t.box.lengths, r.box.relative_to(t.box), r.piece.itemsize)
-    first = next(runs, None)
-    if first is None or next(runs, None) is not None:
-        return None
-    start, length = first
-    return view.reshape(-1).view(np.uint8)[start : start + length]
-
-
-def _put(t: ReadTarget, box: Box, data: np.ndarray, itemsize: int) -> None:
-    """Copy ``data`` (the bytes of ``box``, C order) into its place in target ``t``."""
-    rel = box.relative_to(t.box).slices()
-    shape = (*box.lengths, itemsize)
-    view = writable_view(t.tensor) if t.tensor is not None else t.out
-    if view is not None and view.flags.c_contiguous:
-        whole = view.reshape(-1).view(np.uint8).reshape(*t.box.lengths, itemsize)
-        whole[rel] = data.reshape(shape)
-        return
-    assert t.tensor is not None
-    region = t.tensor[rel]
-    # (data is this process's own writable memory: a checked copy, or a message received)
-    values = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(region.dtype)
-    copy_exact(region, values.reshape(region.shape))
