@@ -131,6 +131,7 @@ _WHERE: dict[str, str] = {
     "RNGState": "distckpt.training",
     "SampleCursor": "distckpt.training",
     "latest_checkpoint": "distckpt.training",
+    "preemption": "distckpt.training",  # the module, a submodule of distckpt.training
     "before_change": "distckpt.training.lazy",
     "wait_for_snapshot": "distckpt.training.lazy",
     "EXIT_PREEMPTED": "distckpt.training.preemption",
@@ -141,11 +142,7 @@ _WHERE: dict[str, str] = {
 }
 
 
-__getattr__, __dir__ = exports(
-    globals(),
-    _WHERE,
-    {"preemption": "distckpt.training.preemption"},
-)
+__getattr__, __dir__ = exports(globals(), _WHERE)
 
 
 def register_zarr_dtypes() -> None:

@@ -22,20 +22,16 @@ from typing import Any
 def exports(
     namespace: dict[str, Any],
     where: Mapping[str, str],
-    modules: Mapping[str, str] | None = None,
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of the package whose globals are ``namespace``:
-    ``where`` maps a name to the module that defines it, ``modules`` a name to the module
-    that is its value; any other name of a submodule is that submodule (``import distckpt``
-    then ``distckpt.training.RNGState`` works, as it did when the package imported its
-    parts eagerly). A name read once is kept in ``namespace``."""
+    ``where`` maps a name to the module that defines it; any other name of a submodule is
+    that submodule (``import distckpt`` then ``distckpt.training.RNGState`` works, as it
+    did when the package imported its parts eagerly). A name read once is kept in
+    ``namespace``."""
     package = namespace["__name__"]
-    as_module = dict(modules or {})
 
     def __getattr__(name: str) -> Any:
-        if name in as_module:
-            value = importlib.import_module(as_module[name])
-        elif name in where:
+        if name in where:
             value = getattr(importlib.import_module(where[name]), name)
         elif not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}"):
             value = importlib.import_module(f"{package}.{name}")  # as an eager import had it
@@ -45,6 +41,6 @@ def exports(
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*namespace, *where, *as_module})
+        return sorted({*namespace, *where})
 
     return __getattr__, __dir__

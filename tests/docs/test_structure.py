@@ -11,6 +11,7 @@ import inspect
 import re
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -577,12 +578,12 @@ def test_lazy_packages_hand_out_what_they_type(package: str) -> None:
     assert sorted(typed) == sorted(set(module.__all__) - own)
     assert set(module._WHERE) <= set(typed)
     for name, origin in typed.items():
-        source_module = importlib.import_module(origin)
-        if hasattr(source_module, name) and not isinstance(getattr(module, name), type(ast)):
-            want = getattr(source_module, name)
-        else:  # a module: ``from distckpt import comm``
+        got = getattr(module, name)
+        if isinstance(got, types.ModuleType):  # ``from distckpt import comm``
             want = importlib.import_module(f"{origin}.{name}")
-        assert getattr(module, name) is want, name
+        else:
+            want = getattr(importlib.import_module(origin), name)
+        assert got is want, name
     assert set(module.__all__) <= set(dir(module))
 
 
