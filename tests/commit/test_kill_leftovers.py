@@ -16,7 +16,7 @@ import torch
 import distckpt
 from distckpt.comm import SingleComm
 from distckpt.commit.staging import leftovers
-from tests.support.launch_util import SCRIPTS, load_script, output, run_torchrun
+from tests.support.launch_util import SCRIPTS, load_script, output, run_ranks
 from tests.support.make_golden import assert_same_bits
 
 SCRIPT = SCRIPTS / "kill_leftovers.py"
@@ -28,7 +28,7 @@ WORLD = 3
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("point", kl.POINTS)
 def test_the_next_save_removes_what_a_killed_save_left(point: str, tmp_path: Path) -> None:
-    proc = run_torchrun(
+    proc = run_ranks(
         WORLD, SCRIPT, point, str(tmp_path), timeout=240, env={"DISTCKPT_TIMEOUT": "60"}
     )
     assert proc.returncode != 0 and "KILLING" in proc.stdout, output(proc)

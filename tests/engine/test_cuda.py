@@ -19,7 +19,7 @@ import torch
 import distckpt
 from distckpt.dtypes import SUPPORTED
 from tests.engine.test_single_process import load1, random_tensor, save1
-from tests.support.launch_util import SCRIPTS, check, output, run_torchrun
+from tests.support.launch_util import SCRIPTS, check, output, run_ranks
 from tests.support.make_golden import tensor_bytes
 
 ON_CPU = os.environ.get("DISTCKPT_TEST_CUDA_ON_CPU") == "1"
@@ -210,7 +210,7 @@ def test_cuda_rng_state_round_trips(tmp_path: Path) -> None:
 
 @needs_gpu
 def test_fsdp2_on_nccl_through_checkpoint(tmp_path: Path) -> None:
-    proc = run_torchrun(1, SCRIPTS / "cuda_ranks.py", "fsdp", str(tmp_path), timeout=240)
+    proc = run_ranks(1, SCRIPTS / "cuda_ranks.py", "fsdp", str(tmp_path), timeout=240)
     check(proc)
     assert "OK fsdp 0" in proc.stdout, output(proc)
 
@@ -221,10 +221,10 @@ def test_cuda_dtensors_of_ranks_sharing_a_gpu(
     tmp_path: Path, saved: int, restored: list[int]
 ) -> None:
     script = SCRIPTS / "cuda_ranks.py"
-    proc = run_torchrun(saved, script, "dtensor-save", str(tmp_path), timeout=240)
+    proc = run_ranks(saved, script, "dtensor-save", str(tmp_path), timeout=240)
     check(proc)
     for world in restored:
-        proc = run_torchrun(world, script, "dtensor-restore", str(tmp_path), timeout=240)
+        proc = run_ranks(world, script, "dtensor-restore", str(tmp_path), timeout=240)
         check(proc)
         for rank in range(world):
             assert f"OK dtensor-restore {rank}" in proc.stdout, output(proc)

@@ -34,6 +34,7 @@ from tests.support.launch_util import (
     output,
     run_mpi,
     run_mpi_survivors,
+    run_ranks,
     run_torchrun,
 )
 from tests.support.make_golden import TWO_RANKS, assert_same_bits
@@ -135,7 +136,7 @@ class ErrorsRun:
 ERRORS_ENV = {"DISTCKPT_TIMEOUT": "30"}  # a desynchronised case fails instead of hanging
 LAUNCHERS = [
     pytest.param(("mpi", 4), marks=needs_mpi, id="mpi4"),
-    pytest.param(("torchrun", 3), id="torchrun3"),
+    pytest.param(("ranks", 3), id="ranks3"),
 ]
 
 
@@ -150,7 +151,7 @@ def errors_run(
     if launcher == "mpi":
         proc = run_mpi(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
     else:
-        proc = run_torchrun(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
+        proc = run_ranks(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
     return ErrorsRun(proc, world)
 
 

@@ -29,7 +29,7 @@ from distckpt.comm import SingleComm
 from distckpt.engine import reuse
 from distckpt.tools.verify import verify
 from tests.engine.test_single_process import index_of
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_ranks
 from tests.support.make_golden import assert_same_bits
 
 pytestmark = pytest.mark.timeout(120)
@@ -358,11 +358,11 @@ def test_ranks_take_their_own_pieces_and_a_resumed_job_writes_nothing_new(tmp_pa
     a new 2-rank job restores and saves at once: every piece is taken, nothing written;
     a 3-rank job restores resharded (its boxes are new pieces: written) bit for bit."""
     run = tmp_path / "run"
-    saved = run_torchrun(2, RANKS, "save", str(run), timeout=150)
+    saved = run_ranks(2, RANKS, "save", str(run), timeout=150)
     assert_all_ok(saved, 2)
     assert all(reused > 0 for reused, _ in _took(saved).values())
-    resumed = run_torchrun(2, RANKS, "resume", str(run), timeout=150)
+    resumed = run_ranks(2, RANKS, "resume", str(run), timeout=150)
     assert_all_ok(resumed, 2)
     assert _took(resumed) and all(written == 0 for _, written in _took(resumed).values())
-    resharded = run_torchrun(3, RANKS, "resume", str(run), timeout=150)
+    resharded = run_ranks(3, RANKS, "resume", str(run), timeout=150)
     assert_all_ok(resharded, 3)

@@ -31,7 +31,7 @@ from tests.support.launch_util import (
     needs_mpi,
     run_mpi,
     run_single,
-    run_torchrun,
+    run_ranks,
 )
 
 SCRIPT = SCRIPTS / "matrix.py"
@@ -79,11 +79,11 @@ def torchrun_launches(
     for m in SIZES:
         restore = restore_args(mpi) if mpi is not None else []
         args = [*restore, "save", str(root)]
-        launches[m] = run_torchrun(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
+        launches[m] = run_ranks(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
     if mpi is None:
         for m in SIZES:
             args = restore_args(root)
-            again = run_torchrun(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
+            again = run_ranks(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
             if launches[m].returncode == 0:
                 launches[m] = again
     return launches

@@ -28,7 +28,7 @@ from tests.support.launch_util import (
     needs_mpi,
     output,
     run_mpi,
-    run_torchrun,
+    run_ranks,
 )
 
 SCRIPT = SCRIPTS / "pipeline.py"
@@ -57,7 +57,7 @@ def check_job(proc: subprocess.CompletedProcess[str]) -> None:
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 def test_pipeline_torchrun(tmp_path: Path) -> None:
-    proc = run_torchrun(NPROCS, SCRIPT, str(tmp_path), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
+    proc = run_ranks(NPROCS, SCRIPT, str(tmp_path), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
     check_job(proc)
 
 

@@ -33,7 +33,7 @@ from tests.support.launch_util import (
     cases,
     needs_mpi,
     run_mpi,
-    run_torchrun,
+    run_ranks,
 )
 
 
@@ -169,7 +169,7 @@ def test_sixteen_ranks_reuse_plans_and_read_replicated_state_once(tmp_path: Path
 
 @pytest.mark.timeout(300)
 def test_torchrun_ranks_exchange_over_gloo_groups(tmp_path: Path):
-    proc = run_torchrun(4, SCRIPT, str(tmp_path), timeout=240, env=JOB_ENV)
+    proc = run_ranks(4, SCRIPT, str(tmp_path), timeout=240, env=JOB_ENV)
     cases = _cases(proc, 4)
     assert {tuple(r["reused"]) for r in cases["reuse"]} == {(False, True, True, False)}
     _each_byte_read_once(cases["replicated"], 4)

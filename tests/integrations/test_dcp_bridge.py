@@ -20,7 +20,7 @@ import torch
 import distckpt
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 from distckpt.tools.catalog import open_catalog
-from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi, run_torchrun
+from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi, run_ranks
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -29,7 +29,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 def test_dcp_saves_and_loads_through_distckpt(tmp_path: Path, s3: Any) -> None:
     env = {**s3.env, "DISTCKPT_TIMEOUT": "120"}
     script = SCRIPTS / "dcp_ranks.py"
-    saved = run_torchrun(2, script, "save", str(tmp_path), s3.url, env=env, timeout=180)
+    saved = run_ranks(2, script, "save", str(tmp_path), s3.url, env=env, timeout=180)
     assert_all_ok(saved, 2)
     for name in ("fsdp", "native", "plain", "objects"):
         proc = subprocess.run(
@@ -39,7 +39,7 @@ def test_dcp_saves_and_loads_through_distckpt(tmp_path: Path, s3: Any) -> None:
             timeout=120,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    launch = run_mpi if HAVE_MPIEXEC else run_torchrun
+    launch = run_mpi if HAVE_MPIEXEC else run_ranks
     loaded = launch(3, script, "load", str(tmp_path), s3.url, env=env, timeout=180)
     assert_all_ok(loaded, 3)
 
@@ -66,7 +66,7 @@ def test_process_groups_no_dist_and_per_rank_saves(tmp_path: Path) -> None:
     the whole world, so one path stayed empty, ``no_dist`` on one rank waited for the
     others until the time-out, and a ShardedTensor failed inside the write."""
     env = {"DISTCKPT_TIMEOUT": "60"}
-    proc = run_torchrun(3, SCRIPTS / "dcp_groups.py", str(tmp_path), env=env, timeout=240)
+    proc = run_ranks(3, SCRIPTS / "dcp_groups.py", str(tmp_path), env=env, timeout=240)
     assert_all_ok(proc, 3)
 
 

@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_ranks
 
 pytest.importorskip("deepspeed")
 
@@ -35,7 +35,7 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def launch(nprocs: int, *args: str) -> str:
-    done = run_torchrun(nprocs, SCRIPT, *args, timeout=TIMEOUT, env=ENV)
+    done = run_ranks(nprocs, SCRIPT, *args, timeout=TIMEOUT, env=ENV)
     assert_all_ok(done, nprocs)
     return done.stdout
 

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_single, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_single, run_ranks
 
 pytest.importorskip("accelerate")
 
@@ -29,10 +29,10 @@ TIMEOUT = 120  # seconds, per launch
 def test_accelerate_saves_on_2_and_resumes_on_1_and_3(tmp_path):
     run, kept = tmp_path / "run", tmp_path / "kept"
     run.mkdir()
-    assert_all_ok(run_torchrun(2, SCRIPT, "save", str(run), timeout=TIMEOUT), 2)
+    assert_all_ok(run_ranks(2, SCRIPT, "save", str(run), timeout=TIMEOUT), 2)
     shutil.copytree(run, kept, symlinks=True)
     assert_all_ok(run_single(SCRIPT, "resume", str(run), timeout=TIMEOUT), 1)
-    proc = run_torchrun(3, SCRIPT, "resume", str(kept), timeout=TIMEOUT)
+    proc = run_ranks(3, SCRIPT, "resume", str(kept), timeout=TIMEOUT)
     assert_all_ok(proc, 3)
     assert proc.stdout.count("RESTORED") == 3
 
@@ -40,7 +40,7 @@ def test_accelerate_saves_on_2_and_resumes_on_1_and_3(tmp_path):
 def test_accelerate_fsdp2_saves_on_2_and_resumes_on_3(tmp_path):
     """Accelerate's own FSDP2 preparation (forced on CPU: see the script), 2 -> 3 ranks."""
     script = SCRIPTS / "accelerate_fsdp2_job.py"
-    assert_all_ok(run_torchrun(2, script, "save", str(tmp_path), timeout=TIMEOUT), 2)
-    proc = run_torchrun(3, script, "load", str(tmp_path), timeout=TIMEOUT)
+    assert_all_ok(run_ranks(2, script, "save", str(tmp_path), timeout=TIMEOUT), 2)
+    proc = run_ranks(3, script, "load", str(tmp_path), timeout=TIMEOUT)
     assert_all_ok(proc, 3)
     assert proc.stdout.count("RESTORED") == 3

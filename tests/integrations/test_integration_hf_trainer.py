@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_single, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_single, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -21,7 +21,7 @@ TIMEOUT = 120  # seconds, per launch
 
 
 def test_trainer_saves_on_2_and_resumes_on_1(tmp_path):
-    assert_all_ok(run_torchrun(2, SCRIPT, "save", str(tmp_path), timeout=TIMEOUT), 2)
+    assert_all_ok(run_ranks(2, SCRIPT, "save", str(tmp_path), timeout=TIMEOUT), 2)
     proc = run_single(SCRIPT, "resume", str(tmp_path), timeout=TIMEOUT)
     assert_all_ok(proc, 1)
     assert "RESTORED 0" in proc.stdout

@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_ranks
 
 pytest.importorskip("lightning")
 
@@ -30,8 +30,8 @@ TIMEOUT = 120  # seconds, per launch
 @pytest.mark.timeout(2 * TIMEOUT + 30)
 def test_lightning_saves_on_2_and_resumes_on_3(tmp_path):
     """One launch of each: DDP, then ModelParallel (launches cost seconds each)."""
-    assert_all_ok(run_torchrun(2, SCRIPT, "save", str(tmp_path), timeout=TIMEOUT), 2)
-    proc = run_torchrun(3, SCRIPT, "resume", str(tmp_path), timeout=TIMEOUT)
+    assert_all_ok(run_ranks(2, SCRIPT, "save", str(tmp_path), timeout=TIMEOUT), 2)
+    proc = run_ranks(3, SCRIPT, "resume", str(tmp_path), timeout=TIMEOUT)
     assert_all_ok(proc, 3)
     for kind in ("ddp", "sharded"):
         assert sorted(re.findall(rf"RESTORED {kind} (\d)", proc.stdout)) == ["0", "1", "2"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, job_env, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, job_env, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -29,7 +29,7 @@ ENV = {"DISTCKPT_TIMEOUT": "120"}
 
 def _save(tmp_path: Path, world: int, tp: int, pp: int, *extra: str) -> tuple[Path, Path]:
     ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
-    proc = run_torchrun(
+    proc = run_ranks(
         world, SCRIPT, "save", str(ckpt), str(ref), str(tp), str(pp), *extra, env=ENV, timeout=240
     )
     assert_all_ok(proc, world)
@@ -42,7 +42,7 @@ def _save(tmp_path: Path, world: int, tp: int, pp: int, *extra: str) -> tuple[Pa
 def _load(world: int, *layouts: tuple[Path, Path, int, int]) -> None:
     """One launch on ``world`` ranks loads each checkpoint under its layout (TP, PP)."""
     args = [str(a) for layout in layouts for a in layout]
-    proc = run_torchrun(world, SCRIPT, "load", *args, env=ENV, timeout=240)
+    proc = run_ranks(world, SCRIPT, "load", *args, env=ENV, timeout=240)
     assert_all_ok(proc, world)
     for ckpt, _, tp, pp in layouts:
         done = re.findall(
@@ -369,9 +369,9 @@ def test_any_stacking_loads_under_any_other_on_other_world_sizes(tmp_path: Path)
     (layers that make no one box on a rank) and in the per-layer layout of earlier saves;
     each loaded on 3 ranks and on one as plain, stacked and stacked with two prepended
     axes, bit for bit (tests/scripts/megatron_stacking.py)."""
-    assert_all_ok(run_torchrun(2, STACKING, "save", str(tmp_path), env=ENV, timeout=240), 2)
+    assert_all_ok(run_ranks(2, STACKING, "save", str(tmp_path), env=ENV, timeout=240), 2)
     for world in (3, 1):
-        proc = run_torchrun(world, STACKING, "load", str(tmp_path), env=ENV, timeout=240)
+        proc = run_ranks(world, STACKING, "load", str(tmp_path), env=ENV, timeout=240)
         assert_all_ok(proc, world)
 
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi, run_torchrun
+from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi, run_ranks
 
 pytest.importorskip("torchtitan")
 
@@ -29,7 +29,7 @@ from distckpt.integrations.torchtitan import DistckptCheckpointManager, with_dis
 def test_torchtitan_saves_and_resumes_through_distckpt(tmp_path: Path) -> None:
     script = SCRIPTS / "titan_ranks.py"
     env = {"DISTCKPT_TIMEOUT": "120"}
-    assert_all_ok(run_torchrun(2, script, "save", str(tmp_path), env=env, timeout=150), 2)
+    assert_all_ok(run_ranks(2, script, "save", str(tmp_path), env=env, timeout=150), 2)
     for folder in ("ckpt", "ckpt-async"):
         assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ["step-3", "step-4"]
         proc = subprocess.run(
@@ -41,7 +41,7 @@ def test_torchtitan_saves_and_resumes_through_distckpt(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     # A step that never committed is not resumed from.
     (tmp_path / "ckpt" / "step-9").mkdir()
-    launch = run_mpi if HAVE_MPIEXEC else run_torchrun
+    launch = run_mpi if HAVE_MPIEXEC else run_ranks
     assert_all_ok(launch(3, script, "load", str(tmp_path), env=env, timeout=150), 3)
 
 

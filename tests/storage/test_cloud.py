@@ -42,7 +42,7 @@ from tests.support.launch_util import (
     cases,
     needs_mpi,
     run_mpi,
-    run_torchrun,
+    run_ranks,
 )
 from tests.support.s3_server import use
 
@@ -114,7 +114,7 @@ def test_forked_child_fails_fast(azure: Any) -> None:
 def test_save_3_restore_2(azure_server: Any) -> None:
     """Saved by 3 torchrun ranks on Azure, restored resharded by 2 mpiexec ranks."""
     url = "az://distckpt/test_cloud-resharding"
-    assert_all_ok(run_torchrun(3, SCRIPT, "save", url, timeout=120, env=job_env(azure_server)), 3)
+    assert_all_ok(run_ranks(3, SCRIPT, "save", url, timeout=120, env=job_env(azure_server)), 3)
     proc = run_mpi(2, SCRIPT, "restore", url, "3", timeout=120, env=job_env(azure_server))
     assert_all_ok(proc, 2)
     assert set(cases(proc)) == {"catalog", "resharded", "whole"}

@@ -31,7 +31,7 @@ from distckpt.storage.registry import open_store
 from distckpt.testing.hostile import reseal
 from tests.support.backends import OBJECT_STORES, Backend
 from tests.support.fault_proxy import FaultProxy, Request
-from tests.support.launch_util import SCRIPTS, assert_all_ok, cases, output, run_torchrun
+from tests.support.launch_util import SCRIPTS, assert_all_ok, cases, output, run_ranks
 from tests.support.s3_server import S3Server, use
 
 #: DISTCKPT_S3_TIMEOUT here; the README's bound is twice it.
@@ -216,7 +216,7 @@ def test_a_stopped_server_fails_every_rank_with_storage_error(s3: S3Server) -> N
     try:
         with FaultProxy(s3.endpoint, observe=observe) as proxy:
             env["AWS_ENDPOINT_URL"] = proxy.endpoint
-            proc = run_torchrun(2, SCRIPTS / "s3_silent.py", run, timeout=150, env=env)
+            proc = run_ranks(2, SCRIPTS / "s3_silent.py", run, timeout=150, env=env)
     finally:
         s3.resume()
     assert stopped, output(proc)

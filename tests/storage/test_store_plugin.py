@@ -41,7 +41,7 @@ from tests.support.launch_util import (
     assert_all_ok,
     output,
     run_mpi,
-    run_torchrun,
+    run_ranks,
 )
 
 JOB = SCRIPTS / "plugin_ranks.py"
@@ -221,7 +221,7 @@ def test_ranks_save_load_and_keep_checkpoints_through_the_plugin(
 ) -> None:
     run = tmp_path / "run"
     env = {"PYTHONPATH": f"{site}:{REPO_ROOT}", "DISTCKPT_TIMEOUT": "60"}
-    saved = run_torchrun(2, JOB, "save", str(run), env=env, timeout=120)
+    saved = run_ranks(2, JOB, "save", str(run), env=env, timeout=120)
     assert_all_ok(saved, 2)
     assert f"LATEST files://{run}/ckpt-2" in saved.stdout, output(saved)
     # What the store holds: the checkpoints and the pointer; no claim, lock or staging left.
@@ -239,6 +239,6 @@ def test_ranks_save_load_and_keep_checkpoints_through_the_plugin(
         "model.safetensors.index.json",
     ]
     assert (run / "ckpt-2" / "zarr.json").is_file() and (run / "plain" / "zarr.json").is_file()
-    launch = run_mpi if HAVE_MPIEXEC else run_torchrun
+    launch = run_mpi if HAVE_MPIEXEC else run_ranks
     loaded = launch(3, JOB, "load", str(run), env=env, timeout=120)
     assert_all_ok(loaded, 3)

@@ -236,6 +236,21 @@ def run_torchrun(
     return _run(cmd, timeout, env)
 
 
+def run_ranks(
+    nprocs: int,
+    script: str | Path,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` on ``nprocs`` ranks with torchrun's environment, forked from a
+    warm interpreter that has torch loaded (:mod:`tests.support.warm_ranks`): a job whose
+    subject is distckpt, not the launcher. Returns as :func:`run_torchrun` does."""
+    from tests.support.warm_ranks import run_ranks as run
+
+    return run(nprocs, script, *args, timeout=timeout, env=env)
+
+
 def run_single(
     script: str | Path,
     *args: str,

@@ -46,7 +46,7 @@ from tests.support.launch_util import (
     needs_mpi,
     output,
     run_mpi,
-    run_torchrun,
+    run_ranks,
     start,
 )
 
@@ -482,7 +482,7 @@ os.write(1, f"OK {comm.rank}\\n".encode())  # one write: the ranks share the pip
 def test_two_ranks(tmp_path: Path) -> None:
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
-    proc = run_torchrun(2, script, str(tmp_path / "run"), timeout=180)
+    proc = run_ranks(2, script, str(tmp_path / "run"), timeout=180)
     check(proc)
     assert "OK 0" in proc.stdout and "OK 1" in proc.stdout
 

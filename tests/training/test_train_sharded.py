@@ -31,7 +31,7 @@ from tests.support.launch_util import (
     output,
     run_mpi,
     run_single,
-    run_torchrun,
+    run_ranks,
 )
 
 SCRIPT = REPO_ROOT / "examples" / "train_sharded.py"
@@ -45,7 +45,7 @@ def _launch(launcher: str, n: int, *args: str):
         return run_single(SCRIPT, *args, timeout=TIMEOUT)
     if launcher == "mpiexec":
         return run_mpi(n, SCRIPT, *args, timeout=TIMEOUT)
-    return run_torchrun(n, SCRIPT, *args, timeout=TIMEOUT)
+    return run_ranks(n, SCRIPT, *args, timeout=TIMEOUT)
 
 
 def _load(path: Path) -> dict:
@@ -114,6 +114,6 @@ def test_gradients_are_the_global_batch_mean_on_3_ranks() -> None:
     if HAVE_MPIEXEC:
         proc = run_mpi(3, script, timeout=TIMEOUT)
     else:
-        proc = run_torchrun(3, script, timeout=TIMEOUT)
+        proc = run_ranks(3, script, timeout=TIMEOUT)
     check(proc)
     assert proc.stdout.count("OK gradients 3") == 1, output(proc)

@@ -42,7 +42,7 @@ from distckpt.training import (
     latest_checkpoint,
 )
 from distckpt.training.lock import LOCK_FILE
-from tests.support.launch_util import REPO_ROOT, SCRIPTS, check, output, run_single, run_torchrun
+from tests.support.launch_util import REPO_ROOT, SCRIPTS, check, output, run_single, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 COMM = SingleComm()
@@ -546,10 +546,10 @@ def test_seed_toy_runs_the_guide_twice_in_one_process(tmp_path: Path) -> None:
 
 def test_fsdp2_saved_on_4_ranks_restores_on_2(tmp_path: Path) -> None:
     script = SCRIPTS / "training_fsdp.py"
-    saved = run_torchrun(4, script, "save", str(tmp_path), timeout=240)
+    saved = run_ranks(4, script, "save", str(tmp_path), timeout=240)
     check(saved)
     assert saved.stdout.count("OK save") == 4, output(saved)
-    restored = run_torchrun(2, script, "restore", str(tmp_path), timeout=240)
+    restored = run_ranks(2, script, "restore", str(tmp_path), timeout=240)
     check(restored)
     assert restored.stdout.count("OK restore") == 2, output(restored)
     # RNG states are per rank: on 2 ranks, rank r takes what rank r % 4 saved, with a warning
