@@ -265,10 +265,10 @@ def test_resident_memory_does_not_grow_over_50_async_saves(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_async_save_on_several_ranks(tmp_path: Path, launcher: str) -> None:
-    from tests.support.launch_util import check, run_mpi, run_ranks
+    from tests.support.launch_util import check, run_mpi_ranks, run_ranks
 
     if launcher == "mpiexec":
-        proc = run_mpi(3, SCRIPTS / "async_save.py", str(tmp_path), timeout=180)
+        proc = run_mpi_ranks(3, SCRIPTS / "async_save.py", str(tmp_path), timeout=180)
         world = 3
     else:
         proc = run_ranks(2, SCRIPTS / "async_save.py", str(tmp_path), timeout=180)

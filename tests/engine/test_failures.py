@@ -33,6 +33,7 @@ from tests.support.launch_util import (
     needs_mpi,
     output,
     run_mpi,
+    run_mpi_ranks,
     run_mpi_survivors,
     run_ranks,
     run_torchrun,
@@ -149,7 +150,7 @@ def errors_run(
     directory = tmp_path_factory.mktemp(f"errors-{launcher}")
     args = ["errors", str(directory), "--golden", str(TWO_RANKS)]
     if launcher == "mpi":
-        proc = run_mpi(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
+        proc = run_mpi_ranks(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
     else:
         proc = run_ranks(world, SCRIPT, *args, timeout=140, env=ERRORS_ENV)
     return ErrorsRun(proc, world)

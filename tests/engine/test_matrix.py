@@ -29,9 +29,9 @@ from tests.support.launch_util import (
     SCRIPTS,
     assert_all_ok,
     needs_mpi,
-    run_mpi,
-    run_single,
+    run_mpi_ranks,
     run_ranks,
+    run_single,
 )
 
 SCRIPT = SCRIPTS / "matrix.py"
@@ -62,7 +62,9 @@ def mpi_saved(matrix_root: Path) -> Path:
         pytest.skip("mpiexec not found (pip install mpich)")
     root = matrix_root / "mpi"
     for n in SIZES:
-        assert_all_ok(run_mpi(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT, env=JOB_ENV), n)
+        assert_all_ok(
+            run_mpi_ranks(n, SCRIPT, "save", str(root), timeout=LAUNCH_TIMEOUT, env=JOB_ENV), n
+        )
     return root
 
 
@@ -108,7 +110,7 @@ def test_matrix_torchrun(torchrun_launches: dict[int, Any], m: int) -> None:
 def test_matrix_mpiexec(mpi_saved: Path, torch_saved: Path, m: int) -> None:
     """mpiexec on M ranks restores the torchrun and the mpiexec saves of every N."""
     args = restore_args(torch_saved, mpi_saved)
-    assert_all_ok(run_mpi(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV), m)
+    assert_all_ok(run_mpi_ranks(m, SCRIPT, *args, timeout=LAUNCH_TIMEOUT, env=JOB_ENV), m)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)

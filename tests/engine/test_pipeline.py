@@ -27,7 +27,7 @@ from tests.support.launch_util import (
     cases,
     needs_mpi,
     output,
-    run_mpi,
+    run_mpi_ranks,
     run_ranks,
 )
 
@@ -64,7 +64,7 @@ def test_pipeline_torchrun(tmp_path: Path) -> None:
 @needs_mpi
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 def test_pipeline_mpiexec(tmp_path: Path) -> None:
-    proc = run_mpi(NPROCS, SCRIPT, str(tmp_path), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
+    proc = run_mpi_ranks(NPROCS, SCRIPT, str(tmp_path), timeout=LAUNCH_TIMEOUT, env=JOB_ENV)
     check_job(proc)
 
 

@@ -32,7 +32,7 @@ from tests.support.launch_util import (
     assert_all_ok,
     cases,
     needs_mpi,
-    run_mpi,
+    run_mpi_ranks,
     run_ranks,
 )
 
@@ -159,7 +159,7 @@ def _each_byte_read_once(rows: list[dict[str, Any]], world: int) -> None:
 @needs_mpi
 @pytest.mark.timeout(400)
 def test_sixteen_ranks_reuse_plans_and_read_replicated_state_once(tmp_path: Path):
-    proc = run_mpi(16, SCRIPT, str(tmp_path), timeout=360, env=JOB_ENV)
+    proc = run_mpi_ranks(16, SCRIPT, str(tmp_path), timeout=360, env=JOB_ENV)
     cases = _cases(proc, 16)
     assert {tuple(r["reused"]) for r in cases["reuse"]} == {(False, True, True, False)}
     assert {r["caught"] for r in cases["sampled"]} <= {2, 3}

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import distckpt
 from distckpt.comm import SingleComm
 from distckpt.storage.registry import open_store
-from tests.support.launch_util import SCRIPTS, check, output, run_mpi, run_torchrun
+from tests.support.launch_util import SCRIPTS, check, output, run_mpi_ranks, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,7 +79,7 @@ def test_hf_weights_on_fsdp2_ranks(
     assert len(list(source.glob("*.safetensors"))) > 2  # several files and an index
     work = tmp_path / "work"
     server = request.getfixturevalue(service)
-    run = run_torchrun if launcher == "torchrun" else run_mpi
+    run = run_ranks if launcher == "torchrun" else run_mpi_ranks
     env = dict(server.env)
     proc = run(
         ranks, SCRIPTS / "hf_ranks.py", str(source), str(work), server.url, timeout=300, env=env

@@ -20,7 +20,7 @@ import torch
 import distckpt
 from distckpt.integrations.dcp import DistckptReader, DistckptWriter
 from distckpt.tools.catalog import open_catalog
-from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi, run_ranks
+from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi_ranks, run_ranks
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -39,7 +39,7 @@ def test_dcp_saves_and_loads_through_distckpt(tmp_path: Path, s3: Any) -> None:
             timeout=120,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    launch = run_mpi if HAVE_MPIEXEC else run_ranks
+    launch = run_mpi_ranks if HAVE_MPIEXEC else run_ranks
     loaded = launch(3, script, "load", str(tmp_path), s3.url, env=env, timeout=180)
     assert_all_ok(loaded, 3)
 

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_single, run_ranks
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_ranks, run_single
 
 pytest.importorskip("accelerate")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.launch_util import SCRIPTS, assert_all_ok, run_single, run_ranks
+from tests.support.launch_util import SCRIPTS, assert_all_ok, run_ranks, run_single
 
 pytest.importorskip("transformers")
 

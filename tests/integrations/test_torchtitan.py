@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi, run_ranks
+from tests.support.launch_util import HAVE_MPIEXEC, SCRIPTS, assert_all_ok, run_mpi_ranks, run_ranks
 
 pytest.importorskip("torchtitan")
 
@@ -41,7 +41,7 @@ def test_torchtitan_saves_and_resumes_through_distckpt(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     # A step that never committed is not resumed from.
     (tmp_path / "ckpt" / "step-9").mkdir()
-    launch = run_mpi if HAVE_MPIEXEC else run_ranks
+    launch = run_mpi_ranks if HAVE_MPIEXEC else run_ranks
     assert_all_ok(launch(3, script, "load", str(tmp_path), env=env, timeout=150), 3)
 
 

@@ -41,7 +41,7 @@ from tests.support.launch_util import (
     assert_all_ok,
     cases,
     needs_mpi,
-    run_mpi,
+    run_mpi_ranks,
     run_ranks,
 )
 from tests.support.s3_server import use
@@ -115,7 +115,7 @@ def test_save_3_restore_2(azure_server: Any) -> None:
     """Saved by 3 torchrun ranks on Azure, restored resharded by 2 mpiexec ranks."""
     url = "az://distckpt/test_cloud-resharding"
     assert_all_ok(run_ranks(3, SCRIPT, "save", url, timeout=120, env=job_env(azure_server)), 3)
-    proc = run_mpi(2, SCRIPT, "restore", url, "3", timeout=120, env=job_env(azure_server))
+    proc = run_mpi_ranks(2, SCRIPT, "restore", url, "3", timeout=120, env=job_env(azure_server))
     assert_all_ok(proc, 2)
     assert set(cases(proc)) == {"catalog", "resharded", "whole"}
 

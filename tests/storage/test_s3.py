@@ -43,8 +43,8 @@ from tests.support.launch_util import (
     load_script,
     needs_mpi,
     output,
-    run_mpi,
-    run_torchrun,
+    run_mpi_ranks,
+    run_ranks,
 )
 from tests.support.make_golden import assert_same_bits
 from tests.support.s3_server import S3Server, use
@@ -81,7 +81,7 @@ def uploads(server: S3Server, url: str) -> list[str]:
 def saved_on_4(s3_server: S3Server) -> str:
     """``<url>/n4``: saved on 4 ranks under mpiexec; returns ``<url>``."""
     url = f"s3://{BUCKET}/test_s3-resharding"
-    proc = run_mpi(4, SCRIPT, "save", url, timeout=120, env=job_env(s3_server))
+    proc = run_mpi_ranks(4, SCRIPT, "save", url, timeout=120, env=job_env(s3_server))
     assert_all_ok(proc, 4)
     return url
 
@@ -95,7 +95,7 @@ def in_env(s3_server: S3Server) -> Iterator[S3Server]:
 @needs_mpi
 @pytest.mark.timeout(260)
 @pytest.mark.parametrize(
-    ("run", "world"), [(run_torchrun, 3), (run_mpi, 2)], ids=["torchrun3", "mpiexec2"]
+    ("run", "world"), [(run_ranks, 3), (run_mpi_ranks, 2)], ids=["ranks3", "mpiexec2"]
 )
 def test_save_4_restore_resharded(
     saved_on_4: str, s3_server: S3Server, run: Any, world: int
@@ -208,7 +208,7 @@ def test_rank_killed_mid_upload(s3: S3Server, tmp_path: Path) -> None:
     world = 3
     url = s3.url
     start_time = time.monotonic()
-    proc = run_mpi(
+    proc = run_mpi_ranks(
         world,
         SCRIPT,
         "kill",

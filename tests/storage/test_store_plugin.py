@@ -40,7 +40,7 @@ from tests.support.launch_util import (
     SCRIPTS,
     assert_all_ok,
     output,
-    run_mpi,
+    run_mpi_ranks,
     run_ranks,
 )
 
@@ -239,6 +239,6 @@ def test_ranks_save_load_and_keep_checkpoints_through_the_plugin(
         "model.safetensors.index.json",
     ]
     assert (run / "ckpt-2" / "zarr.json").is_file() and (run / "plain" / "zarr.json").is_file()
-    launch = run_mpi if HAVE_MPIEXEC else run_ranks
+    launch = run_mpi_ranks if HAVE_MPIEXEC else run_ranks
     loaded = launch(3, JOB, "load", str(run), env=env, timeout=120)
     assert_all_ok(loaded, 3)

@@ -47,6 +47,8 @@ TESTS = REPO_ROOT / "tests"
 SCRIPTS = TESTS / "scripts"
 #: On every job's ``PYTHONPATH``: its ``sitecustomize`` makes stdout line buffered.
 WHOLE_LINES = TESTS / "support" / "whole_lines"
+#: What mpiexec starts for each rank of :func:`run_mpi_ranks`.
+WARM_PROXY = TESTS / "support" / "warm_proxy.py"
 
 
 def _find_mpiexec() -> str | None:
@@ -222,6 +224,26 @@ def run_mpi(
         pytest.skip("mpiexec not found")
     cmd = mpiexec_command(nprocs, script, *args)
     return _run(cmd, timeout, {**MPI_LOCAL_ENV, **(env or {})})
+
+
+def run_mpi_ranks(
+    nprocs: int,
+    script: str | Path,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``mpiexec -n nprocs`` with each rank forked from a warm interpreter that has
+    torch loaded (mpiexec starts ``tests/support/warm_proxy.py``, which hands the rank's
+    MPI connection and pipes to the fork): a job whose subject is distckpt, not the
+    launcher. Returns as :func:`run_mpi` does."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    from tests.support.warm_ranks import server_socket
+
+    cmd = mpiexec_command(nprocs, WARM_PROXY, str(script), *args)
+    extra = {**MPI_LOCAL_ENV, "DISTCKPT_TEST_WARM_SOCKET": server_socket(), **(env or {})}
+    return _run(cmd, timeout, extra)
 
 
 def run_torchrun(

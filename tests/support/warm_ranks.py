@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
 import select
@@ -89,22 +91,46 @@ def _exit_status(error: SystemExit) -> int:
     return 1
 
 
-def _run_rank(request: dict[str, Any], env: dict[str, str], closing: list[Any]) -> None:
-    """In a forked child: become the rank and run the script; never returns."""
-    status = 1
+def _install(fds: dict[int, int], closing: list[Any]) -> None:
+    """Close ``closing`` and put each fd of ``fds`` at its number (the values are the
+    numbers it must have), whatever numbers they have now."""
+    high = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd, target in fds.items()}
+    for fd in fds:
+        os.close(fd)
+    for thing in closing:
+        thing.close()
+    for target, fd in high.items():
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+class RankExit(BaseException):
+    """Raised in a forked rank once its script has run, to leave the server's frames and
+    end at the top (:func:`_end_rank`)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _run_rank(
+    request: dict[str, Any], env: dict[str, str], closing: list[Any], fds: dict[int, int]
+) -> int:
+    """In a forked child: become the rank and run the script; its exit status. ``fds``:
+    the descriptors to install (by the numbers they get), else stdout and stderr go to
+    the request's files."""
     try:
         os.setsid()
-        for thing in closing:
-            thing.close()
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        null = os.open(os.devnull, os.O_RDONLY)
-        out = os.open(request["out"], os.O_WRONLY | os.O_APPEND)
-        err = os.open(request["err"], os.O_WRONLY | os.O_APPEND)
-        for fd, target in ((null, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        if not fds:
+            fds = {
+                os.open(os.devnull, os.O_RDONLY): 0,
+                os.open(request["out"], os.O_WRONLY | os.O_APPEND): 1,
+                os.open(request["err"], os.O_WRONLY | os.O_APPEND): 2,
+            }
+        _install(fds, closing)
         sys.stdout.reconfigure(line_buffering=True, write_through=False)
         os.environ.clear()
         os.environ.update(env)
@@ -115,110 +141,156 @@ def _run_rank(request: dict[str, Any], env: dict[str, str], closing: list[Any]) 
         sys.argv = [script, *request["args"]]
         import runpy
 
-        try:
-            runpy.run_path(script, run_name="__main__")
-            status = 0
-        except SystemExit as error:
-            status = _exit_status(error)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        shutdown = getattr(threading, "_shutdown", None)
-        if shutdown is not None:
-            shutdown()  # as an interpreter does at exit: join the non-daemon threads
-        atexit._run_exitfuncs()
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as error:
+        return _exit_status(error)
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):
-                stream.flush()
-        os._exit(status)
+        return 1
 
 
-def _launch(conn: socket.socket, request: dict[str, Any], closing: list[Any]) -> None:
-    """In a forked child: the job's launcher. Hosts its store, forks its ranks, waits for
-    them (as torchrun does on a failure: SIGTERM to the others, SIGKILL after
-    :data:`GRACE`) and sends their exit statuses; never returns."""
+def _torchrun_env(request: dict[str, Any], port: int) -> dict[str, str]:
+    """What torchrun adds to a worker's environment, but for the rank's own numbers."""
+    nprocs = str(request["nprocs"])
+    env = dict(request["env"])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=nprocs,
+        LOCAL_WORLD_SIZE=nprocs,
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_NAME="default",
+        ROLE_WORLD_SIZE=nprocs,
+        TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    return env
+
+
+def _signal_all(ranks: dict[int, int], codes: dict[int, int], sig: int) -> None:
+    for pid, rank in ranks.items():
+        if rank not in codes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def _wait(conn: socket.socket, ranks: dict[int, int]) -> list[int]:
+    """Wait for the ranks (pid: rank) and return their exit statuses by rank. As torchrun
+    does, the first failure sends SIGTERM to the others, and SIGKILL after :data:`GRACE`.
+    A message on ``conn`` (``{"signal": n}``) is passed to the ranks; ``conn`` closed (the
+    one who asked is gone) kills them."""
+    codes: dict[int, int] = {}
+    pidfds = {os.pidfd_open(pid): pid for pid in ranks}
+    deadline: float | None = None
+    while len(codes) < len(ranks):
+        wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+        readable, _, _ = select.select([conn, *pidfds], [], [], wait)
+        if deadline is not None and time.monotonic() >= deadline:
+            _signal_all(ranks, codes, signal.SIGKILL)
+            deadline = None
+        if conn in readable:
+            message = conn.recv(4096)
+            if not message:
+                _signal_all(ranks, codes, signal.SIGKILL)
+            for line in message.splitlines():
+                _signal_all(ranks, codes, int(json.loads(line)["signal"]))
+        for fd in [fd for fd in readable if fd in pidfds]:
+            pid = pidfds.pop(fd)
+            os.close(fd)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            codes[ranks[pid]] = code
+            if code != 0 and deadline is None and len(codes) < len(ranks):
+                deadline = time.monotonic() + GRACE
+                _signal_all(ranks, codes, signal.SIGTERM)
+    return [codes[rank] for rank in range(len(ranks))]
+
+
+def _launch(
+    conn: socket.socket, request: dict[str, Any], fds: dict[int, int], closing: list[Any]
+) -> None:
+    """In a forked child: the job's launcher, in a session of its own. Forks the ranks,
+    sends ``{"pid": launcher}``, waits for them (:func:`_wait`), sends ``{"codes":
+    [...]}`` and ends; a rank leaves by :class:`RankExit`. For a ``torchrun`` job it hosts
+    the TCPStore its ranks find at ``MASTER_ADDR:MASTER_PORT``, as torchrun's agent does."""
     try:
         os.setsid()
-        import torch.distributed as dist
-
-        nprocs = int(request["nprocs"])
-        listener = socket.create_server(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
+        mode = request["mode"]
+        nprocs = int(request["nprocs"]) if mode == "torchrun" else 1
+        listener = socket.create_server(("127.0.0.1", 0)) if mode == "torchrun" else None
         base = dict(request["env"])
-        base.setdefault("OMP_NUM_THREADS", "1")
-        base.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE=str(nprocs),
-            LOCAL_WORLD_SIZE=str(nprocs),
-            GROUP_RANK="0",
-            GROUP_WORLD_SIZE="1",
-            ROLE_NAME="default",
-            ROLE_WORLD_SIZE=str(nprocs),
-            TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
-            TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_MAX_RESTARTS="0",
-            TORCHELASTIC_USE_AGENT_STORE="True",
-        )
+        if listener is not None:
+            base = _torchrun_env(request, listener.getsockname()[1])
         sys.stdout.flush()
         sys.stderr.flush()
         ranks: dict[int, int] = {}
         for rank in range(nprocs):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            env = base
+            if mode == "torchrun":
+                env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
             pid = os.fork()
             if pid == 0:
-                _run_rank(request, env, [*closing, conn, listener])
+                raise RankExit(
+                    _run_rank(request, env, [*closing, conn, *filter(None, [listener])], fds)
+                )
             ranks[pid] = rank
-        store = dist.TCPStore(  # noqa: F841 (serves the ranks while this process lives)
-            "127.0.0.1",
-            port,
-            nprocs,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
+        for fd in fds:
+            os.close(fd)
+        if listener is not None:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(  # noqa: F841 (serves the ranks while this process lives)
+                "127.0.0.1",
+                listener.getsockname()[1],
+                nprocs,
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-        codes: dict[int, int] = {}
-        deadline: float | None = None
-        while len(codes) < nprocs:
-            if deadline is not None and time.monotonic() > deadline:
-                for pid in ranks:
-                    if ranks[pid] not in codes:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                deadline = None
-            pid, status = os.waitpid(-1, os.WNOHANG if deadline is not None else 0)
-            if pid == 0:
-                time.sleep(0.05)
-                continue
-            if pid not in ranks:
-                continue
-            code = os.waitstatus_to_exitcode(status)
-            codes[ranks[pid]] = code
-            if code != 0 and deadline is None and len(codes) < nprocs:
-                deadline = time.monotonic() + GRACE
-                for other, rank in ranks.items():
-                    if rank not in codes:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(other, signal.SIGTERM)
-        conn.sendall(json.dumps({"codes": [codes[r] for r in range(nprocs)]}).encode() + b"\n")
+        codes = _wait(conn, ranks)
+        with contextlib.suppress(OSError):  # gone: the ranks were killed, no one to tell
+            conn.sendall(json.dumps({"codes": codes}).encode() + b"\n")
+    except RankExit:
+        raise
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
-    finally:
-        os._exit(0)
+    os._exit(0)
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One request: a JSON line, and the descriptors sent with it."""
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 16)
+        if not chunk:
+            raise EOFError("the request ended early")
+        data += chunk
+        fds += more
+    return json.loads(data), fds
 
 
 def serve(path: str) -> None:
     """The server: preload, then fork a launcher for each request on the socket at
-    ``path``; ends when its stdin closes (the pytest process that started it is gone)."""
+    ``path``; ends when its stdin closes (the pytest process that started it is gone).
+    A request (one JSON line) names its ``mode``:
+
+    * ``torchrun``: ``nprocs`` ranks with torchrun's environment, output to the files
+      ``out`` and ``err``;
+    * ``plain``: one process, the job's environment as it is, output to the files;
+    * ``proxy``: one process in place of the one that asks (``warm_proxy.py``, started by
+      mpiexec): with its environment, and its descriptors (``fds``: their numbers there,
+      sent along) at the same numbers.
+    """
     _preload()
-    alive = threading.active_count()
-    assert alive == 1, f"the server must fork from one thread, not {alive}"
+    threads = os.listdir("/proc/self/task")
+    assert len(threads) == 1, f"the server must fork from one thread, not {len(threads)}"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)
@@ -234,11 +306,17 @@ def serve(path: str) -> None:
         if server not in readable:
             continue
         conn, _ = server.accept()
-        with conn, conn.makefile("rb") as lines:
-            request = json.loads(lines.readline())
-            sys.stdout.flush()
+        with conn:
+            try:
+                request, received = _receive(conn)
+            except (OSError, EOFError, ValueError):
+                continue
+            numbers = request.get("fds", [])
+            fds = dict(zip(received, numbers, strict=True)) if numbers else {}
             if os.fork() == 0:
-                _launch(conn, request, [server, lines])
+                _launch(conn, request, fds, [server])
+            for fd in received:
+                os.close(fd)
 
 
 # ----------------------------------------------------------------------------- the client
@@ -300,24 +378,33 @@ def _kill_job(pid: int) -> None:
         time.sleep(0.05)
 
 
+def server_socket() -> str:
+    """The path of this process's warm server socket (started if it is not running)."""
+    return _the_server().path
+
+
 def run_ranks(
     nprocs: int,
     script: str | Path,
     *args: str,
     timeout: float = 120,
     env: Mapping[str, str] | None = None,
+    plain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script args`` on ``nprocs`` ranks forked from the warm server, with
-    torchrun's environment (see the module docstring); returns a ``CompletedProcess``
-    (exit status 0 if every rank's was 0, else 1) without looking at the status."""
+    torchrun's environment (see the module docstring), or (``plain``) as one process
+    with the job's environment alone; returns a ``CompletedProcess`` (exit status 0 if
+    every rank's was 0, else 1) without looking at the status."""
     from tests.support.launch_util import REPO_ROOT, job_env
 
+    assert not plain or nprocs == 1, "a plain job is one process"
     cmd = ["warm-ranks", "--nproc-per-node", str(nprocs), str(script), *map(str, args)]
     with tempfile.TemporaryDirectory(prefix="warm-job-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         out.touch()
         err.touch()
         request = {
+            "mode": "plain" if plain else "torchrun",
             "script": str(script),
             "args": [str(a) for a in args],
             "nprocs": nprocs,
@@ -342,7 +429,7 @@ def run_ranks(
                             raise AssertionError(f"{' '.join(cmd)}: the launcher ended early")
                         answer = json.loads(line)
                         launcher = answer.get("pid", launcher)
-                except (TimeoutError, socket.timeout):
+                except TimeoutError:
                     if launcher is not None:
                         _kill_job(launcher)
                     raise AssertionError(
@@ -361,5 +448,31 @@ def run_ranks(
         return subprocess.CompletedProcess(cmd, 1 if failed else 0, out.read_text(), stderr)
 
 
+def _end_rank(status: int) -> None:
+    """End a rank as an interpreter ends, but for the teardown of its modules (two thirds
+    of a second with torch loaded): join the non-daemon threads, run the ``atexit``
+    handlers, finalize MPI if the script used it (mpi4py does that at exit), then the C
+    library's ``exit`` (its own handlers: MPICH's tells the launcher this rank is done)."""
+    try:
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+        status = status or 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    ctypes.PyDLL(None).exit(status)  # holds the GIL: a C handler may call into Python
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    try:
+        serve(sys.argv[1])
+    except RankExit as done:
+        _end_rank(done.status)

@@ -45,7 +45,7 @@ from tests.support.launch_util import (
     load_script,
     needs_mpi,
     output,
-    run_mpi,
+    run_mpi_ranks,
     run_ranks,
     start,
 )
@@ -497,7 +497,7 @@ def test_retention_across_ranks(backend: Backend) -> None:
     holder = CheckpointManager(Checkpoint(x=torch.zeros(2)), locked, comm=COMM)
     try:
         env = {**backend.env, "DISTCKPT_TIMEOUT": "30"}  # a dead rank fails, never hangs
-        proc = run_mpi(2, S3_RANKS, "manager", run, locked, timeout=90, env=env)
+        proc = run_mpi_ranks(2, S3_RANKS, "manager", run, locked, timeout=90, env=env)
     finally:
         holder.close()
     assert_all_ok(proc, 2)

@@ -29,9 +29,9 @@ from tests.support.launch_util import (
     SCRIPTS,
     check,
     output,
-    run_mpi,
-    run_single,
+    run_mpi_ranks,
     run_ranks,
+    run_single,
 )
 
 SCRIPT = REPO_ROOT / "examples" / "train_sharded.py"
@@ -44,7 +44,7 @@ def _launch(launcher: str, n: int, *args: str):
         assert n == 1
         return run_single(SCRIPT, *args, timeout=TIMEOUT)
     if launcher == "mpiexec":
-        return run_mpi(n, SCRIPT, *args, timeout=TIMEOUT)
+        return run_mpi_ranks(n, SCRIPT, *args, timeout=TIMEOUT)
     return run_ranks(n, SCRIPT, *args, timeout=TIMEOUT)
 
 
@@ -112,7 +112,7 @@ def test_restore_on_another_world_size_is_bit_identical(
 def test_gradients_are_the_global_batch_mean_on_3_ranks() -> None:
     script = SCRIPTS / "train_sharded_check.py"
     if HAVE_MPIEXEC:
-        proc = run_mpi(3, script, timeout=TIMEOUT)
+        proc = run_mpi_ranks(3, script, timeout=TIMEOUT)
     else:
         proc = run_ranks(3, script, timeout=TIMEOUT)
     check(proc)

@@ -42,7 +42,7 @@ from distckpt.training import (
     latest_checkpoint,
 )
 from distckpt.training.lock import LOCK_FILE
-from tests.support.launch_util import REPO_ROOT, SCRIPTS, check, output, run_single, run_ranks
+from tests.support.launch_util import REPO_ROOT, SCRIPTS, check, output, run_ranks, run_single
 
 pytestmark = pytest.mark.timeout(120)
 COMM = SingleComm()
