@@ -35,7 +35,41 @@ def launch(block: dict, script: str) -> list[str]:
     return [sys.executable, str(path)]
 
 
+def run_warm(block: dict, argv: list[str]) -> bool:
+    """Under the test suite (``$TESTS_WARM_RANKS_SOCKET`` set), run a block's ranks, or
+    its one process, forked from the suite's warm interpreter, as its other jobs are
+    (``tests/support/warm_ranks.py``: a torchrun rank gets torchrun's environment, an
+    mpiexec rank is mpiexec's); False when the block is not run here."""
+    if not os.environ.get("TESTS_WARM_RANKS_SOCKET") or block["kind"] == "bash":
+        return False
+    from tests.support.launch_util import WARM_PROXY
+    from tests.support.warm_ranks import run_ranks
+
+    script = argv[-1]
+    if block["kind"] == "mpiexec":
+        argv[-1:] = [str(WARM_PROXY), script]
+        return False
+    nprocs = int(block["arg"]) if block["kind"] == "torchrun" else 1
+    print(f"--- {block['where']}: {' '.join(argv)} (forked warm)", flush=True)
+    plain = block["kind"] != "torchrun"
+    environ = dict(os.environ)
+    try:
+        done = run_ranks(
+            nprocs, script, timeout=TIMEOUT, plain=plain, cwd=os.getcwd(), environ=environ
+        )
+    except AssertionError as late:
+        raise SystemExit(f"{block['where']}: {late}") from None
+    sys.stdout.write(done.stdout)
+    sys.stdout.write(done.stderr)
+    sys.stdout.flush()
+    if done.returncode:
+        raise SystemExit(f"{block['where']}: exited with status {done.returncode}")
+    return True
+
+
 def run_process(block: dict, argv: list[str]) -> None:
+    if run_warm(block, argv):
+        return
     print(f"--- {block['where']}: {' '.join(argv)}", flush=True)
     try:
         done = subprocess.run(argv, timeout=TIMEOUT, stdin=subprocess.DEVNULL)

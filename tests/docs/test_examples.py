@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from tests.docs.blocks import ROOT, Block, pages, read
 from tests.support.launch_util import whole_lines_path
+from tests.support.warm_ranks import SOCKET_VARIABLE, run_ranks, server_socket
 
 #: A whole page's blocks get this long (multi-rank ones start their own processes).
 PAGE_TIMEOUT = 900
@@ -70,17 +70,14 @@ def test_page_runs(path: Path, tmp_path: Path) -> None:
     (tmp_path / "home").mkdir()
     for name in [n for n in env if n.startswith("DISTCKPT_")]:
         del env[name]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "docs" / "run_page.py"), str(listing)],
-        cwd=work,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=PAGE_TIMEOUT,
+    # The page runs in a process forked from the suite's warm interpreter, as do the
+    # ranks and the scripts of its blocks (tests/docs/run_page.py).
+    env[SOCKET_VARIABLE] = server_socket()
+    runner = ROOT / "tests" / "docs" / "run_page.py"
+    done = run_ranks(
+        1, runner, str(listing), timeout=PAGE_TIMEOUT, plain=True, cwd=work, environ=env
     )
-    assert done.returncode == 0, done.stdout[-8000:]
+    assert done.returncode == 0, (done.stdout + done.stderr)[-8000:]
 
 
 def all_blocks() -> list[Block]:

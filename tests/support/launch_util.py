@@ -239,10 +239,10 @@ def run_mpi_ranks(
     launcher. Returns as :func:`run_mpi` does."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    from tests.support.warm_ranks import server_socket
+    from tests.support.warm_ranks import SOCKET_VARIABLE, server_socket
 
     cmd = mpiexec_command(nprocs, WARM_PROXY, str(script), *args)
-    extra = {**MPI_LOCAL_ENV, "DISTCKPT_TEST_WARM_SOCKET": server_socket(), **(env or {})}
+    extra = {**MPI_LOCAL_ENV, SOCKET_VARIABLE: server_socket(), **(env or {})}
     return _run(cmd, timeout, extra)
 
 

@@ -3,7 +3,7 @@
 Started by mpiexec as the rank's process, it imports nothing heavy: it hands its
 environment (``PMI_RANK``, ``PMI_SIZE``, ...) and its descriptors (stdin, stdout,
 stderr, and ``PMI_FD``, its connection to the MPI launcher) to the warm server of the
-test session (``$DISTCKPT_TEST_WARM_SOCKET``, see ``tests/support/warm_ranks.py``),
+test session (``$TESTS_WARM_RANKS_SOCKET``, see ``tests/support/warm_ranks.py``),
 which forks the real rank with them: that process initializes MPI over the same
 connection, as the rank would have, and prints into the same pipes. The proxy passes on
 the signals the launcher sends (SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP) and ends as
@@ -33,7 +33,7 @@ def main() -> None:
         "fds": fds,
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(os.environ["DISTCKPT_TEST_WARM_SOCKET"])
+    conn.connect(os.environ["TESTS_WARM_RANKS_SOCKET"])
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
 
     def forward(signum: int, frame: object) -> None:

@@ -156,6 +156,7 @@ def _torchrun_env(request: dict[str, Any], port: int) -> dict[str, str]:
     nprocs = str(request["nprocs"])
     env = dict(request["env"])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -378,9 +379,15 @@ def _kill_job(pid: int) -> None:
         time.sleep(0.05)
 
 
+#: Names the socket of a warm server to the processes a test starts (the documentation
+#: pages' runner, mpiexec's proxies), which then ask that server for their own jobs.
+SOCKET_VARIABLE = "TESTS_WARM_RANKS_SOCKET"
+
+
 def server_socket() -> str:
-    """The path of this process's warm server socket (started if it is not running)."""
-    return _the_server().path
+    """The socket of the warm server: the one ``$TESTS_WARM_RANKS_SOCKET`` names, else
+    this process's own (started if it is not running)."""
+    return os.environ.get(SOCKET_VARIABLE) or _the_server().path
 
 
 def run_ranks(
@@ -390,11 +397,15 @@ def run_ranks(
     timeout: float = 120,
     env: Mapping[str, str] | None = None,
     plain: bool = False,
+    cwd: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script args`` on ``nprocs`` ranks forked from the warm server, with
     torchrun's environment (see the module docstring), or (``plain``) as one process
     with the job's environment alone; returns a ``CompletedProcess`` (exit status 0 if
-    every rank's was 0, else 1) without looking at the status."""
+    every rank's was 0, else 1) without looking at the status. The job's environment is
+    :func:`~tests.support.launch_util.job_env` ``(env)``, or ``environ`` as it is; it
+    runs in ``cwd`` (the repository root if None)."""
     from tests.support.launch_util import REPO_ROOT, job_env
 
     assert not plain or nprocs == 1, "a plain job is one process"
@@ -408,17 +419,16 @@ def run_ranks(
             "script": str(script),
             "args": [str(a) for a in args],
             "nprocs": nprocs,
-            "env": job_env(env),
-            "cwd": str(REPO_ROOT),
+            "env": dict(environ) if environ is not None else job_env(env),
+            "cwd": str(cwd or REPO_ROOT),
             "out": str(out),
             "err": str(err),
         }
-        server = _the_server()
         deadline = time.monotonic() + timeout
         launcher: int | None = None
         answer: dict[str, Any] = {}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(server.path)
+            conn.connect(server_socket())
             conn.sendall(json.dumps(request).encode() + b"\n")
             with conn.makefile("rb") as lines:
                 try:
@@ -451,14 +461,15 @@ def run_ranks(
 def _end_rank(status: int) -> None:
     """End a rank as an interpreter ends, but for the teardown of its modules (two thirds
     of a second with torch loaded): join the non-daemon threads, run the ``atexit``
-    handlers, finalize MPI if the script used it (mpi4py does that at exit), then the C
-    library's ``exit`` (its own handlers: MPICH's tells the launcher this rank is done)."""
+    handlers, finalize MPI if the script used it (mpi4py does that at exit), then, if it
+    did, the C library's ``exit`` (its own handlers: MPICH's tells the launcher this rank
+    is done)."""
+    mpi = sys.modules.get("mpi4py.MPI")
     try:
         shutdown = getattr(threading, "_shutdown", None)
         if shutdown is not None:
             shutdown()
         atexit._run_exitfuncs()
-        mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()
     except BaseException:
@@ -468,6 +479,8 @@ def _end_rank(status: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):
             stream.flush()
+    if mpi is None:
+        os._exit(status)  # torch's static destructors cost a fifth of a second, for nothing
     ctypes.PyDLL(None).exit(status)  # holds the GIL: a C handler may call into Python
 
 
