@@ -564,6 +564,9 @@ def _selections(dirs: list[list[Op]], data: list[Op]) -> Iterator[tuple[list[int
 def crash_states(recorder: Recorder) -> Iterator[CrashState]:
     """Every crash state of the recording (distinct trees, in the order first found)."""
     seen: set[tuple[str, int]] = set()
+    # The operations a state applies decide its tree: a set of them met before (at a
+    # shorter prefix, or by another selection) is not built again.
+    built: set[tuple[frozenset[int], int]] = set()
     ops = recorder.ops
     for k in range(len(ops) + 1):
         prefix = ops[:k]
@@ -574,6 +577,10 @@ def crash_states(recorder: Recorder) -> Iterator[CrashState]:
             for ops_d, c in zip(dirs, cuts, strict=True):
                 chosen.update(map(id, ops_d[:c]))
             chosen.update(id(data[w]) for w in kept)
+            key = (frozenset(chosen), len(marks))
+            if key in built:
+                continue
+            built.add(key)
             tree = recorder.initial.copy()
             for op in prefix:  # in program order
                 if id(op) in chosen:
