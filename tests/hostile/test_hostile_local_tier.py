@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 
 import distckpt
 from tests.support.hostile_util import local_manager
-from tests.support.launch_util import job_env
+from tests.support.warm_ranks import run_ranks
 
 BOUND = 60  # seconds for a restore in a process of its own
 STEPS = (1, 2)  # step 1 persistent, step 2 in the local tier only
@@ -114,19 +113,11 @@ def exact(outcome: dict[str, Any], step: int) -> bool:
 
 
 def in_own_process(root: Path, change: str, strided: bool) -> dict[str, Any]:
-    """:func:`restore_racing` in a process of its own, which must end normally."""
-    run = subprocess.run(
-        [sys.executable, __file__, str(root), change, "strided" if strided else "contiguous"],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=BOUND,
-    )
-    assert run.returncode == 0, (
-        f"the restore ended with {run.returncode}"
-        + (f" (killed by signal {-run.returncode})" if run.returncode < 0 else "")
-        + f":\n{run.stderr[-3000:]}"
-    )
+    """:func:`restore_racing` in a process of its own (forked warm), which must end
+    normally: a signal would show as ``rank 0 exited with -N``."""
+    layout = "strided" if strided else "contiguous"
+    run = run_ranks(1, __file__, str(root), change, layout, timeout=BOUND, plain=True)
+    assert run.returncode == 0, f"the restore did not end normally:\n{run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 

@@ -32,12 +32,14 @@ from tests.support.launch_util import (
     MPIEXEC,
     REPO_ROOT,
     SCRIPTS,
+    WARM_PROXY,
     assert_all_ok,
     finish,
     needs_mpi,
     output,
     start,
 )
+from tests.support.warm_ranks import SOCKET_VARIABLE, server_socket
 
 SCRIPT = SCRIPTS / "local_tier.py"
 TIMEOUT = 120  # seconds per job
@@ -311,7 +313,8 @@ def _restored(proc: Any) -> dict[str, Any]:
 
 
 def _mpi_nodes(root: Path, nodes: list[str], *extra: str) -> Any:
-    """mpiexec with 2 ranks per node, each node's ranks given their DISTCKPT_NODE."""
+    """mpiexec with 2 ranks per node, each node's ranks given their DISTCKPT_NODE; each
+    rank forked warm through its proxy (see ``launch_util.run_mpi_ranks``)."""
     assert MPIEXEC is not None
     cmd = [MPIEXEC]
     for i, node in enumerate(nodes):
@@ -324,10 +327,12 @@ def _mpi_nodes(root: Path, nodes: list[str], *extra: str) -> Any:
             NODE_ENV,
             node,
             sys.executable,
+            str(WARM_PROXY),
             str(SCRIPT),
             *_args(root, *extra),
         ]
-    return finish(start(cmd, {**MPI_LOCAL_ENV, **JOB_ENV}), TIMEOUT)
+    warm = {SOCKET_VARIABLE: server_socket()}
+    return finish(start(cmd, {**MPI_LOCAL_ENV, **JOB_ENV, **warm}), TIMEOUT)
 
 
 def _torchrun_nodes(root: Path, nodes: list[str], *extra: str) -> list[Any]:
