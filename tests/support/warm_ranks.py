@@ -15,18 +15,24 @@ real, separate processes talking gloo over loopback, exactly as under torchrun:
   process per job, in its own session, which waits for the ranks);
 * the script runs as ``__main__`` with its folder first on ``sys.path`` and its
   arguments in ``sys.argv``; the process ends as an interpreter does (non-daemon threads
-  joined, ``atexit`` handlers run, exit status from ``SystemExit`` or 1 for an
-  exception);
+  joined, ``atexit`` handlers run, MPI finalized if it was used, exit status from
+  ``SystemExit`` or 1 for an exception), but for the teardown of its modules;
 * as torchrun does, when a rank fails the launcher sends SIGTERM to the others, then
   SIGKILL after a grace period; the job's exit status is 0 if every rank's was, else 1;
 * stdout and stderr of all ranks are collected (line buffered, one write per line, as
   under ``tests/support/whole_lines``) and returned in a ``CompletedProcess``; on
   time-out the launcher and its ranks are killed and AssertionError carries the output.
 
-What this does not cover is torchrun itself: its agent, restarts and signal handling.
-The tests of those (``tests/training/test_elastic.py``, ``tests/cluster``, the kill
-cases of ``tests/engine/test_failures.py``, ``tests/comm/test_comm.py``) launch the real
-``torchrun`` with :func:`~tests.support.launch_util.run_torchrun`.
+A ``plain`` job is one process with the job's environment alone (a page of the docs,
+a script a test runs once). Under ``mpiexec`` the server forks each rank for the proxy
+mpiexec started in its place (``tests/support/warm_proxy.py``, which hands over its
+environment, pipes and MPI connection): ``launch_util.run_mpi_ranks``.
+
+What this does not cover is the launchers themselves: torchrun's agent, restarts and
+signal handling, hydra's clean-up. The tests of those (``tests/training/test_elastic.py``,
+``tests/cluster``, the kill cases of ``tests/engine/test_failures.py``,
+``tests/comm/test_comm.py``, the multi-node torchrun of ``tests/local``) launch the real
+``torchrun`` and ``mpiexec``; ``tests/comm/test_launchers.py`` holds this module to them.
 """
 
 from __future__ import annotations
