@@ -41,6 +41,10 @@ from typing import Any
 
 import pytest
 
+# Jobs whose ranks are forked from a warm interpreter with torchrun's environment
+# (tests/support/warm_ranks.py, which imports only the standard library at its top).
+from tests.support.warm_ranks import run_ranks as run_ranks
+
 #: The repository, tests/ and the rank scripts (tests/support/launch_util.py is here).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTS = REPO_ROOT / "tests"
@@ -256,21 +260,6 @@ def run_torchrun(
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node N script args``."""
     cmd = torchrun_command(nprocs, script, *args)
     return _run(cmd, timeout, env)
-
-
-def run_ranks(
-    nprocs: int,
-    script: str | Path,
-    *args: str,
-    timeout: float = 120,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """Run ``script args`` on ``nprocs`` ranks with torchrun's environment, forked from a
-    warm interpreter that has torch loaded (:mod:`tests.support.warm_ranks`): a job whose
-    subject is distckpt, not the launcher. Returns as :func:`run_torchrun` does."""
-    from tests.support.warm_ranks import run_ranks as run
-
-    return run(nprocs, script, *args, timeout=timeout, env=env)
 
 
 def run_single(

@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
+import io
 import json
 import os
 import select
@@ -55,7 +56,7 @@ import traceback
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 #: How long the launcher lets the other ranks end after SIGTERM (torchrun waits 30 s).
 GRACE = 30.0
@@ -137,7 +138,7 @@ def _run_rank(
                 os.open(request["err"], os.O_WRONLY | os.O_APPEND): 2,
             }
         _install(fds, closing)
-        sys.stdout.reconfigure(line_buffering=True, write_through=False)
+        cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True, write_through=False)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
@@ -197,7 +198,8 @@ def _wait(conn: socket.socket, ranks: dict[int, int]) -> list[int]:
     deadline: float | None = None
     while len(codes) < len(ranks):
         wait = None if deadline is None else max(deadline - time.monotonic(), 0)
-        readable, _, _ = select.select([conn, *pidfds], [], [], wait)
+        waiting: list[Any] = [conn, *pidfds]
+        readable, _, _ = select.select(waiting, [], [], wait)
         if deadline is not None and time.monotonic() >= deadline:
             _signal_all(ranks, codes, signal.SIGKILL)
             deadline = None
