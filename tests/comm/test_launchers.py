@@ -20,18 +20,17 @@ import pytest
 
 from tests.support.launch_util import (
     MPI_LOCAL_ENV,
+    MPIEXEC,
     SCRIPTS,
-    WARM_PROXY,
     finish,
-    mpiexec_command,
     needs_mpi,
     output,
     run_mpi_ranks,
     run_ranks,
     run_torchrun,
     start,
+    warm_mpi_rank,
 )
-from tests.support.warm_ranks import SOCKET_VARIABLE, server_socket
 
 SCRIPT = SCRIPTS / "launcher_probe.py"
 #: torchrun's variables that the warm ranks do not set: where torchrun's agent writes a
@@ -128,8 +127,9 @@ def test_mpi_ranks_through_the_proxy() -> None:
 @needs_mpi
 @pytest.mark.timeout(150)
 def test_a_signal_to_mpiexec_reaches_the_ranks() -> None:
-    cmd = mpiexec_command(2, WARM_PROXY, str(SCRIPT), "mpi-signal")
-    job = start(cmd, {**MPI_LOCAL_ENV, SOCKET_VARIABLE: server_socket()})
+    rank, warm = warm_mpi_rank(SCRIPT, "mpi-signal")
+    assert MPIEXEC is not None
+    job = start([MPIEXEC, "-n", "2", *rank], {**MPI_LOCAL_ENV, **warm})
     assert job.stdout is not None
     ready = 0
     while ready < 2:

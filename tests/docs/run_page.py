@@ -31,7 +31,12 @@ def launch(block: dict, script: str) -> list[str]:
         ]
     if block["kind"] == "mpiexec":
         mpiexec = Path(sys.executable).with_name("mpiexec")
-        return [str(mpiexec), "-n", block["arg"], sys.executable, str(path)]
+        rank = [sys.executable, str(path)]
+        if os.environ.get("TESTS_WARM_RANKS_SOCKET"):  # each rank forked warm (run_warm)
+            from tests.support.launch_util import WARM_PROXY
+
+            rank.insert(1, str(WARM_PROXY))
+        return [str(mpiexec), "-n", block["arg"], *rank]
     return [sys.executable, str(path)]
 
 
@@ -40,15 +45,11 @@ def run_warm(block: dict, argv: list[str]) -> bool:
     its one process, forked from the suite's warm interpreter, as its other jobs are
     (``tests/support/warm_ranks.py``: a torchrun rank gets torchrun's environment, an
     mpiexec rank is mpiexec's); False when the block is not run here."""
-    if not os.environ.get("TESTS_WARM_RANKS_SOCKET") or block["kind"] == "bash":
-        return False
-    from tests.support.launch_util import WARM_PROXY
+    if not os.environ.get("TESTS_WARM_RANKS_SOCKET") or block["kind"] in ("bash", "mpiexec"):
+        return False  # a bash block runs as written; mpiexec's ranks are proxied (launch)
     from tests.support.warm_ranks import run_ranks
 
     script = argv[-1]
-    if block["kind"] == "mpiexec":
-        argv[-1:] = [str(WARM_PROXY), script]
-        return False
     nprocs = int(block["arg"]) if block["kind"] == "torchrun" else 1
     print(f"--- {block['where']}: {' '.join(argv)} (forked warm)", flush=True)
     plain = block["kind"] != "torchrun"

@@ -32,14 +32,13 @@ from tests.support.launch_util import (
     MPIEXEC,
     REPO_ROOT,
     SCRIPTS,
-    WARM_PROXY,
     assert_all_ok,
     finish,
     needs_mpi,
     output,
     start,
+    warm_mpi_rank,
 )
-from tests.support.warm_ranks import SOCKET_VARIABLE, server_socket
 
 SCRIPT = SCRIPTS / "local_tier.py"
 TIMEOUT = 120  # seconds per job
@@ -316,6 +315,7 @@ def _mpi_nodes(root: Path, nodes: list[str], *extra: str) -> Any:
     """mpiexec with 2 ranks per node, each node's ranks given their DISTCKPT_NODE; each
     rank forked warm through its proxy (see ``launch_util.run_mpi_ranks``)."""
     assert MPIEXEC is not None
+    rank, warm = warm_mpi_rank(SCRIPT, *_args(root, *extra))
     cmd = [MPIEXEC]
     for i, node in enumerate(nodes):
         if i:
@@ -326,12 +326,8 @@ def _mpi_nodes(root: Path, nodes: list[str], *extra: str) -> Any:
             "-env",
             NODE_ENV,
             node,
-            sys.executable,
-            str(WARM_PROXY),
-            str(SCRIPT),
-            *_args(root, *extra),
+            *rank,
         ]
-    warm = {SOCKET_VARIABLE: server_socket()}
     return finish(start(cmd, {**MPI_LOCAL_ENV, **JOB_ENV, **warm}), TIMEOUT)
 
 

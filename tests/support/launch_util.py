@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -139,18 +139,24 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL ``proc`` and everything it started, collecting the tree before killing."""
+def kill_pid_tree(pid: int, ended: Callable[[], bool] = lambda: True) -> None:
+    """SIGKILL ``pid`` and everything it started, collecting the tree before killing;
+    ``ended`` says (and reaps) whether ``pid`` itself is gone, where it is our child."""
     for _ in range(3):  # again, in case something forked while we looked
-        victims = [proc.pid, *_descendants(proc.pid)]
-        for pid in victims:
+        victims = [pid, *_descendants(pid)]
+        for victim in victims:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is not None and not _descendants(proc.pid):
+                os.kill(victim, signal.SIGKILL)
+        if ended() and not _descendants(pid):
             break
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc`` and everything it started (:func:`kill_pid_tree`)."""
+    kill_pid_tree(proc.pid, lambda: proc.poll() is not None)
 
 
 def start(cmd: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
@@ -230,6 +236,16 @@ def run_mpi(
     return _run(cmd, timeout, {**MPI_LOCAL_ENV, **(env or {})})
 
 
+def warm_mpi_rank(script: str | Path, *args: str) -> tuple[list[str], dict[str, str]]:
+    """What mpiexec starts for a rank forked warm (``tests/support/warm_proxy.py``, which
+    hands the rank's MPI connection and pipes to a fork of the warm server), and the
+    variable that names the server, for the job's environment."""
+    from tests.support.warm_ranks import SOCKET_VARIABLE, server_socket
+
+    argv = [sys.executable, str(WARM_PROXY), str(script), *args]
+    return argv, {SOCKET_VARIABLE: server_socket()}
+
+
 def run_mpi_ranks(
     nprocs: int,
     script: str | Path,
@@ -237,17 +253,10 @@ def run_mpi_ranks(
     timeout: float = 120,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``mpiexec -n nprocs`` with each rank forked from a warm interpreter that has
-    torch loaded (mpiexec starts ``tests/support/warm_proxy.py``, which hands the rank's
-    MPI connection and pipes to the fork): a job whose subject is distckpt, not the
-    launcher. Returns as :func:`run_mpi` does."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    from tests.support.warm_ranks import SOCKET_VARIABLE, server_socket
-
-    cmd = mpiexec_command(nprocs, WARM_PROXY, str(script), *args)
-    extra = {**MPI_LOCAL_ENV, SOCKET_VARIABLE: server_socket(), **(env or {})}
-    return _run(cmd, timeout, extra)
+    """:func:`run_mpi` with each rank forked from a warm interpreter that has torch loaded
+    (:func:`warm_mpi_rank`): a job whose subject is distckpt, not the launcher."""
+    (_, proxy, *rest), warm = warm_mpi_rank(script, *args)
+    return run_mpi(nprocs, proxy, *rest, timeout=timeout, env={**warm, **(env or {})})
 
 
 def run_torchrun(

@@ -375,18 +375,6 @@ def _the_server() -> _Server:
     return _server
 
 
-def _kill_job(pid: int) -> None:
-    from tests.support.launch_util import _descendants
-
-    for _ in range(3):
-        for victim in [pid, *_descendants(pid)]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(victim, signal.SIGKILL)
-        if not _descendants(pid):
-            return
-        time.sleep(0.05)
-
-
 #: Names the socket of a warm server to the processes a test starts (the documentation
 #: pages' runner, mpiexec's proxies), which then ask that server for their own jobs.
 SOCKET_VARIABLE = "TESTS_WARM_RANKS_SOCKET"
@@ -415,6 +403,7 @@ def run_ranks(
     :func:`~tests.support.launch_util.job_env` ``(env)``, or ``environ`` as it is; it
     runs in ``cwd`` (the repository root if None)."""
     from tests.support.launch_util import REPO_ROOT, job_env
+    from tests.support.launch_util import kill_pid_tree as _kill_launcher
 
     assert not plain or nprocs == 1, "a plain job is one process"
     cmd = ["warm-ranks", "--nproc-per-node", str(nprocs), str(script), *map(str, args)]
@@ -449,14 +438,14 @@ def run_ranks(
                         launcher = answer.get("pid", launcher)
                 except TimeoutError:
                     if launcher is not None:
-                        _kill_job(launcher)
+                        _kill_launcher(launcher)
                     raise AssertionError(
                         f"{' '.join(cmd)} did not finish within {timeout} s (killed)\n"
                         f"--- stdout ---\n{out.read_text()}\n--- stderr ---\n{err.read_text()}"
                     ) from None
                 except BaseException:
                     if launcher is not None:
-                        _kill_job(launcher)
+                        _kill_launcher(launcher)
                     raise
         codes = answer["codes"]
         stderr = err.read_text()
